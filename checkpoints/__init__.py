@@ -1,0 +1,5 @@
+"""Checkpoint I/O: Hugging Face safetensors checkpoints (single file or sharded) -> qwen_mtp weight pytrees."""
+
+from .hf_safetensors import load_weights
+
+__all__ = ["load_weights"]

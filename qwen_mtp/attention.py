@@ -1,0 +1,69 @@
+"""Gated full attention (trunk full-attention layers and the MTP head share these functions).
+
+q_proj emits, per head, `head_dim` query values followed by `head_dim` output-gate values (split per head,
+not first half / second half of the row). q and k get (1+w) RMSNorms over head_dim, then partial RoPE. The
+output is o_proj(attn * sigmoid(gate)).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .config import ModelConfig
+from .ops import linear, precision_for, rmsnorm_1pw
+from .rope import apply_rope, rope_cos_sin
+from .state import KVCache
+from .weights import AttnWeights
+
+
+def project_qkv(x, w: AttnWeights, cfg: ModelConfig, positions):
+    """x [B, T, H], positions [B, T] -> q [B,T,nh,hd], k, v [B,T,nkv,hd] (RoPE applied), gate [B,T,nh*hd]."""
+    B, T, _ = x.shape
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qg = linear(x, w.q_proj).reshape(B, T, nh, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:].reshape(B, T, nh * hd)
+    q = rmsnorm_1pw(q, w.q_norm, cfg.rms_norm_eps)
+    k = rmsnorm_1pw(linear(x, w.k_proj).reshape(B, T, nkv, hd), w.k_norm, cfg.rms_norm_eps)
+    v = linear(x, w.v_proj).reshape(B, T, nkv, hd)
+    cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+
+
+def attend(q, k, v, key_ok):
+    """Grouped-query softmax attention.
+
+    q [B, T, nh, hd]; k, v [B, S, nkv, hd]; key_ok [B, T, S] bool (which keys each query may see).
+    Scores and softmax in f32; returns [B, T, nh, hd] in q's dtype.
+    """
+    B, T, nh, hd = q.shape
+    nkv = k.shape[2]
+    qg = q.reshape(B, T, nkv, nh // nkv, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision=precision_for(q.dtype),
+                        preferred_element_type=jnp.float32) * (hd ** -0.5)
+    scores = jnp.where(key_ok[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, precision=precision_for(q.dtype))
+    return out.reshape(B, T, nh, hd)
+
+
+def write_kv(cache: KVCache, k, v, pos) -> KVCache:
+    """Write k, v [B, T, nkv, hd] into slots pos[b] .. pos[b]+T-1 of each row."""
+    upd = jax.vmap(lambda c, u, p: jax.lax.dynamic_update_slice(c, u, (p, 0, 0)))
+    return KVCache(upd(cache.k, k.astype(cache.k.dtype), pos), upd(cache.v, v.astype(cache.v.dtype), pos))
+
+
+def output(o, gate, w: AttnWeights):
+    B, T = o.shape[:2]
+    return linear(o.reshape(B, T, -1) * jax.nn.sigmoid(gate), w.o_proj)
+
+
+def attention_layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos):
+    """Causal attention of T new tokens at positions pos[b] + t over the row's cache (slot = position)."""
+    B, T, _ = x.shape
+    positions = pos[:, None] + jnp.arange(T, dtype=pos.dtype)[None]
+    q, k, v, gate = project_qkv(x, w, cfg, positions)
+    cache = write_kv(cache, k, v, pos)
+    slots = jnp.arange(cache.k.shape[1], dtype=pos.dtype)
+    key_ok = slots[None, None, :] <= positions[:, :, None]
+    return output(attend(q, cache.k, cache.v, key_ok), gate, w), cache

@@ -1,0 +1,206 @@
+"""Static, hashable model configuration parsed from a Hugging Face config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from .errors import ConfigError
+
+# model_type -> (family, is the config nested under text_config?, prefix of trunk tensors)
+MODEL_TYPES = {
+    "qwen3_5_text": ("qwen3_5", False, "model."),
+    "qwen3_5": ("qwen3_5", True, "model.language_model."),
+    "qwen3_5_moe_text": ("qwen3_5_moe", False, "model."),
+    "qwen3_5_moe": ("qwen3_5_moe", True, "model.language_model."),
+    "qwen3_next": ("qwen3_next", False, "model."),
+}
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    family: str  # qwen3_5 | qwen3_5_moe | qwen3_next
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple  # per layer: "linear_attention" | "full_attention"
+    mlp_types: tuple  # per layer: "dense" | "moe"
+    # full attention
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    # gated delta net
+    gdn_num_k_heads: int
+    gdn_num_v_heads: int
+    gdn_k_head_dim: int
+    gdn_v_head_dim: int
+    conv_kernel: int
+    # mlp / moe
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+    # misc
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    eos_token_ids: tuple
+    pad_token_id: int | None
+    mtp_num_layers: int
+    tensor_prefix: str  # "model." or "model.language_model."
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def gdn_key_dim(self) -> int:
+        return self.gdn_num_k_heads * self.gdn_k_head_dim
+
+    @property
+    def gdn_value_dim(self) -> int:
+        return self.gdn_num_v_heads * self.gdn_v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.gdn_key_dim + self.gdn_value_dim
+
+    @property
+    def has_moe(self) -> bool:
+        return "moe" in self.mlp_types
+
+
+def _int_list(x):
+    if x is None:
+        return ()
+    if isinstance(x, int):
+        return (x,)
+    return tuple(int(i) for i in x)
+
+
+def parse_config(raw: dict, file="config.json") -> ModelConfig:
+    """Build a ModelConfig from the dict of a config.json; raise ConfigError naming the field on any problem."""
+    if not isinstance(raw, dict):
+        raise ConfigError(file, "<root>", "a JSON object", type(raw).__name__)
+    model_type = raw.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(file, "model_type", f"one of {sorted(MODEL_TYPES)}", repr(model_type))
+    family, nested, prefix = MODEL_TYPES[model_type]
+    top = raw
+    if nested:
+        if not isinstance(raw.get("text_config"), dict):
+            raise ConfigError(file, "text_config", f"a nested object for model_type {model_type!r}",
+                              repr(raw.get("text_config")))
+        raw = raw["text_config"]
+
+    def get(name, default=dataclasses.MISSING, typ=int):
+        if name in raw and raw[name] is not None:
+            val = raw[name]
+        elif nested and name in top and top[name] is not None:
+            val = top[name]
+        elif default is not dataclasses.MISSING:
+            return default
+        else:
+            raise ConfigError(file, name, f"a value of type {typ.__name__}", "nothing")
+        if typ is int and (isinstance(val, bool) or not isinstance(val, int)):
+            raise ConfigError(file, name, "an integer", repr(val))
+        if typ is float and (isinstance(val, bool) or not isinstance(val, (int, float))):
+            raise ConfigError(file, name, "a number", repr(val))
+        if typ is int and val <= 0 and name not in ("pad_token_id",):
+            raise ConfigError(file, name, "a positive integer", repr(val))
+        return typ(val)
+
+    n_layers = get("num_hidden_layers")
+    hidden = get("hidden_size")
+    n_heads = get("num_attention_heads")
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        interval = get("full_attention_interval", 4)
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+    layer_types = tuple(layer_types)
+    if len(layer_types) != n_layers or any(t not in LAYER_TYPES for t in layer_types):
+        raise ConfigError(file, "layer_types", f"{n_layers} entries from {LAYER_TYPES}", repr(list(layer_types)))
+
+    # MLP kind per layer
+    num_experts = get("num_experts", 0) if family != "qwen3_5" else 0
+    if family == "qwen3_5_moe":
+        if num_experts == 0:
+            raise ConfigError(file, "num_experts", "a positive integer for an MoE model", "nothing")
+        mlp_types = ("moe",) * n_layers
+    elif family == "qwen3_next":
+        only = set(_int_list(raw.get("mlp_only_layers", [])))
+        step = get("decoder_sparse_step", 1)
+        mlp_types = tuple("moe" if (i not in only and num_experts > 0 and (i + 1) % step == 0) else "dense"
+                          for i in range(n_layers))
+    else:
+        mlp_types = ("dense",) * n_layers
+    has_moe = "moe" in mlp_types
+    has_dense = "dense" in mlp_types
+
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(file, "rope_parameters", "an object", repr(rope))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ConfigError(file, "rope_parameters.rope_type", "'default' (the only RoPE implemented)", repr(rope_type))
+    theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+    prf = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor",
+                                                      0.25 if family == "qwen3_next" else 1.0))
+    head_dim = get("head_dim", hidden // n_heads)
+    rotary_dim = int(head_dim * float(prf))
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ConfigError(file, "partial_rotary_factor", f"a factor giving an even rotary dim in (0, {head_dim}]",
+                          repr(prf))
+
+    n_kv = get("num_key_value_heads", n_heads)
+    if n_heads % n_kv:
+        raise ConfigError(file, "num_key_value_heads", f"a divisor of num_attention_heads={n_heads}", n_kv)
+    nk = get("linear_num_key_heads")
+    nv = get("linear_num_value_heads")
+    if nv % nk:
+        raise ConfigError(file, "linear_num_value_heads", f"a multiple of linear_num_key_heads={nk}", nv)
+    top_k = get("num_experts_per_tok", 0 if not has_moe else dataclasses.MISSING) if has_moe else 0
+    if has_moe and not 0 < top_k <= num_experts:
+        raise ConfigError(file, "num_experts_per_tok", f"in [1, num_experts={num_experts}]", top_k)
+
+    eos = raw.get("eos_token_id", top.get("eos_token_id"))
+    try:
+        eos_ids = _int_list(eos)
+    except (TypeError, ValueError):
+        raise ConfigError(file, "eos_token_id", "an integer or a list of integers", repr(eos)) from None
+    tie = raw.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
+    mtp_layers = raw.get("mtp_num_hidden_layers", raw.get("num_nextn_predict_layers", 0)) or 0
+    pad = raw.get("pad_token_id", top.get("pad_token_id"))
+    return ModelConfig(
+        model_type=model_type, family=family, vocab_size=get("vocab_size"), hidden_size=hidden,
+        layer_types=layer_types, mlp_types=mlp_types,
+        num_heads=n_heads, num_kv_heads=n_kv, head_dim=head_dim, rotary_dim=rotary_dim, rope_theta=float(theta),
+        gdn_num_k_heads=nk, gdn_num_v_heads=nv, gdn_k_head_dim=get("linear_key_head_dim"),
+        gdn_v_head_dim=get("linear_value_head_dim"), conv_kernel=get("linear_conv_kernel_dim", 4),
+        intermediate_size=get("intermediate_size") if has_dense else 0,
+        num_experts=num_experts if has_moe else 0, top_k=top_k,
+        moe_intermediate_size=get("moe_intermediate_size") if has_moe else 0,
+        shared_expert_intermediate_size=get("shared_expert_intermediate_size") if has_moe else 0,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        rms_norm_eps=get("rms_norm_eps", 1e-6, float), tie_word_embeddings=bool(tie),
+        max_position_embeddings=get("max_position_embeddings", 32768), eos_token_ids=eos_ids,
+        pad_token_id=int(pad) if isinstance(pad, int) else None, mtp_num_layers=int(mtp_layers),
+        tensor_prefix=prefix,
+    )
+
+
+def load_config(path) -> ModelConfig:
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ConfigError(file, "<file>", "an existing config.json", "no such file")
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(file, "<file>", "valid JSON", f"{type(e).__name__}: {e}") from None
+    return parse_config(raw, file)

@@ -1,0 +1,36 @@
+"""Typed errors. Every message names the file / tensor / argument, what was expected and what was found."""
+
+from __future__ import annotations
+
+
+class QwenMTPError(Exception):
+    """Base class of every error this package raises on bad input."""
+
+
+class ConfigError(QwenMTPError, ValueError):
+    """config.json is missing, unreadable, of an unknown model_type, or internally inconsistent."""
+
+    def __init__(self, file, field, expected, found):
+        self.file, self.field, self.expected, self.found = str(file), field, expected, found
+        super().__init__(f"{self.file}: field {field!r}: expected {expected}, found {found}")
+
+
+class CheckpointError(QwenMTPError, ValueError):
+    """A safetensors checkpoint does not match its config (missing/unexpected tensor, shape, dtype, file)."""
+
+    def __init__(self, file, tensor, expected, found):
+        self.file, self.tensor, self.expected, self.found = str(file), tensor, expected, found
+        what = f"tensor {tensor!r}" if tensor else "file"
+        super().__init__(f"{self.file}: {what}: expected {expected}, found {found}")
+
+
+class ArgumentError(QwenMTPError, ValueError):
+    """A bad argument to a public function (generate, prefill_logits, ...)."""
+
+    def __init__(self, argument, expected, found):
+        self.argument, self.expected, self.found = argument, expected, found
+        super().__init__(f"argument {argument!r}: expected {expected}, found {found}")
+
+
+class MissingMTPHeadError(QwenMTPError, ValueError):
+    """The MTP head was asked for but the checkpoint has no mtp.* tensors."""

@@ -1,0 +1,118 @@
+"""Gated DeltaNet (linear attention) layer: causal depthwise conv, then the gated delta rule.
+
+Per value head, with state S [d_k, d_v] in f32:  S = S*exp(g);  delta = beta*(v - S^T k);  S = S + k delta^T;
+o = S^T q. Prefill uses the chunked (WY / UT-transform) form, decode the step form. Positions past a row's
+`n_valid` are padding: they get beta = 0 and g = 0, so they leave the state untouched.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .config import ModelConfig
+from .ops import gated_rmsnorm, l2norm, linear
+from .state import GDNState
+from .weights import GDNWeights
+
+HIGHEST = jax.lax.Precision.HIGHEST
+CHUNK = 64
+
+
+def _mm(a, b):
+    return jnp.matmul(a, b, precision=HIGHEST)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk=CHUNK):
+    """Chunked gated delta rule. q, k [B, T, h, dk]; v [B, T, h, dv]; g, beta [B, T, h] (all f32);
+    state [B, h, dk, dv]. Returns out [B, T, h, dv], final state."""
+    B, T, h, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-T) % chunk
+    tr = lambda x: jnp.moveaxis(x, 1, 2)  # [B, h, T, ...]
+    q, k, v, g, beta = (tr(jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))) for x in (q, k, v, g, beta))
+    n = (T + pad) // chunk
+    split = lambda x: x.reshape(B, h, n, chunk, *x.shape[3:])
+    q, k, v, g, beta = map(split, (q, k, v, g, beta))
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+
+    cum = jnp.cumsum(g, axis=-1)  # [B, h, n, C]
+    lower = jnp.tril(jnp.ones((chunk, chunk), bool))
+    decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    ut = _mm(k_beta, jnp.swapaxes(k, -1, -2)) * decay  # strictly-lower part defines (I + L)
+    solve = lambda rhs: jax.lax.linalg.triangular_solve(ut, rhs, left_side=True, lower=True, unit_diagonal=True)
+    new_v = solve(v_beta)
+    k_cumdecay = solve(k_beta * jnp.exp(cum)[..., None])
+    intra = _mm(q, jnp.swapaxes(k, -1, -2)) * decay
+    q_dec = q * jnp.exp(cum)[..., None]
+    k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])[..., None, None]  # [B, h, n, 1, 1]
+
+    def step(S, xs):
+        new_v_i, kcd_i, q_i, intra_i, k_i, cd_i = xs
+        v_new = new_v_i - _mm(kcd_i, S)
+        out = _mm(q_i, S) + _mm(intra_i, v_new)
+        S = S * cd_i + _mm(jnp.swapaxes(k_i, -1, -2), v_new)
+        return S, out
+
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (new_v, k_cumdecay, q_dec, intra, k_dec, chunk_decay))
+    state, out = jax.lax.scan(step, state, xs)
+    out = jnp.moveaxis(out, 0, 2).reshape(B, h, n * chunk, dv)[:, :, :T]
+    return jnp.moveaxis(out, 1, 2), state
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+    """Token-by-token gated delta rule, same arguments and results as the chunked form."""
+
+    def step(S, xs):
+        q_t, k_t, v_t, g_t, b_t = xs  # [B, h, d], [B, h]
+        S = S * jnp.exp(g_t)[..., None, None]
+        kv_mem = jnp.einsum("bhk,bhkv->bhv", k_t, S, precision=HIGHEST)
+        delta = (v_t - kv_mem) * b_t[..., None]
+        S = S + k_t[..., :, None] * delta[..., None, :]
+        return S, jnp.einsum("bhk,bhkv->bhv", q_t, S, precision=HIGHEST)
+
+    state, out = jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)))
+    return jnp.moveaxis(out, 0, 1), state
+
+
+def causal_conv(x, conv_state, w_conv, n_valid):
+    """Depthwise causal conv over [conv_state ; x] followed by SiLU.
+
+    x [B, T, C]; conv_state [B, K-1, C] (previous inputs, oldest first); w_conv [K, C].
+    Returns out [B, T, C] and the new conv state: the K-1 inputs ending at each row's last valid token.
+    """
+    K = w_conv.shape[0]
+    T = x.shape[1]
+    xc = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
+    w = w_conv.astype(x.dtype)
+    out = sum(xc[:, j:j + T, :] * w[j] for j in range(K))
+    new_state = jax.vmap(lambda r, n: jax.lax.dynamic_slice_in_dim(r, n, K - 1, axis=0))(xc, n_valid)
+    return jax.nn.silu(out), new_state
+
+
+def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode: str):
+    """x [B, T, H] (already input-normed). mode: "chunk" (prefill) or "step" (decode)."""
+    B, T, _ = x.shape
+    nk, nv, dk, dv = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim
+    qkv, conv_state = causal_conv(linear(x, w.in_proj_qkv), st.conv, w.conv, n_valid)
+    z = linear(x, w.in_proj_z).reshape(B, T, nv, dv)
+    b = linear(x, w.in_proj_b)
+    a = linear(x, w.in_proj_a)
+
+    kd = cfg.gdn_key_dim
+    f32 = lambda t: t.astype(jnp.float32)
+    q = l2norm(f32(qkv[..., :kd].reshape(B, T, nk, dk))) * dk ** -0.5
+    k = l2norm(f32(qkv[..., kd:2 * kd].reshape(B, T, nk, dk)))
+    v = f32(qkv[..., 2 * kd:].reshape(B, T, nv, dv))
+    # each key head serves nv/nk CONSECUTIVE value heads
+    q, k = (jnp.repeat(t, nv // nk, axis=2) for t in (q, k))
+    beta = f32(jax.nn.sigmoid(b))
+    g = -jnp.exp(f32(w.A_log)) * jax.nn.softplus(f32(a) + f32(w.dt_bias))
+    valid = (jnp.arange(T)[None, :] < n_valid[:, None])[..., None]
+    beta, g = jnp.where(valid, beta, 0.0), jnp.where(valid, g, 0.0)
+
+    rule = chunk_gated_delta_rule if mode == "chunk" else recurrent_gated_delta_rule
+    core, rec = rule(q, k, v, g, beta, st.rec)
+    core = gated_rmsnorm(core.astype(x.dtype), z, w.norm, cfg.rms_norm_eps)
+    return linear(core.reshape(B, T, nv * dv), w.out_proj), GDNState(conv_state, rec)

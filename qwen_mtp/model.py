@@ -1,0 +1,45 @@
+"""The hybrid trunk: forward(weights, cfg, tokens, state, pos, n_valid) -> (post-norm hidden, state)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .attention import attention_layer
+from .config import ModelConfig
+from .gdn import gdn_layer
+from .mlp import feed_forward
+from .ops import linear, rmsnorm_1pw
+from .weights import Weights
+
+
+def decoder_layer(x, lw, cfg: ModelConfig, kind: str, layer_state, pos, n_valid, gdn_mode: str):
+    h = rmsnorm_1pw(x, lw.input_norm, cfg.rms_norm_eps)
+    if kind == "full_attention":
+        h, layer_state = attention_layer(h, lw.mixer, cfg, layer_state, pos)
+    else:
+        h, layer_state = gdn_layer(h, lw.mixer, cfg, layer_state, n_valid, mode=gdn_mode)
+    x = x + h
+    x = x + feed_forward(rmsnorm_1pw(x, lw.post_norm, cfg.rms_norm_eps), lw.mlp, cfg)
+    return x, layer_state
+
+
+def forward(weights: Weights, cfg: ModelConfig, tokens, state: tuple, pos, n_valid, *, gdn_mode: str = "chunk"):
+    """Run T new tokens per row through the trunk.
+
+    tokens [B, T] int32 at positions pos[b] .. pos[b]+T-1; only the first n_valid[b] are real (the rest are
+    padding that leaves the recurrent state untouched; their KV slots lie past the row's length and are
+    overwritten later). Returns the hidden AFTER the final norm [B, T, H] (what lm_head and the MTP head
+    read) and the new state.
+    """
+    x = weights.embed[tokens]
+    new_state = []
+    for lw, kind, st in zip(weights.layers, cfg.layer_types, state):
+        x, st = decoder_layer(x, lw, cfg, kind, st, pos, n_valid, gdn_mode)
+        new_state.append(st)
+    return rmsnorm_1pw(x, weights.final_norm, cfg.rms_norm_eps), tuple(new_state)
+
+
+def lm_logits(weights: Weights, hidden):
+    """Post-norm hidden [..., H] -> logits [..., V] in f32 (lm_head, or the tied embedding)."""
+    w = weights.embed.T if weights.lm_head is None else weights.lm_head
+    return linear(hidden, w).astype(jnp.float32)

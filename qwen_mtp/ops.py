@@ -1,0 +1,38 @@
+"""Elementary ops shared by every layer: the single matmul helper and the two RMSNorm flavours.
+
+All weight matmuls go through `linear` so that a quantized weight type can later slot in behind it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def precision_for(dtype):
+    """f32 runs at full precision (no TF32 / bf16 passes on GPU); low-precision dtypes use the default."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def linear(x, w):
+    """x [..., in] @ w [in, out] -> [..., out], in x's dtype."""
+    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), precision=precision_for(x.dtype))
+
+
+def rmsnorm_1pw(x, w, eps):
+    """Qwen3.5 RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), computed in f32, cast back to x's dtype."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+
+
+def gated_rmsnorm(x, z, w, eps):
+    """GDN output norm: rmsnorm(x) * w * silu(z) with a plain weight w (not 1 + w)."""
+    xf = x.astype(jnp.float32)
+    y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    y = w.astype(x.dtype) * y
+    return (y * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+
+
+def l2norm(x, eps=1e-6):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)

@@ -1,0 +1,55 @@
+import jax
+import pytest
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import hf_tiny  # noqa: E402  (tests/ is on sys.path under pytest's default import mode)
+
+# name -> (builder kind, seed, config overrides, post-processing of the saved folder)
+VARIANTS = {
+    # num_v_heads (4) != num_k_heads (2), explicit layer_types 3:1
+    "dense": ("dense", 1, {}, None),
+    # released multimodal layout: model.language_model.*, config under text_config, model.visual.* ignored
+    "dense_multimodal": ("dense", 2, {}, hf_tiny.to_multimodal_layout),
+    # tied lm_head, num_v_heads == num_k_heads, layer types from full_attention_interval=2, sharded index
+    "dense_tied_sharded": ("dense", 3, dict(tie_word_embeddings=True, linear_num_value_heads=2,
+                                            full_attention_interval=2, num_hidden_layers=4), hf_tiny.shard),
+    "moe_per_expert": ("moe", 4, {}, None),
+    "moe_fused": ("moe", 5, {}, hf_tiny.to_fused_experts),
+    # Qwen3-Next: fused in_proj_qkvz / in_proj_ba, MoE on every 2nd layer, dense MLP on the others
+    "next": ("next", 6, {}, None),
+}
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    """ckpt(name) -> (transformers model in float64 as the oracle, f32 checkpoint folder); built once."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            kind, seed, overrides, post = VARIANTS[name]
+            model = hf_tiny.make_hf_model(kind, seed, **overrides)
+            folder = hf_tiny.save_hf(model, tmp_path_factory.mktemp(name))
+            if post is not None:
+                post(folder)
+            built[name] = (hf_tiny.as_oracle(model), folder)
+        return built[name]
+
+    return get
+
+
+_REPORT = []
+
+
+@pytest.fixture
+def report():
+    """report(line): a line for the numerics summary printed at the end of the run."""
+    return _REPORT.append
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _REPORT:
+        terminalreporter.section("qwen-mtp numerics report")
+        for line in _REPORT:
+            terminalreporter.write_line(line)
