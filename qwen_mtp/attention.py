@@ -58,11 +58,12 @@ def output(o, gate, w: AttnWeights):
     return linear(o.reshape(B, T, -1) * jax.nn.sigmoid(gate), w.o_proj)
 
 
-def attention_layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos):
-    """Causal attention of T new tokens at positions pos[b] + t over the row's cache (slot = position)."""
+def attention_layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, rope_offset: int = 0):
+    """Causal attention of T new tokens in slots pos[b] + t of the row's cache, each seeing slots <= its own.
+    RoPE position = slot + rope_offset (0 for the trunk; 1 for the MTP head, whose row t sits at t + 1)."""
     B, T, _ = x.shape
     positions = pos[:, None] + jnp.arange(T, dtype=pos.dtype)[None]
-    q, k, v, gate = project_qkv(x, w, cfg, positions)
+    q, k, v, gate = project_qkv(x, w, cfg, positions + rope_offset)
     cache = write_kv(cache, k, v, pos)
     slots = jnp.arange(cache.k.shape[1], dtype=pos.dtype)
     key_ok = slots[None, None, :] <= positions[:, :, None]

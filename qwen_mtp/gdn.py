@@ -61,8 +61,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk=CHUNK):
     return jnp.moveaxis(out, 1, 2), state
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, state):
-    """Token-by-token gated delta rule, same arguments and results as the chunked form."""
+def recurrent_gated_delta_rule(q, k, v, g, beta, state, keep_all=False):
+    """Token-by-token gated delta rule, same arguments and results as the chunked form. With keep_all the
+    second result is the state after EVERY position [B, T, h, dk, dv] (speculative verify keeps them all and
+    continues from the one at the accepted count)."""
 
     def step(S, xs):
         q_t, k_t, v_t, g_t, b_t = xs  # [B, h, d], [B, h]
@@ -70,32 +72,42 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
         kv_mem = jnp.einsum("bhk,bhkv->bhv", k_t, S, precision=HIGHEST)
         delta = (v_t - kv_mem) * b_t[..., None]
         S = S + k_t[..., :, None] * delta[..., None, :]
-        return S, jnp.einsum("bhk,bhkv->bhv", q_t, S, precision=HIGHEST)
+        o = jnp.einsum("bhk,bhkv->bhv", q_t, S, precision=HIGHEST)
+        return S, ((o, S) if keep_all else o)
 
-    state, out = jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)))
-    return jnp.moveaxis(out, 0, 1), state
+    state, ys = jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)))
+    if keep_all:
+        out, states = ys
+        return jnp.moveaxis(out, 0, 1), jnp.moveaxis(states, 0, 1)
+    return jnp.moveaxis(ys, 0, 1), state
 
 
-def causal_conv(x, conv_state, w_conv, n_valid):
+def causal_conv(x, conv_state, w_conv, n_valid, keep_all=False):
     """Depthwise causal conv over [conv_state ; x] followed by SiLU.
 
     x [B, T, C]; conv_state [B, K-1, C] (previous inputs, oldest first); w_conv [K, C].
-    Returns out [B, T, C] and the new conv state: the K-1 inputs ending at each row's last valid token.
+    Returns out [B, T, C] and the new conv state: the K-1 inputs ending at each row's last valid token
+    (with keep_all: the window after every position, [B, T, K-1, C]).
     """
     K = w_conv.shape[0]
     T = x.shape[1]
     xc = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
     w = w_conv.astype(x.dtype)
     out = sum(xc[:, j:j + T, :] * w[j] for j in range(K))
-    new_state = jax.vmap(lambda r, n: jax.lax.dynamic_slice_in_dim(r, n, K - 1, axis=0))(xc, n_valid)
+    if keep_all:
+        new_state = jnp.stack([xc[:, t + 1:t + K] for t in range(T)], axis=1)
+    else:
+        new_state = jax.vmap(lambda r, n: jax.lax.dynamic_slice_in_dim(r, n, K - 1, axis=0))(xc, n_valid)
     return jax.nn.silu(out), new_state
 
 
 def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode: str):
-    """x [B, T, H] (already input-normed). mode: "chunk" (prefill) or "step" (decode)."""
+    """x [B, T, H] (already input-normed). mode: "chunk" (prefill), "step" (decode) or "step_all" (verify:
+    the returned GDNState holds the state after every position, an extra axis 1 of size T)."""
     B, T, _ = x.shape
     nk, nv, dk, dv = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim
-    qkv, conv_state = causal_conv(linear(x, w.in_proj_qkv), st.conv, w.conv, n_valid)
+    keep_all = mode == "step_all"
+    qkv, conv_state = causal_conv(linear(x, w.in_proj_qkv), st.conv, w.conv, n_valid, keep_all)
     z = linear(x, w.in_proj_z).reshape(B, T, nv, dv)
     b = linear(x, w.in_proj_b)
     a = linear(x, w.in_proj_a)
@@ -112,7 +124,9 @@ def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode
     valid = (jnp.arange(T)[None, :] < n_valid[:, None])[..., None]
     beta, g = jnp.where(valid, beta, 0.0), jnp.where(valid, g, 0.0)
 
-    rule = chunk_gated_delta_rule if mode == "chunk" else recurrent_gated_delta_rule
-    core, rec = rule(q, k, v, g, beta, st.rec)
+    if mode == "chunk":
+        core, rec = chunk_gated_delta_rule(q, k, v, g, beta, st.rec)
+    else:
+        core, rec = recurrent_gated_delta_rule(q, k, v, g, beta, st.rec, keep_all)
     core = gated_rmsnorm(core.astype(x.dtype), z, w.norm, cfg.rms_norm_eps)
     return linear(core.reshape(B, T, nv * dv), w.out_proj), GDNState(conv_state, rec)

@@ -1,4 +1,4 @@
-"""Prefill (chunked) and greedy decode, the decode steps inside one jitted lax.while_loop."""
+"""generate / prefill_logits / mtp_logits: chunked prefill, then plain or speculative decoding inside one\njitted lax.while_loop."""
 
 from __future__ import annotations
 
@@ -13,28 +13,13 @@ import numpy as np
 from .config import ModelConfig
 from .errors import ArgumentError
 from .model import forward, lm_logits
+from .mtp import init_mtp_cache, mtp_forward, require_mtp
+from .sampling import Sampling, choose
+from .speculative import SpecConfig, spec_decode
 from .state import init_state
+from .stats import GenerateStats
 
 DEFAULT_PREFILL_CHUNK = 256
-
-
-@dataclasses.dataclass
-class GenerateStats:
-    batch: int
-    prompt_tokens: int  # summed over rows
-    new_tokens: int  # summed over rows
-    prefill_s: float
-    decode_s: float
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """New tokens per second of the decode loop (the first new token comes from prefill)."""
-        decoded = self.new_tokens - self.batch
-        return decoded / self.decode_s if self.decode_s > 0 and decoded > 0 else float("nan")
 
 
 @dataclasses.dataclass
@@ -55,10 +40,11 @@ def _as_rows(prompt_ids, name="prompt_ids"):
             raise ArgumentError(name, "a 1-D prompt or a 2-D batch of prompts", f"an array of shape {arr.shape}")
         rows = [arr] if arr.ndim == 1 else list(arr)
     elif isinstance(prompt_ids, (list, tuple)):
-        if len(prompt_ids) and all(isinstance(r, (list, tuple, np.ndarray, jax.Array)) for r in prompt_ids):
-            rows = [np.asarray(r) for r in prompt_ids]
-        else:
-            rows = [np.asarray(prompt_ids)]
+        nested = [isinstance(r, (list, tuple, np.ndarray, jax.Array)) for r in prompt_ids]
+        if any(nested) and not all(nested):
+            raise ArgumentError(name, "either token ids or a batch of rows of token ids",
+                                "a list mixing ids and rows")
+        rows = [np.asarray(r) for r in prompt_ids] if nested and all(nested) else [np.asarray(prompt_ids)]
     else:
         raise ArgumentError(name, "a sequence or array of token ids", type(prompt_ids).__name__)
     if not rows:
@@ -72,28 +58,45 @@ def _as_rows(prompt_ids, name="prompt_ids"):
             raise ArgumentError(where, "a non-empty prompt", "an empty prompt")
         if not np.issubdtype(r.dtype, np.integer):
             raise ArgumentError(where, "integer token ids", f"dtype {r.dtype}")
-        out.append(r.astype(np.int64))
+        out.append(r)
     return out
 
 
 def _check_ids(rows, cfg: ModelConfig, extra_len: int, name="prompt_ids"):
+    """Range and length checks, on the caller's own integer dtype (before any conversion)."""
     for i, r in enumerate(rows):
         where = f"{name}[{i}]" if len(rows) > 1 else name
         bad = np.flatnonzero((r < 0) | (r >= cfg.vocab_size))
         if bad.size:
             raise ArgumentError(where, f"token ids in [0, {cfg.vocab_size})",
-                                f"id {int(r[bad[0]])} at index {int(bad[0])}")
+                                f"id {r[bad[0]]} at index {int(bad[0])}")
         if len(r) + extra_len > cfg.max_position_embeddings:
             raise ArgumentError(where, f"prompt length + new tokens <= max_position_embeddings "
                                        f"({cfg.max_position_embeddings})", f"{len(r)} + {extra_len}")
 
 
+def _is_int(x):
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_positive_int(name, value):
+    if not _is_int(value) or value < 1:
+        raise ArgumentError(name, "an integer >= 1", repr(value))
+    return int(value)
+
+
 def _eos_ids(cfg: ModelConfig, eos_token_id):
     if eos_token_id is None:
         return cfg.eos_token_ids
-    ids = (eos_token_id,) if isinstance(eos_token_id, (int, np.integer)) else tuple(eos_token_id)
+    if _is_int(eos_token_id):
+        ids = (eos_token_id,)
+    elif isinstance(eos_token_id, (list, tuple, np.ndarray)):
+        ids = tuple(eos_token_id)
+    else:
+        raise ArgumentError("eos_token_id", f"a token id in [0, {cfg.vocab_size}) or a list of such ids",
+                            repr(eos_token_id))
     for e in ids:
-        if isinstance(e, bool) or not isinstance(e, (int, np.integer)) or not 0 <= e < cfg.vocab_size:
+        if not _is_int(e) or not 0 <= e < cfg.vocab_size:
             raise ArgumentError("eos_token_id", f"token ids in [0, {cfg.vocab_size})", repr(e))
     return tuple(int(e) for e in ids)
 
@@ -112,46 +115,57 @@ def _prefill_chunk(weights, cfg, tokens, state, pos, n_valid):
     return forward(weights, cfg, tokens, state, pos, n_valid, gdn_mode="chunk")
 
 
-@partial(jax.jit, static_argnames=("cfg", "max_new", "keep_logits"))
-def _greedy_decode(weights, cfg, state, first_logits, pos, eos, pad_id, max_new, keep_logits):
-    """first_logits [B, V]: prefill's logits for the token at positions pos [B]. Emits up to max_new tokens
-    per row; with keep_logits also returns the logits each token was chosen from [B, max_new, V]."""
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _mtp_chunk(weights, cfg, tokens, hidden, cache, slot):
+    out, cache, _ = mtp_forward(weights, cfg, tokens, hidden, cache, slot)
+    return out, cache
+
+
+@partial(jax.jit, static_argnames=("cfg", "max_new", "keep_logits", "sampling"))
+def _plain_decode(weights, cfg, state, first, first_logits, pos, eos, pad_id, key, max_new, keep_logits, sampling):
+    """first [B]: the token chosen from prefill's logits, at positions pos [B]. Emits up to max_new tokens per
+    row; with keep_logits also returns the logits each token was chosen from [B, max_new, V]."""
     B, V = first_logits.shape
     is_eos = lambda t: jnp.any(t[:, None] == eos[None, :], axis=-1)
-    first = jnp.argmax(first_logits, axis=-1).astype(jnp.int32)
     out = jnp.full((B, max_new), pad_id, jnp.int32).at[:, 0].set(first)
     logits_buf = jnp.zeros((B, max_new if keep_logits else 1, V), jnp.float32).at[:, 0].set(first_logits)
-    carry = (state, first, pos, out, logits_buf, jnp.ones((B,), jnp.int32), is_eos(first), jnp.int32(1))
+    carry = (state, first, pos, out, logits_buf, jnp.ones((B,), jnp.int32), is_eos(first), key, jnp.int32(1))
 
     def cond(c):
-        return (c[-1] < max_new) & ~jnp.all(c[-2])
+        return (c[-1] < max_new) & ~jnp.all(c[6])
 
     def body(c):
-        state, tok, pos, out, logits_buf, n_out, done, i = c
+        state, tok, pos, out, logits_buf, n_out, done, key, i = c
         hidden, state = forward(weights, cfg, tok[:, None], state, pos, jnp.ones((B,), jnp.int32), gdn_mode="step")
         logits = lm_logits(weights, hidden[:, 0])
-        nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        key, sub = jax.random.split(key)
+        nxt = choose(sub, logits, sampling)
         out = out.at[:, i].set(jnp.where(done, pad_id, nxt))
         if keep_logits:
             logits_buf = logits_buf.at[:, i].set(logits)
         n_out = n_out + (~done).astype(jnp.int32)
-        return state, nxt, pos + 1, out, logits_buf, n_out, done | is_eos(nxt), i + 1
+        return state, nxt, pos + 1, out, logits_buf, n_out, done | is_eos(nxt), key, i + 1
 
     c = jax.lax.while_loop(cond, body, carry)
     return c[3], c[5], c[4]
 
 
 _logits = jax.jit(lm_logits)
+_choose = jax.jit(choose, static_argnames=("s",))
 
 
 # ----------------------------------------------------------------------------------------------- drivers
+def _chunk_size(T, prefill_chunk):
+    return min(_pow2_at_least(max(T, 16)), prefill_chunk)
+
+
 def prefill(model, rows, cache_len: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, keep_hidden=False):
     """Chunked prefill of right-padded rows. Returns (state, last post-norm hidden [B, H], per-position hidden
     [B, T, H] or None). Feeding a prompt in pieces equals one pass (the GDN state carries over exactly)."""
     cfg, weights = model.config, model.weights
     lens = np.array([len(r) for r in rows], np.int32)
     B, T = len(rows), int(lens.max())
-    C = min(_pow2_at_least(max(T, 16)), prefill_chunk)
+    C = _chunk_size(T, prefill_chunk)
     n_chunks = -(-T // C)
     if cache_len < n_chunks * C:
         raise ValueError(f"cache_len {cache_len} < padded prompt {n_chunks * C}")
@@ -171,54 +185,129 @@ def prefill(model, rows, cache_len: int, prefill_chunk: int = DEFAULT_PREFILL_CH
         last = h_last if last is None else jnp.where(here[:, None], h_last, last)
         if keep_hidden:
             hiddens.append(hidden)
-    all_hidden = jnp.concatenate(hiddens, axis=1)[:, :T] if keep_hidden else None
+    all_hidden = jnp.concatenate(hiddens, axis=1) if keep_hidden else None
     return state, last, all_hidden
+
+
+def mtp_prefill(model, tokens, hidden, cache_len: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+    """Fill the MTP head's KV from the trunk: row t gets (tokens[:, t], hidden[:, t]) at slot t.
+    tokens [B, T] (the token AFTER each hidden's position), hidden [B, T, H]. Returns (out [B, T, H], cache)."""
+    cfg, weights = model.config, model.weights
+    B, T = tokens.shape
+    C = _chunk_size(T, prefill_chunk)
+    n_chunks = -(-T // C)
+    pad = n_chunks * C - T
+    tokens = jnp.pad(jnp.asarray(tokens, jnp.int32), ((0, 0), (0, pad)))
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    cache = init_mtp_cache(cfg, B, max(cache_len, n_chunks * C), weights.embed.dtype)
+    outs = []
+    for c in range(n_chunks):
+        sl = slice(c * C, (c + 1) * C)
+        out, cache = _mtp_chunk(weights, cfg, tokens[:, sl], hidden[:, sl], cache, jnp.full((B,), c * C, jnp.int32))
+        outs.append(out)
+    return jnp.concatenate(outs, axis=1)[:, :T], cache
+
+
+def _check_chunk(prefill_chunk):
+    return _check_positive_int("prefill_chunk", prefill_chunk)
+
+
+def _single_prompt(ids, cfg):
+    rows = _as_rows(ids, "ids")
+    if len(rows) != 1 or np.asarray(ids).ndim != 1:
+        raise ArgumentError("ids", "a 1-D prompt", f"{len(rows)} rows")
+    _check_ids(rows, cfg, 0, "ids")
+    return rows
 
 
 def prefill_logits(model, ids, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> np.ndarray:
     """Trunk logits [T, vocab] (f32) at every position of a 1-D prompt."""
-    rows = _as_rows(ids, "ids")
-    if len(rows) != 1 or np.asarray(ids).ndim != 1:
-        raise ArgumentError("ids", "a 1-D prompt", f"{len(rows)} rows")
-    _check_ids(rows, model.config, 0, "ids")
+    prefill_chunk = _check_chunk(prefill_chunk)
+    rows = _single_prompt(ids, model.config)
     T = len(rows[0])
-    C = min(_pow2_at_least(max(T, 16)), prefill_chunk)
-    _, _, hidden = prefill(model, rows, _round_up(T, C), prefill_chunk, keep_hidden=True)
-    return np.asarray(_logits(model.weights, hidden[0]))
+    _, _, hidden = prefill(model, rows, _round_up(T, _chunk_size(T, prefill_chunk)), prefill_chunk,
+                           keep_hidden=True)
+    return np.asarray(_logits(model.weights, hidden[0, :T]))
 
 
-def generate(model, prompt_ids, max_new_tokens: int, *, eos_token_id=None,
+def mtp_logits(model, ids, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> np.ndarray:
+    """Teacher-forced MTP logits [T-1, vocab]: row t is the head fed embed(ids[t+1]) and the trunk's post-norm
+    hidden at t, at RoPE position t+1, with the head's KV of rows < t in context."""
+    require_mtp(model.weights)
+    prefill_chunk = _check_chunk(prefill_chunk)
+    rows = _single_prompt(ids, model.config)
+    T = len(rows[0])
+    if T < 2:
+        raise ArgumentError("ids", "at least 2 tokens (row t needs ids[t+1])", f"{T} token")
+    _, _, hidden = prefill(model, rows, _round_up(T, _chunk_size(T, prefill_chunk)), prefill_chunk,
+                           keep_hidden=True)
+    out, _ = mtp_prefill(model, jnp.asarray(rows[0][None, 1:]), hidden[:, :T - 1], T, prefill_chunk)
+    return np.asarray(_logits(model.weights, out[0]))
+
+
+def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None = None, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id=None,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, return_logits: bool = False) -> GenerateResult:
-    """Greedy generation. prompt_ids: 1-D ids (B = 1), or a batch (list of 1-D sequences of any lengths, or a
-    2-D array). Stops a row at an id of `eos_token_id` (default: the config's; [] disables) or after
-    max_new_tokens. Returns GenerateResult with tokens [B, N], lengths [B] and stats."""
+    """Generate up to max_new_tokens per row.
+
+    prompt_ids: 1-D ids (B = 1), or a batch (a list of 1-D sequences of any lengths, or a 2-D array).
+    spec: None for plain decoding, or SpecConfig(k=...) to draft k tokens per round with the checkpoint's MTP
+    head and verify them in one trunk forward (lossless: greedy output is plain greedy output; sampled output
+    has plain sampling's distribution). temperature 0 is greedy; otherwise top_k / top_p / seed apply.
+    A row stops at an id of eos_token_id (default: the config's; [] disables) or after max_new_tokens.
+    return_logits (plain decoding only) also returns the logits each token was chosen from.
+    """
     cfg = model.config
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ArgumentError("max_new_tokens", "an integer >= 1", repr(max_new_tokens))
-    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-        raise ArgumentError("prefill_chunk", "an integer >= 1", repr(prefill_chunk))
-    max_new = int(max_new_tokens)
+    max_new = _check_positive_int("max_new_tokens", max_new_tokens)
+    prefill_chunk = _check_chunk(prefill_chunk)
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    if not _is_int(seed):
+        raise ArgumentError("seed", "an integer", repr(seed))
+    if spec is not None:
+        if not isinstance(spec, SpecConfig):
+            raise ArgumentError("spec", "None or a qwen_mtp.SpecConfig", repr(spec))
+        require_mtp(model.weights)
+        if return_logits:
+            raise ArgumentError("return_logits", "False with spec (drafts and verify have no per-token logits)",
+                                "True")
     rows = _as_rows(prompt_ids)
     _check_ids(rows, cfg, max_new)
     eos = _eos_ids(cfg, eos_token_id)
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
     lens = np.array([len(r) for r in rows], np.int32)
-    T = int(lens.max())
-    C = min(_pow2_at_least(max(T, 16)), prefill_chunk)
-    cache_len = _round_up(max(_round_up(T, C), T + max_new), 128)
+    B, T = len(rows), int(lens.max())
+    k = spec.k if spec is not None else 0
+    cache_len = _round_up(max(_round_up(T, _chunk_size(T, prefill_chunk)), T + max_new + k + 1), 128)
+    eos_arr = jnp.asarray(eos, jnp.int32).reshape(-1)
+    key, first_key = jax.random.split(jax.random.PRNGKey(seed))
 
     t0 = time.perf_counter()
-    state, last, _ = prefill(model, rows, cache_len, prefill_chunk)
+    state, last, hidden = prefill(model, rows, cache_len, prefill_chunk, keep_hidden=spec is not None)
     first_logits = _logits(model.weights, last)
-    first_logits.block_until_ready()
+    first = _choose(first_key, first_logits, sampling)
+    if spec is not None:
+        # the head's KV for every prompt row, and the bridge draft's input: row L-1 = (first token, h_{L-1})
+        nxt = np.zeros((B, hidden.shape[1]), np.int32)
+        for b, r in enumerate(rows):
+            nxt[b, :len(r) - 1] = r[1:]
+        nxt = jnp.asarray(nxt).at[jnp.arange(B), jnp.asarray(lens - 1)].set(first)
+        mtp_out, mcache = mtp_prefill(model, nxt, hidden, cache_len, prefill_chunk)
+        bridge = mtp_out[jnp.arange(B), jnp.asarray(lens - 1)]
+    first.block_until_ready()
     t1 = time.perf_counter()
-    out, n_out, logits = _greedy_decode(model.weights, cfg, state, first_logits, jnp.asarray(lens),
-                                        jnp.asarray(eos, jnp.int32).reshape(-1), jnp.int32(pad_id), max_new,
-                                        bool(return_logits))
+    hist = hits = None
+    if spec is None:
+        out, n_out, logits = _plain_decode(model.weights, cfg, state, first, first_logits, jnp.asarray(lens),
+                                           eos_arr, jnp.int32(pad_id), key, max_new, bool(return_logits), sampling)
+    else:
+        out, n_out, hist, hits = spec_decode(model.weights, cfg, state, mcache, first, bridge, jnp.asarray(lens),
+                                             eos_arr, jnp.int32(pad_id), key, max_new, spec, sampling)
+        hist, hits = np.asarray(hist), np.asarray(hits)
     out, n_out = np.asarray(out), np.asarray(n_out)
     t2 = time.perf_counter()
     n = int(n_out.max())
-    stats = GenerateStats(batch=len(rows), prompt_tokens=int(lens.sum()), new_tokens=int(n_out.sum()),
-                          prefill_s=t1 - t0, decode_s=t2 - t1)
+    stats = GenerateStats(batch=B, prompt_tokens=int(lens.sum()), new_tokens=int(n_out.sum()),
+                          prefill_s=t1 - t0, decode_s=t2 - t1, k=k,
+                          rounds=int(hist.sum()) if hist is not None else 0, accept_hist=hist, position_hits=hits)
     return GenerateResult(tokens=out[:, :n], lengths=n_out, pad_id=int(pad_id), stats=stats,
                           logits=np.asarray(logits)[:, :n] if return_logits else None)

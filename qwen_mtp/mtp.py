@@ -1,0 +1,64 @@
+"""The MTP head: one extra full-attention decoder layer that drafts the token after next.
+
+    e   = rmsnorm_1pw(embed(token), pre_fc_norm_embedding)
+    h   = rmsnorm_1pw(hidden,       pre_fc_norm_hidden)      # trunk hidden AFTER the final norm
+    x   = fc(concat(e, h))                                   # embedding FIRST
+    x   = x + attn(rmsnorm_1pw(x, input_layernorm))          # the trunk's own attention function
+    x   = x + mlp(rmsnorm_1pw(x, post_attention_layernorm))  # the trunk's own MLP / MoE function
+    out = rmsnorm_1pw(x, mtp.norm)                           # -> the trunk's lm_head
+
+The head shares embed_tokens and lm_head with the trunk and has its own one-layer KV cache. Its row t is fed
+(token t+1, trunk hidden t) and sits at RoPE position t+1, in cache slot t.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .attention import attention_layer
+from .config import ModelConfig
+from .errors import MissingMTPHeadError
+from .mlp import feed_forward
+from .ops import linear, rmsnorm_1pw
+from .state import KVCache
+from .weights import Weights
+
+TRACE_STAGES = ("e", "h", "fc_in", "fc", "ah", "attn", "res1", "mh", "mlp", "res2", "out")
+ROPE_OFFSET = 1
+
+
+def require_mtp(weights: Weights):
+    if weights.mtp is None:
+        raise MissingMTPHeadError(
+            "the checkpoint has no mtp.* tensors: the MTP head (mtp_logits, speculative generate) needs "
+            "mtp.fc.weight, mtp.pre_fc_norm_*, mtp.norm.weight and mtp.layers.0.*")
+
+
+def init_mtp_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
+    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def mtp_forward(weights: Weights, cfg: ModelConfig, tokens, hidden, cache: KVCache, slot, *, trace: bool = False):
+    """tokens [B, T] (the token after each hidden's position), hidden [B, T, H] (post-norm trunk hidden, or
+    the head's own previous out when drafting), rows in cache slots slot[b] .. slot[b]+T-1.
+    Returns (out [B, T, H] post mtp.norm, new cache, trace dict or None). `trace` is static: off, nothing
+    extra is computed or kept."""
+    w = weights.mtp
+    eps = cfg.rms_norm_eps
+    e = rmsnorm_1pw(weights.embed[tokens], w.pre_fc_norm_embedding, eps)
+    h = rmsnorm_1pw(hidden.astype(e.dtype), w.pre_fc_norm_hidden, eps)
+    fc_in = jnp.concatenate([e, h], axis=-1)
+    x = linear(fc_in, w.fc)
+    ah = rmsnorm_1pw(x, w.layer.input_norm, eps)
+    attn, cache = attention_layer(ah, w.layer.mixer, cfg, cache, slot, rope_offset=ROPE_OFFSET)
+    res1 = x + attn
+    mh = rmsnorm_1pw(res1, w.layer.post_norm, eps)
+    mlp_out = feed_forward(mh, w.layer.mlp, cfg)
+    res2 = res1 + mlp_out
+    out = rmsnorm_1pw(res2, w.norm, eps)
+    stages = None
+    if trace:
+        stages = dict(e=e, h=h, fc_in=fc_in, fc=x, ah=ah, attn=attn, res1=res1, mh=mh, mlp=mlp_out, res2=res2,
+                      out=out)
+    return out, cache, stages

@@ -1,0 +1,65 @@
+"""Token selection: greedy, or temperature / top-k / top-p sampling from a processed distribution.
+
+The same `probs` function shapes both the trunk's distribution p and the draft's q, so speculative
+rejection sampling reproduces plain sampling from p exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from .errors import ArgumentError
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+
+    def __post_init__(self):
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0 or t == float("inf"):
+            raise ArgumentError("temperature", "a finite number >= 0 (0 = greedy)", repr(t))
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ArgumentError("top_k", "an integer >= 0 (0 = off)", repr(k))
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ArgumentError("top_p", "a number in (0, 1] (1 = off)", repr(p))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probs(logits, s: Sampling):
+    """logits [..., V] -> the sampling distribution [..., V] (f32) after temperature, top-k and top-p."""
+    x = logits.astype(jnp.float32) / s.temperature
+    if s.top_k and s.top_k < x.shape[-1]:
+        kth = jax.lax.top_k(x, s.top_k)[0][..., -1:]
+        x = jnp.where(x < kth, -jnp.inf, x)
+    p = jax.nn.softmax(x, axis=-1)
+    if s.top_p < 1.0:
+        order = jnp.argsort(-p, axis=-1)
+        sorted_p = jnp.take_along_axis(p, order, axis=-1)
+        before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each token
+        keep_sorted = before < s.top_p  # smallest prefix whose mass reaches top_p (the top token always kept)
+        keep = jnp.zeros_like(keep_sorted).at[..., order].set(keep_sorted) if p.ndim == 1 else \
+            jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
+        p = jnp.where(keep, p, 0.0)
+        p = p / jnp.sum(p, axis=-1, keepdims=True)
+    return p
+
+
+def draw(key, p):
+    """One token per row from p [B, V]."""
+    return jax.random.categorical(key, jnp.log(p), axis=-1).astype(jnp.int32)
+
+
+def choose(key, logits, s: Sampling):
+    """Next token per row from logits [B, V]: argmax when greedy, else a draw from probs(logits)."""
+    if s.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return draw(key, probs(logits, s))

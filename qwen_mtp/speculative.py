@@ -1,0 +1,147 @@
+"""Speculative decoding with the MTP head: draft k, verify k+1 in one trunk forward, accept, roll back.
+
+One round, per row, with x = the last committed token at position pos (not yet run through the trunk) and
+m1 = the head's bridge output MTP(embed(x), trunk hidden at pos-1) already computed:
+  1. drafts d_1 = pick(m1), d_j = pick(MTP(embed(d_{j-1}), m_{j-1})) for j = 2..k (head KV slots pos..pos+k-2);
+  2. verify: ONE trunk forward over [x, d_1..d_k] at positions pos..pos+k, keeping the GDN state after every
+     position; y_i = the trunk's choice after position pos+i;
+  3. accept the longest prefix n of drafts that pass (greedy: d_{i+1} == y_i; sampling: Leviathan/Chen
+     rejection with the residual norm(max(p - q, 0))), emit d_1..d_n and the bonus y_n;
+  4. roll back: each GDN layer continues from its state after position pos+n (rollback.py);
+  5. refill the head's KV for the committed rows from the TRUNK's hiddens: rows pos..pos+n get
+     (d_1..d_n, bonus) with trunk hiddens g_0..g_n; the output at row pos+n is the next round's bridge.
+EOS and max_new_tokens cut the emitted tokens exactly; finished rows are frozen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from .errors import ArgumentError
+from .model import forward, lm_logits
+from .mtp import mtp_forward
+from .rollback import select_states
+from .sampling import Sampling, draw, probs
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    k: int = 4  # drafts per round
+
+    def __post_init__(self):
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= 16:
+            raise ArgumentError("SpecConfig.k", "an integer in [1, 16]", repr(self.k))
+
+
+def _draft(weights, cfg, mcache, m1, pos, k, sampling, key):
+    """Returns drafts D [B, k], their draft distributions Q [B, k, V] (None when greedy), the head cache."""
+
+    def pick(m, key):
+        logits = lm_logits(weights, m)
+        if sampling.greedy:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        q = probs(logits, sampling)
+        return draw(key, q), q
+
+    keys = jax.random.split(key, k)
+    d1, q1 = pick(m1, keys[0])
+
+    def step(carry, xs):
+        d_prev, m_prev, mcache = carry
+        j, key = xs  # draft index j = 1..k-1 (0-based), head row / slot pos - 1 + j
+        m, mcache, _ = mtp_forward(weights, cfg, d_prev[:, None], m_prev[:, None], mcache, pos - 1 + j)
+        d, q = pick(m[:, 0], key)
+        return (d, m[:, 0], mcache), (d, q)
+
+    if k == 1:
+        D, Q = d1[:, None], (None if q1 is None else q1[:, None])
+        return D, Q, mcache
+    (_, _, mcache), (ds, qs) = jax.lax.scan(step, (d1, m1, mcache), (jnp.arange(1, k), keys[1:]))
+    D = jnp.concatenate([d1[:, None], ds.T], axis=1)
+    Q = None if q1 is None else jnp.concatenate([q1[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
+    return D, Q, mcache
+
+
+def _accept(D, Q, logits, sampling, key):
+    """D [B, k] drafts, Q [B, k, V] draft distributions, logits [B, k+1, V] of the verify.
+    Returns (n [B] accepted drafts, bonus [B], passed [B, k] each draft's own test)."""
+    B, k = D.shape
+    rows = jnp.arange(B)
+    if sampling.greedy:
+        Y = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        passed = D == Y[:, :k]
+        n = jnp.sum(jnp.cumprod(passed.astype(jnp.int32), axis=1), axis=1)
+        return n, Y[rows, n], passed
+    P = probs(logits, sampling)  # [B, k+1, V]
+    k_u, k_res = jax.random.split(key)
+    p_d = jnp.take_along_axis(P[:, :k], D[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(Q, D[..., None], axis=-1)[..., 0]
+    u = jax.random.uniform(k_u, (B, k))
+    passed = u * q_d < p_d  # u < min(1, p/q), without dividing (q_d > 0: d was drawn from q)
+    n = jnp.sum(jnp.cumprod(passed.astype(jnp.int32), axis=1), axis=1)
+    p_n = P[rows, n]
+    q_n = jnp.concatenate([Q, jnp.zeros_like(Q[:, :1])], axis=1)[rows, n]  # q = 0 after the last draft
+    residual = jnp.maximum(p_n - q_n, 0.0)
+    mass = jnp.sum(residual, axis=-1, keepdims=True)
+    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)
+    return n, draw(k_res, residual), passed
+
+
+@partial(jax.jit, static_argnames=("cfg", "max_new", "spec", "sampling"))
+def spec_decode(weights, cfg, state, mcache, first, bridge, pos, eos, pad_id, key, max_new, spec: SpecConfig,
+                sampling: Sampling):
+    """first [B]: first new token (at positions pos [B]); bridge [B, H]: the head's output for it.
+    Returns (tokens [B, max_new], counts [B], accept histogram [k+1], per-position test passes [k])."""
+    B = first.shape[0]
+    k = spec.k
+    rows = jnp.arange(B)
+    idx = jnp.arange(k + 1)
+    is_eos = lambda t: jnp.any(t[..., None] == eos, axis=-1)
+    out = jnp.full((B, max_new + k + 1), pad_id, jnp.int32).at[:, 0].set(first)
+    done = is_eos(first) | (max_new <= 1)
+    carry = (state, mcache, pos, first, bridge, out, jnp.ones((B,), jnp.int32), done, key,
+             jnp.zeros((k + 1,), jnp.int32), jnp.zeros((k,), jnp.int32))
+
+    def body(c):
+        state, mcache, pos, x, m1, out, n_out, done, key, hist, hits = c
+        key, k_draft, k_acc = jax.random.split(key, 3)
+        D, Q, mcache = _draft(weights, cfg, mcache, m1, pos, k, sampling, k_draft)
+
+        tokens = jnp.concatenate([x[:, None], D], axis=1)  # [B, k+1]
+        hidden, state_all = forward(weights, cfg, tokens, state, pos, jnp.full((B,), k + 1, jnp.int32),
+                                    gdn_mode="step_all")
+        n, bonus, passed = _accept(D, Q, lm_logits(weights, hidden), sampling, k_acc)
+
+        # emitted this round: d_1..d_n, bonus; cut at the first EOS and at max_new
+        emitted = jnp.where(idx[None] < n[:, None], jnp.pad(D, ((0, 0), (0, 1))), bonus[:, None])
+        cnt = n + 1
+        eos_at = jnp.where(is_eos(emitted) & (idx[None] < cnt[:, None]), idx[None], k + 1).min(axis=1)
+        hit_eos = eos_at <= k
+        cnt = jnp.minimum(jnp.where(hit_eos, eos_at + 1, cnt), max_new - n_out)
+        cnt = jnp.where(done, 0, cnt)
+        write = jax.vmap(lambda o, e, s, c_: jax.lax.dynamic_update_slice(
+            o, jnp.where(idx < c_, e, jax.lax.dynamic_slice(o, (s,), (k + 1,))), (s,)))
+        out = write(out, emitted, n_out, cnt)
+
+        active = ~done
+        hist = hist + jnp.zeros((k + 1,), jnp.int32).at[n].add(active.astype(jnp.int32))
+        hits = hits + jnp.sum(passed & active[:, None], axis=0).astype(jnp.int32)
+
+        # roll back the GDN states to the accepted count; refill the head's KV from the trunk's hiddens
+        state = select_states(state_all, n)
+        fill = jnp.where(idx[None] < n[:, None], jnp.pad(D, ((0, 0), (0, 1))), bonus[:, None])
+        m_all, mcache, _ = mtp_forward(weights, cfg, fill, hidden, mcache, pos)
+        m1 = m_all[rows, n]
+
+        n_out = n_out + cnt
+        new_done = done | (hit_eos & active) | (n_out >= max_new)
+        pos = jnp.where(done, pos, pos + n + 1)
+        x = jnp.where(done, x, bonus)
+        return state, mcache, pos, x, m1, out, n_out, new_done, key, hist, hits
+
+    c = jax.lax.while_loop(lambda c: ~jnp.all(c[7]), body, carry)
+    return c[5][:, :max_new], c[6], c[9], c[10]
