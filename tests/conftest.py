@@ -19,6 +19,13 @@ VARIANTS = {
     # Qwen3-Next: fused in_proj_qkvz / in_proj_ba, MoE on every 2nd layer, dense MLP on the others
     "next": ("next", 6, {}, None),
 }
+# checkpoints with an MTP head (mtp.* tensors added to what transformers saved)
+MTP_VARIANTS = {
+    # tied embeddings at std 0.6 and a head leaning on the trunk hidden: drafts are accepted sometimes
+    "dense_mtp": ("dense", 8, dict(tie_word_embeddings=True, embed_std=0.6), 3.0),
+    # plain random head, MoE trunk (19 MTP tensors with fused experts)
+    "moe_mtp": ("moe", 9, {}, 0.0),
+}
 
 
 @pytest.fixture(scope="session")
@@ -27,13 +34,20 @@ def ckpt(tmp_path_factory):
     built = {}
 
     def get(name):
-        if name not in built:
+        if name in built:
+            return built[name]
+        if name in MTP_VARIANTS:
+            kind, seed, overrides, passthrough = MTP_VARIANTS[name]
+            model = hf_tiny.make_hf_model(kind, seed, **overrides)
+            folder = hf_tiny.save_hf(model, tmp_path_factory.mktemp(name))
+            hf_tiny.add_mtp(folder, seed, passthrough)
+        else:
             kind, seed, overrides, post = VARIANTS[name]
             model = hf_tiny.make_hf_model(kind, seed, **overrides)
             folder = hf_tiny.save_hf(model, tmp_path_factory.mktemp(name))
             if post is not None:
                 post(folder)
-            built[name] = (hf_tiny.as_oracle(model), folder)
+        built[name] = (hf_tiny.as_oracle(model), folder)
         return built[name]
 
     return get

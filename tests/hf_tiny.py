@@ -26,7 +26,7 @@ def _classes(kind):
             "next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM)}[kind]
 
 
-def randomize_(model, seed):
+def randomize_(model, seed, embed_std=None):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -41,13 +41,13 @@ def randomize_(model, seed):
             elif name.endswith("embed_tokens.weight"):
                 # a tied lm_head reads the same matrix: a smaller scale keeps the residual stream from
                 # simply predicting the current token again
-                p.copy_(r * (0.2 if model.config.tie_word_embeddings else 1.0))
+                p.copy_(r * (embed_std or (0.2 if model.config.tie_word_embeddings else 1.0)))
             else:
                 fan_in = p.shape[-1] if p.ndim >= 2 else 1
                 p.copy_(r / math.sqrt(fan_in))
 
 
-def make_hf_model(kind="dense", seed=0, **overrides):
+def make_hf_model(kind="dense", seed=0, embed_std=None, **overrides):
     C, M = _classes(kind)
     kw = dict(COMMON)
     if kind == "dense":
@@ -61,7 +61,7 @@ def make_hf_model(kind="dense", seed=0, **overrides):
     kw.update(overrides)
     torch.manual_seed(seed)
     model = M(C(**kw)).float().eval()
-    randomize_(model, seed)
+    randomize_(model, seed, embed_std)
     return model
 
 
@@ -165,3 +165,47 @@ def assert_close(ours, ref, what=""):
     max_rel, max_abs = rel_err(ours, ref)
     assert max_rel < 1e-4 or max_abs < 1e-5, f"{what}: max_rel={max_rel:.3e} max_abs={max_abs:.3e}"
     return max_rel, max_abs
+
+
+def add_mtp(folder, seed=0, passthrough=0.0):
+    """Add a randomised MTP head (mtp.*: 15 tensors dense, 19 MoE with fused experts) to a saved checkpoint.
+
+    passthrough > 0 adds passthrough * [0 | I] to mtp.fc, so the head's output leans on the trunk hidden: its
+    drafts then agree with the trunk sometimes (not always, not never), which the lossless tests need.
+    """
+    folder = Path(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    H = text["hidden_size"]
+    nh, nkv, hd = text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]
+    rng = np.random.RandomState(seed)
+    rnd = lambda *s: (rng.randn(*s) / math.sqrt(s[-1])).astype(np.float32)
+    norm = lambda: (0.3 * rng.randn(H)).astype(np.float32)
+    fc = rnd(H, 2 * H)
+    fc[:, H:] += passthrough * np.eye(H, dtype=np.float32)
+    t = {"mtp.fc.weight": fc, "mtp.pre_fc_norm_embedding.weight": norm(), "mtp.pre_fc_norm_hidden.weight": norm(),
+         "mtp.norm.weight": norm()}
+    p = "mtp.layers.0."
+    t.update({p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
+              p + "self_attn.q_proj.weight": rnd(2 * nh * hd, H), p + "self_attn.k_proj.weight": rnd(nkv * hd, H),
+              p + "self_attn.v_proj.weight": rnd(nkv * hd, H), p + "self_attn.o_proj.weight": rnd(H, nh * hd),
+              p + "self_attn.q_norm.weight": (0.3 * rng.randn(hd)).astype(np.float32),
+              p + "self_attn.k_norm.weight": (0.3 * rng.randn(hd)).astype(np.float32)})
+    if "num_experts" in text:
+        E, I, S = text["num_experts"], text["moe_intermediate_size"], text["shared_expert_intermediate_size"]
+        t.update({p + "mlp.gate.weight": rnd(E, H), p + "mlp.experts.gate_up_proj": rnd(E, 2 * I, H),
+                  p + "mlp.experts.down_proj": rnd(E, H, I), p + "mlp.shared_expert.gate_proj.weight": rnd(S, H),
+                  p + "mlp.shared_expert.up_proj.weight": rnd(S, H), p + "mlp.shared_expert.down_proj.weight": rnd(H, S),
+                  p + "mlp.shared_expert_gate.weight": rnd(1, H)})
+    else:
+        I = text["intermediate_size"]
+        t.update({p + "mlp.gate_proj.weight": rnd(I, H), p + "mlp.up_proj.weight": rnd(I, H),
+                  p + "mlp.down_proj.weight": rnd(H, I)})
+    if (folder / "model.safetensors").is_file():
+        tensors = load_file(folder / "model.safetensors")
+        tensors.update(t)
+        save_file(tensors, folder / "model.safetensors")
+    else:
+        raise ValueError("add_mtp expects a single-file checkpoint")
+    (folder / "config.json").write_text(json.dumps(dict(cfg, mtp_num_hidden_layers=1), indent=1))
+    return t

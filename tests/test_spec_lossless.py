@@ -1,0 +1,74 @@
+"""Speculative decoding is lossless: greedy speculative output equals plain greedy output token for token."""
+
+import numpy as np
+import pytest
+
+import qwen_mtp
+
+
+def _ids(n, seed):
+    return np.random.RandomState(seed).randint(0, 97, size=n)
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return qwen_mtp.load(ckpt("dense_mtp")[1])
+
+
+CASES = {"short": [_ids(7, 1)], "long": [_ids(150, 2)], "batch3": [_ids(5, 3), _ids(90, 4), _ids(31, 5)]}
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    return {name: qwen_mtp.generate(model, p, 40, eos_token_id=[]) for name, p in CASES.items()}
+
+
+_seen = {"accepted": 0, "rejected": 0, "cases": 0}
+
+
+# the batch of 3 runs every k = 1..8; the single-row short and long prompts run k = 1, 3, 8
+PARAMS = [("batch3", k) for k in range(1, 9)] + [(c, k) for c in ("short", "long") for k in (1, 3, 8)]
+
+
+@pytest.mark.parametrize("case,k", PARAMS)
+def test_greedy_speculative_equals_plain_greedy(model, plain, case, k, report):
+    res = qwen_mtp.generate(model, CASES[case], 40, eos_token_id=[], spec=qwen_mtp.SpecConfig(k=k))
+    np.testing.assert_array_equal(res.tokens, plain[case].tokens)
+    np.testing.assert_array_equal(res.lengths, [40] * len(CASES[case]))
+    st = res.stats
+    assert st.rounds == int(st.accept_hist.sum()) > 0
+    # tokens emitted by rounds: one per round plus the accepted drafts (the last round may be cut short)
+    accepted = int((np.arange(k + 1) * st.accept_hist).sum())
+    assert st.new_tokens - len(CASES[case]) <= st.rounds + accepted
+    _seen["cases"] += 1
+    _seen["accepted"] += int(st.accept_hist[1:].sum() > 0)
+    _seen["rejected"] += int(st.accept_hist[:k].sum() > 0)
+    report(f"lossless greedy {case:6s} k={k}: equal; H[n]={st.accept_hist.tolist()} AL={st.acceptance_length:.2f}")
+
+
+def test_lossless_cases_saw_acceptance_and_rejection():
+    """The comparisons above could not pass vacuously: across them drafts were both accepted and rejected."""
+    assert _seen["cases"] > 0 and _seen["accepted"] == _seen["cases"] and _seen["rejected"] == _seen["cases"]
+
+
+def test_eos_and_max_new_tokens_exact_with_spec(model, plain):
+    prompts = CASES["batch3"]
+    free = plain["batch3"]
+    eos = int(free.tokens[1, 6])
+    ref = qwen_mtp.generate(model, prompts, 40, eos_token_id=eos)
+    for k in (2, 5):
+        res = qwen_mtp.generate(model, prompts, 40, eos_token_id=eos, spec=qwen_mtp.SpecConfig(k=k))
+        np.testing.assert_array_equal(res.tokens, ref.tokens)
+        np.testing.assert_array_equal(res.lengths, ref.lengths)
+        for n in (1, 2, 13):
+            short = qwen_mtp.generate(model, prompts, n, eos_token_id=[], spec=qwen_mtp.SpecConfig(k=k))
+            np.testing.assert_array_equal(short.tokens, free.tokens[:, :n])
+            assert short.lengths.tolist() == [n] * 3
+
+
+def test_head_missing_gives_clear_error(ckpt):
+    m = qwen_mtp.load(ckpt("dense")[1])
+    with pytest.raises(qwen_mtp.MissingMTPHeadError, match="mtp"):
+        qwen_mtp.generate(m, [1, 2, 3], 4, spec=qwen_mtp.SpecConfig(k=2))
+    with pytest.raises(qwen_mtp.MissingMTPHeadError, match="mtp"):
+        qwen_mtp.mtp_logits(m, [1, 2, 3])
