@@ -1,0 +1,62 @@
+"""Speculative (MTP head) vs plain greedy decode on the same model, k = 1..6, measured in one run.
+
+Without --model, a tiny randomised Qwen3.5 checkpoint with an MTP head that leans on the trunk hidden is built
+(the same construction as the lossless tests): its acceptance is low and says nothing about real text; the
+shipped trained model (issue 4) is the meaningful target. Prints decode tokens/s, AL and the ratio to plain.
+
+    python benchmarks/bench_spec.py [--model PATH] [--prompt 64] [--new 128] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model")
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    import qwen_mtp
+
+    folder = args.model
+    if folder is None:
+        import hf_tiny
+        folder = tempfile.mkdtemp(prefix="bench_spec_")
+        m = hf_tiny.make_hf_model("dense", 8, embed_std=0.6, tie_word_embeddings=True, max_position_embeddings=4096)
+        m.save_pretrained(folder)
+        hf_tiny.add_mtp(folder, 8, passthrough=3.0)
+    model = qwen_mtp.load(folder)
+    ids = np.random.RandomState(0).randint(0, model.config.vocab_size, size=args.prompt)
+
+    def run(spec):
+        qwen_mtp.generate(model, ids, args.new, eos_token_id=[], spec=spec)  # compile
+        rs = [qwen_mtp.generate(model, ids, args.new, eos_token_id=[], spec=spec) for _ in range(args.repeats)]
+        return max(rs, key=lambda r: r.stats.decode_tokens_per_s)
+
+    base = run(None)
+    print(f"model {folder}; prompt {args.prompt}, new {args.new}")
+    print(f"{'':8s}{'decode tok/s':>14s}{'ratio':>8s}{'AL':>7s}  alpha_j")
+    print(f"{'plain':8s}{base.stats.decode_tokens_per_s:14.1f}{1.0:8.2f}{1.0:7.2f}")
+    best = (0.0, None)
+    for k in range(1, 7):
+        r = run(qwen_mtp.SpecConfig(k=k))
+        assert (r.tokens == base.tokens).all(), "speculative output differs from plain greedy"
+        ratio = r.stats.decode_tokens_per_s / base.stats.decode_tokens_per_s
+        best = max(best, (ratio, k))
+        print(f"{'k=' + str(k):8s}{r.stats.decode_tokens_per_s:14.1f}{ratio:8.2f}{r.stats.acceptance_length:7.2f}  "
+              + " ".join(f"{a:.2f}" for a in r.stats.alpha))
+    print(f"best speculative/plain ratio {best[0]:.2f} at k={best[1]}")
+
+
+if __name__ == "__main__":
+    main()
