@@ -46,8 +46,7 @@ def probs(logits, s: Sampling):
         sorted_p = jnp.take_along_axis(p, order, axis=-1)
         before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each token
         keep_sorted = before < s.top_p  # smallest prefix whose mass reaches top_p (the top token always kept)
-        keep = jnp.zeros_like(keep_sorted).at[..., order].set(keep_sorted) if p.ndim == 1 else \
-            jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
+        keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)  # back to vocab order
         p = jnp.where(keep, p, 0.0)
         p = p / jnp.sum(p, axis=-1, keepdims=True)
     return p
