@@ -23,6 +23,20 @@ def _mm(a, b):
     return jnp.matmul(a, b, precision=HIGHEST)
 
 
+def unit_lower_inverse(L):
+    """(I + L)^-1 for strictly lower-triangular L [..., C, C], as the product (I+M)(I+M^2)(I+M^4)... with
+    M = -L (nilpotent: M^C = 0), so only batched matmuls. Not lax.linalg.triangular_solve: on CPU, jaxlib's
+    batched trsm blocks XLA's intra-op pool and deadlocks when two run at once (seen in training's backward)."""
+    C = L.shape[-1]
+    M = -L
+    inv = jnp.eye(C, dtype=L.dtype) + M
+    P = M
+    for _ in range(max(C - 1, 1).bit_length() - 1):
+        P = _mm(P, P)
+        inv = inv + _mm(inv, P)
+    return inv
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk=CHUNK):
     """Chunked gated delta rule. q, k [B, T, h, dk]; v [B, T, h, dv]; g, beta [B, T, h] (all f32);
     state [B, h, dk, dv]. Returns out [B, T, h, dv], final state."""
@@ -39,10 +53,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk=CHUNK):
     cum = jnp.cumsum(g, axis=-1)  # [B, h, n, C]
     lower = jnp.tril(jnp.ones((chunk, chunk), bool))
     decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
-    ut = _mm(k_beta, jnp.swapaxes(k, -1, -2)) * decay  # strictly-lower part defines (I + L)
-    solve = lambda rhs: jax.lax.linalg.triangular_solve(ut, rhs, left_side=True, lower=True, unit_diagonal=True)
-    new_v = solve(v_beta)
-    k_cumdecay = solve(k_beta * jnp.exp(cum)[..., None])
+    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
+    L = jnp.where(strict, _mm(k_beta, jnp.swapaxes(k, -1, -2)) * decay, 0.0)
+    inv = unit_lower_inverse(L)
+    new_v = _mm(inv, v_beta)
+    k_cumdecay = _mm(inv, k_beta * jnp.exp(cum)[..., None])
     intra = _mm(q, jnp.swapaxes(k, -1, -2)) * decay
     q_dec = q * jnp.exp(cum)[..., None]
     k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]

@@ -18,6 +18,7 @@ from .sampling import Sampling, choose
 from .speculative import SpecConfig, spec_decode
 from .state import init_state
 from .stats import GenerateStats
+from .stream import emit, streaming_to
 
 DEFAULT_PREFILL_CHUNK = 256
 
@@ -115,20 +116,22 @@ def _prefill_chunk(weights, cfg, tokens, state, pos, n_valid):
     return forward(weights, cfg, tokens, state, pos, n_valid, gdn_mode="chunk")
 
 
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _mtp_chunk(weights, cfg, tokens, hidden, cache, slot):
-    out, cache, _ = mtp_forward(weights, cfg, tokens, hidden, cache, slot)
+@partial(jax.jit, static_argnames=("cfg", "window", "sinks"), donate_argnames=("cache",))
+def _mtp_chunk(weights, cfg, tokens, hidden, cache, slot, window=None, sinks=0):
+    out, cache, _ = mtp_forward(weights, cfg, tokens, hidden, cache, slot, window=window, sinks=sinks)
     return out, cache
 
 
-@partial(jax.jit, static_argnames=("cfg", "max_new", "keep_logits", "sampling"))
-def _plain_decode(weights, cfg, state, first, first_logits, pos, eos, pad_id, key, max_new, keep_logits, sampling):
-    """first [B]: the token chosen from prefill's logits, at positions pos [B]. Emits up to max_new tokens per
-    row; with keep_logits also returns the logits each token was chosen from [B, max_new, V]."""
+@partial(jax.jit, static_argnames=("cfg", "cap", "keep_logits", "sampling", "streaming"))
+def _plain_decode(weights, cfg, state, first, first_logits, pos, eos, pad_id, key, max_new, cap, keep_logits,
+                  sampling, streaming=False):
+    """first [B]: the token chosen from prefill's logits, at positions pos [B]. Emits up to max_new (traced,
+    <= the static buffer size cap) tokens per row; with keep_logits also returns the logits each token was
+    chosen from [B, cap, V]. streaming: hand each step's tokens to the host (stream.emit) as they are made."""
     B, V = first_logits.shape
     is_eos = lambda t: jnp.any(t[:, None] == eos[None, :], axis=-1)
-    out = jnp.full((B, max_new), pad_id, jnp.int32).at[:, 0].set(first)
-    logits_buf = jnp.zeros((B, max_new if keep_logits else 1, V), jnp.float32).at[:, 0].set(first_logits)
+    out = jnp.full((B, cap), pad_id, jnp.int32).at[:, 0].set(first)
+    logits_buf = jnp.zeros((B, cap if keep_logits else 1, V), jnp.float32).at[:, 0].set(first_logits)
     carry = (state, first, pos, out, logits_buf, jnp.ones((B,), jnp.int32), is_eos(first), key, jnp.int32(1))
 
     def cond(c):
@@ -141,6 +144,8 @@ def _plain_decode(weights, cfg, state, first, first_logits, pos, eos, pad_id, ke
         key, sub = jax.random.split(key)
         nxt = choose(sub, logits, sampling)
         out = out.at[:, i].set(jnp.where(done, pad_id, nxt))
+        if streaming:
+            emit(nxt[:, None], (~done).astype(jnp.int32))
         if keep_logits:
             logits_buf = logits_buf.at[:, i].set(logits)
         n_out = n_out + (~done).astype(jnp.int32)
@@ -189,9 +194,11 @@ def prefill(model, rows, cache_len: int, prefill_chunk: int = DEFAULT_PREFILL_CH
     return state, last, all_hidden
 
 
-def mtp_prefill(model, tokens, hidden, cache_len: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
-    """Fill the MTP head's KV from the trunk: row t gets (tokens[:, t], hidden[:, t]) at slot t.
-    tokens [B, T] (the token AFTER each hidden's position), hidden [B, T, H]. Returns (out [B, T, H], cache)."""
+def mtp_prefill(model, tokens, hidden, cache_len: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                spec: SpecConfig | None = None):
+    """Fill the MTP head's KV from the trunk: row t gets (tokens[:, t], hidden[:, t]).
+    tokens [B, T] (the token AFTER each hidden's position), hidden [B, T, H]. Returns (out [B, T, H], cache).
+    With spec.window set, the head attends Wind-MTP style and the cache is its ring (draft_ring.py)."""
     cfg, weights = model.config, model.weights
     B, T = tokens.shape
     C = _chunk_size(T, prefill_chunk)
@@ -199,11 +206,15 @@ def mtp_prefill(model, tokens, hidden, cache_len: int, prefill_chunk: int = DEFA
     pad = n_chunks * C - T
     tokens = jnp.pad(jnp.asarray(tokens, jnp.int32), ((0, 0), (0, pad)))
     hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-    cache = init_mtp_cache(cfg, B, max(cache_len, n_chunks * C), weights.embed.dtype)
+    window = spec.window if spec is not None else None
+    sinks = spec.sinks if spec is not None else 0
+    cache = init_mtp_cache(cfg, B, max(cache_len, n_chunks * C), weights.embed.dtype, window=window, sinks=sinks,
+                           k=spec.k if spec is not None else 0)
     outs = []
     for c in range(n_chunks):
         sl = slice(c * C, (c + 1) * C)
-        out, cache = _mtp_chunk(weights, cfg, tokens[:, sl], hidden[:, sl], cache, jnp.full((B,), c * C, jnp.int32))
+        out, cache = _mtp_chunk(weights, cfg, tokens[:, sl], hidden[:, sl], cache, jnp.full((B,), c * C, jnp.int32),
+                                window, sinks)
         outs.append(out)
     return jnp.concatenate(outs, axis=1)[:, :T], cache
 
@@ -230,9 +241,12 @@ def prefill_logits(model, ids, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) ->
     return np.asarray(_logits(model.weights, hidden[0, :T]))
 
 
-def mtp_logits(model, ids, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> np.ndarray:
+def mtp_logits(model, ids, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, window: int | None = None,
+               sinks: int = 0) -> np.ndarray:
     """Teacher-forced MTP logits [T-1, vocab]: row t is the head fed embed(ids[t+1]) and the trunk's post-norm
-    hidden at t, at RoPE position t+1, with the head's KV of rows < t in context."""
+    hidden at t, at RoPE position t+1, with the head's KV of rows < t in context (with window: Wind-MTP's
+    sinks + last `window` rows only)."""
+    spec = SpecConfig(k=1, window=window, sinks=sinks) if window is not None or sinks else None
     require_mtp(model.weights)
     prefill_chunk = _check_chunk(prefill_chunk)
     rows = _single_prompt(ids, model.config)
@@ -241,13 +255,13 @@ def mtp_logits(model, ids, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> np.
         raise ArgumentError("ids", "at least 2 tokens (row t needs ids[t+1])", f"{T} token")
     _, _, hidden = prefill(model, rows, _round_up(T, _chunk_size(T, prefill_chunk)), prefill_chunk,
                            keep_hidden=True)
-    out, _ = mtp_prefill(model, jnp.asarray(rows[0][None, 1:]), hidden[:, :T - 1], T, prefill_chunk)
+    out, _ = mtp_prefill(model, jnp.asarray(rows[0][None, 1:]), hidden[:, :T - 1], T, prefill_chunk, spec)
     return np.asarray(_logits(model.weights, out[0]))
 
 
 def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None = None, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id=None,
-             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, return_logits: bool = False) -> GenerateResult:
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, return_logits: bool = False, stream=None) -> GenerateResult:
     """Generate up to max_new_tokens per row.
 
     prompt_ids: 1-D ids (B = 1), or a batch (a list of 1-D sequences of any lengths, or a 2-D array).
@@ -256,6 +270,9 @@ def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None 
     has plain sampling's distribution). temperature 0 is greedy; otherwise top_k / top_p / seed apply.
     A row stops at an id of eos_token_id (default: the config's; [] disables) or after max_new_tokens.
     return_logits (plain decoding only) also returns the logits each token was chosen from.
+    stream: a callable given, as tokens are committed, a list with each row's new ids (a numpy array, possibly
+    empty); the first call carries the token chosen from prefill. Results are the same with or without it.
+    Programs are compiled per power-of-two bucket of max_new_tokens, so nearby lengths reuse one compile.
     """
     cfg = model.config
     max_new = _check_positive_int("max_new_tokens", max_new_tokens)
@@ -270,6 +287,8 @@ def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None 
         if return_logits:
             raise ArgumentError("return_logits", "False with spec (drafts and verify have no per-token logits)",
                                 "True")
+    if stream is not None and not callable(stream):
+        raise ArgumentError("stream", "None or a callable taking a list of per-row id arrays", repr(stream))
     rows = _as_rows(prompt_ids)
     _check_ids(rows, cfg, max_new)
     eos = _eos_ids(cfg, eos_token_id)
@@ -277,7 +296,8 @@ def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None 
     lens = np.array([len(r) for r in rows], np.int32)
     B, T = len(rows), int(lens.max())
     k = spec.k if spec is not None else 0
-    cache_len = _round_up(max(_round_up(T, _chunk_size(T, prefill_chunk)), T + max_new + k + 1), 128)
+    cap = _pow2_at_least(max(max_new, 16))
+    cache_len = _round_up(max(_round_up(T, _chunk_size(T, prefill_chunk)), T + cap + k + 1), 128)
     eos_arr = jnp.asarray(eos, jnp.int32).reshape(-1)
     key, first_key = jax.random.split(jax.random.PRNGKey(seed))
 
@@ -291,19 +311,25 @@ def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None 
         for b, r in enumerate(rows):
             nxt[b, :len(r) - 1] = r[1:]
         nxt = jnp.asarray(nxt).at[jnp.arange(B), jnp.asarray(lens - 1)].set(first)
-        mtp_out, mcache = mtp_prefill(model, nxt, hidden, cache_len, prefill_chunk)
+        mtp_out, mcache = mtp_prefill(model, nxt, hidden, cache_len, prefill_chunk, spec)
         bridge = mtp_out[jnp.arange(B), jnp.asarray(lens - 1)]
     first.block_until_ready()
     t1 = time.perf_counter()
+    if stream is not None:
+        stream([np.asarray(first)[b:b + 1] for b in range(B)])
     hist = hits = None
-    if spec is None:
-        out, n_out, logits = _plain_decode(model.weights, cfg, state, first, first_logits, jnp.asarray(lens),
-                                           eos_arr, jnp.int32(pad_id), key, max_new, bool(return_logits), sampling)
-    else:
-        out, n_out, hist, hits = spec_decode(model.weights, cfg, state, mcache, first, bridge, jnp.asarray(lens),
-                                             eos_arr, jnp.int32(pad_id), key, max_new, spec, sampling)
-        hist, hits = np.asarray(hist), np.asarray(hits)
-    out, n_out = np.asarray(out), np.asarray(n_out)
+    streaming = stream is not None
+    with streaming_to(stream):
+        if spec is None:
+            out, n_out, logits = _plain_decode(model.weights, cfg, state, first, first_logits, jnp.asarray(lens),
+                                               eos_arr, jnp.int32(pad_id), key, jnp.int32(max_new), cap,
+                                               bool(return_logits), sampling, streaming)
+        else:
+            out, n_out, hist, hits = spec_decode(model.weights, cfg, state, mcache, first, bridge,
+                                                 jnp.asarray(lens), eos_arr, jnp.int32(pad_id), key,
+                                                 jnp.int32(max_new), cap, spec, sampling, streaming)
+            hist, hits = np.asarray(hist), np.asarray(hits)
+        out, n_out = np.asarray(out), np.asarray(n_out)
     t2 = time.perf_counter()
     n = int(n_out.max())
     stats = GenerateStats(batch=B, prompt_tokens=int(lens.sum()), new_tokens=int(n_out.sum()),

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from .attention import attention_layer
 from .config import ModelConfig
+from .draft_ring import init_ring, ring_attention_layer
 from .errors import MissingMTPHeadError
 from .mlp import feed_forward
 from .ops import linear, rmsnorm_1pw
@@ -34,14 +35,21 @@ def require_mtp(weights: Weights):
             "mtp.fc.weight, mtp.pre_fc_norm_*, mtp.norm.weight and mtp.layers.0.*")
 
 
-def init_mtp_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
+def init_mtp_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, *, window: int | None = None,
+                   sinks: int = 0, k: int = 0) -> KVCache:
+    """Native: max_len slots (slot = row). Windowed: the ring of sinks + window + k slots, any context length."""
+    if window is not None:
+        return init_ring(batch, sinks, window, k, cfg.num_kv_heads, cfg.head_dim, dtype)
     shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-def mtp_forward(weights: Weights, cfg: ModelConfig, tokens, hidden, cache: KVCache, slot, *, trace: bool = False):
+def mtp_forward(weights: Weights, cfg: ModelConfig, tokens, hidden, cache: KVCache, slot, *, trace: bool = False,
+                window: int | None = None, sinks: int = 0):
     """tokens [B, T] (the token after each hidden's position), hidden [B, T, H] (post-norm trunk hidden, or
-    the head's own previous out when drafting), rows in cache slots slot[b] .. slot[b]+T-1.
+    the head's own previous out when drafting), head rows slot[b] .. slot[b]+T-1.
+    window None: native attention, cache slot = row. window W: Wind-MTP, the rows see sinks + the last W rows
+    and `cache` is the ring of draft_ring.py.
     Returns (out [B, T, H] post mtp.norm, new cache, trace dict or None). `trace` is static: off, nothing
     extra is computed or kept."""
     w = weights.mtp
@@ -51,7 +59,10 @@ def mtp_forward(weights: Weights, cfg: ModelConfig, tokens, hidden, cache: KVCac
     fc_in = jnp.concatenate([e, h], axis=-1)
     x = linear(fc_in, w.fc)
     ah = rmsnorm_1pw(x, w.layer.input_norm, eps)
-    attn, cache = attention_layer(ah, w.layer.mixer, cfg, cache, slot, rope_offset=ROPE_OFFSET)
+    if window is None:
+        attn, cache = attention_layer(ah, w.layer.mixer, cfg, cache, slot, rope_offset=ROPE_OFFSET)
+    else:
+        attn, cache = ring_attention_layer(ah, w.layer.mixer, cfg, cache, slot, window, sinks, ROPE_OFFSET)
     res1 = x + attn
     mh = rmsnorm_1pw(res1, w.layer.post_norm, eps)
     mlp_out = feed_forward(mh, w.layer.mlp, cfg)

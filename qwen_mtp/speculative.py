@@ -26,18 +26,35 @@ from .model import forward, lm_logits
 from .mtp import mtp_forward
 from .rollback import select_states
 from .sampling import Sampling, draw, probs
+from .stream import emit
+
+
+def _is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-    k: int = 4  # drafts per round
+    """k drafts per round. window None: the draft head attends natively to the whole context. window W
+    (Wind-MTP): the draft head sees the first `sinks` positions and the last W, from a ring of
+    sinks + W + k KV slots; the trunk's verify is unchanged, so the output is still exactly the trunk's."""
+    k: int = 4
+    window: int | None = None
+    sinks: int = 0
 
     def __post_init__(self):
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= 16:
+        if not _is_int(self.k) or not 1 <= self.k <= 16:
             raise ArgumentError("SpecConfig.k", "an integer in [1, 16]", repr(self.k))
+        if self.window is not None and (not _is_int(self.window) or self.window < 1):
+            raise ArgumentError("SpecConfig.window", "None (native attention) or an integer >= 1", repr(self.window))
+        if not _is_int(self.sinks) or self.sinks < 0:
+            raise ArgumentError("SpecConfig.sinks", "an integer >= 0", repr(self.sinks))
+        if self.sinks and self.window is None:
+            raise ArgumentError("SpecConfig.sinks", "0 when window is None (sinks only apply to a window)",
+                                repr(self.sinks))
 
 
-def _draft(weights, cfg, mcache, m1, pos, k, sampling, key):
+def _draft(weights, cfg, mcache, m1, pos, spec, sampling, key):
     """Returns drafts D [B, k], their draft distributions Q [B, k, V] (None when greedy), the head cache."""
 
     def pick(m, key):
@@ -47,13 +64,15 @@ def _draft(weights, cfg, mcache, m1, pos, k, sampling, key):
         q = probs(logits, sampling)
         return draw(key, q), q
 
+    k = spec.k
     keys = jax.random.split(key, k)
     d1, q1 = pick(m1, keys[0])
 
     def step(carry, xs):
         d_prev, m_prev, mcache = carry
         j, key = xs  # draft index j = 1..k-1 (0-based), head row / slot pos - 1 + j
-        m, mcache, _ = mtp_forward(weights, cfg, d_prev[:, None], m_prev[:, None], mcache, pos - 1 + j)
+        m, mcache, _ = mtp_forward(weights, cfg, d_prev[:, None], m_prev[:, None], mcache, pos - 1 + j,
+                                   window=spec.window, sinks=spec.sinks)
         d, q = pick(m[:, 0], key)
         return (d, m[:, 0], mcache), (d, q)
 
@@ -91,17 +110,18 @@ def _accept(D, Q, logits, sampling, key):
     return n, draw(k_res, residual), passed
 
 
-@partial(jax.jit, static_argnames=("cfg", "max_new", "spec", "sampling"))
-def spec_decode(weights, cfg, state, mcache, first, bridge, pos, eos, pad_id, key, max_new, spec: SpecConfig,
-                sampling: Sampling):
+@partial(jax.jit, static_argnames=("cfg", "cap", "spec", "sampling", "streaming"))
+def spec_decode(weights, cfg, state, mcache, first, bridge, pos, eos, pad_id, key, max_new, cap, spec: SpecConfig,
+                sampling: Sampling, streaming=False):
     """first [B]: first new token (at positions pos [B]); bridge [B, H]: the head's output for it.
-    Returns (tokens [B, max_new], counts [B], accept histogram [k+1], per-position test passes [k])."""
+    max_new (traced) <= cap (static buffer size). streaming: hand each round's committed tokens to the host.
+    Returns (tokens [B, cap], counts [B], accept histogram [k+1], per-position test passes [k])."""
     B = first.shape[0]
     k = spec.k
     rows = jnp.arange(B)
     idx = jnp.arange(k + 1)
     is_eos = lambda t: jnp.any(t[..., None] == eos, axis=-1)
-    out = jnp.full((B, max_new + k + 1), pad_id, jnp.int32).at[:, 0].set(first)
+    out = jnp.full((B, cap + k + 1), pad_id, jnp.int32).at[:, 0].set(first)
     done = is_eos(first) | (max_new <= 1)
     carry = (state, mcache, pos, first, bridge, out, jnp.ones((B,), jnp.int32), done, key,
              jnp.zeros((k + 1,), jnp.int32), jnp.zeros((k,), jnp.int32))
@@ -109,7 +129,7 @@ def spec_decode(weights, cfg, state, mcache, first, bridge, pos, eos, pad_id, ke
     def body(c):
         state, mcache, pos, x, m1, out, n_out, done, key, hist, hits = c
         key, k_draft, k_acc = jax.random.split(key, 3)
-        D, Q, mcache = _draft(weights, cfg, mcache, m1, pos, k, sampling, k_draft)
+        D, Q, mcache = _draft(weights, cfg, mcache, m1, pos, spec, sampling, k_draft)
 
         tokens = jnp.concatenate([x[:, None], D], axis=1)  # [B, k+1]
         hidden, state_all = forward(weights, cfg, tokens, state, pos, jnp.full((B,), k + 1, jnp.int32),
@@ -126,6 +146,8 @@ def spec_decode(weights, cfg, state, mcache, first, bridge, pos, eos, pad_id, ke
         write = jax.vmap(lambda o, e, s, c_: jax.lax.dynamic_update_slice(
             o, jnp.where(idx < c_, e, jax.lax.dynamic_slice(o, (s,), (k + 1,))), (s,)))
         out = write(out, emitted, n_out, cnt)
+        if streaming:
+            emit(emitted, cnt)
 
         active = ~done
         hist = hist + jnp.zeros((k + 1,), jnp.int32).at[n].add(active.astype(jnp.int32))
@@ -134,7 +156,8 @@ def spec_decode(weights, cfg, state, mcache, first, bridge, pos, eos, pad_id, ke
         # roll back the GDN states to the accepted count; refill the head's KV from the trunk's hiddens
         state = select_states(state_all, n)
         fill = jnp.where(idx[None] < n[:, None], jnp.pad(D, ((0, 0), (0, 1))), bonus[:, None])
-        m_all, mcache, _ = mtp_forward(weights, cfg, fill, hidden, mcache, pos)
+        m_all, mcache, _ = mtp_forward(weights, cfg, fill, hidden, mcache, pos, window=spec.window,
+                                       sinks=spec.sinks)
         m1 = m_all[rows, n]
 
         n_out = n_out + cnt
@@ -144,4 +167,4 @@ def spec_decode(weights, cfg, state, mcache, first, bridge, pos, eos, pad_id, ke
         return state, mcache, pos, x, m1, out, n_out, new_done, key, hist, hits
 
     c = jax.lax.while_loop(lambda c: ~jnp.all(c[7]), body, carry)
-    return c[5][:, :max_new], c[6], c[9], c[10]
+    return c[5][:, :cap], c[6], c[9], c[10]

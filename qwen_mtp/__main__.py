@@ -1,0 +1,7 @@
+"""python -m qwen_mtp ..."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

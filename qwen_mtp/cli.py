@@ -1,0 +1,182 @@
+"""Command line: `python -m qwen_mtp generate "def fibonacci(n):"` (text in, streamed text out, one stats line).
+
+With no --model it uses the small trained model shipped in checkpoints/qwen3_5_small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ArgumentError, QwenMTPError
+
+K_AUTO_CANDIDATES = (1, 2, 3, 4, 5, 6)
+
+
+def default_model_path() -> Path:
+    import checkpoints
+
+    return Path(checkpoints.__file__).parent / "qwen3_5_small"
+
+
+def load_tokenizer(model_path):
+    from tokenizers import Tokenizer
+
+    file = Path(model_path) / "tokenizer.json"
+    if not file.is_file():
+        raise ArgumentError("--model", f"a checkpoint folder with a tokenizer.json ({file})", "no tokenizer.json")
+    return Tokenizer.from_file(str(file))
+
+
+class TextStream:
+    """Decodes ids as they arrive and writes only the new, complete text (a byte-level BPE token can end in the
+    middle of a UTF-8 character: such a tail is held back until the next token completes it)."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.tok, self.out, self.ids, self.shown = tokenizer, out, [], 0
+
+    def __call__(self, rows):
+        self.ids.extend(int(i) for i in rows[0])
+        text = self.tok.decode(self.ids)
+        end = len(text)
+        while end > self.shown and text[end - 1] == "\ufffd":
+            end -= 1
+        if end > self.shown:
+            self.out.write(text[self.shown:end])
+            self.out.flush()
+            self.shown = end
+
+    def finish(self):
+        text = self.tok.decode(self.ids)
+        if len(text) > self.shown:
+            self.out.write(text[self.shown:])
+        self.out.write("\n")
+        self.out.flush()
+
+
+def _k_arg(value: str):
+    if value == "auto":
+        return "auto"
+    try:
+        k = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, 16] or 'auto', found {value!r}") from None
+    if not 1 <= k <= 16:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, 16] or 'auto', found {k}")
+    return k
+
+
+def _nonneg_int(value: str):
+    try:
+        v = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, found {value!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, found {v}")
+    return v
+
+
+def _pos_int(value: str):
+    v = _nonneg_int(value)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, found {v}")
+    return v
+
+
+def pick_k(model, ids, max_new, sampling_kw, make_spec, candidates=K_AUTO_CANDIDATES, log=sys.stderr):
+    """Measure decode time for plain decoding and each k on this prompt and machine; return the fastest
+    (None = plain). Each candidate runs twice (the first run compiles); the second is timed."""
+    from .generate import generate
+
+    timings = {}
+    for k in (None, *candidates):
+        spec = None if k is None else make_spec(k)
+        for _ in range(2):
+            r = generate(model, ids, max_new, spec=spec, **sampling_kw)
+        timings[k] = r.stats.decode_s / max(int(r.lengths[0]) - 1, 1)
+    best = min(timings, key=timings.get)
+    row = "  ".join(f"{'plain' if k is None else f'k={k}'}: {1e3 * t:.2f}" for k, t in timings.items())
+    print(f"[auto k] TPOT ms  {row}  -> {'plain' if best is None else f'k={best}'}", file=log)
+    return best
+
+
+def cmd_generate(args) -> int:
+    from . import load
+    from .generate import generate
+    from .speculative import SpecConfig
+
+    path = Path(args.model) if args.model else default_model_path()
+    model = load(path)
+    tok = load_tokenizer(path)
+    ids = np.asarray(tok.encode(args.prompt).ids, np.int32)
+    if ids.size == 0:
+        raise ArgumentError("prompt", "text that encodes to at least one token", repr(args.prompt))
+    sampling_kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    make_spec = lambda k: SpecConfig(k=k, window=args.window, sinks=args.sinks)
+    if args.no_spec:
+        spec = None
+    else:
+        if not model.has_mtp:
+            raise ArgumentError("--model", "a checkpoint with an MTP head (mtp.* tensors), or --no-spec",
+                                f"{path} without mtp.*")
+        k = args.k
+        if k == "auto":
+            k = pick_k(model, ids, args.max_new_tokens, sampling_kw, make_spec)
+        spec = None if k is None else make_spec(k)
+    sys.stdout.write(args.prompt)
+    out = TextStream(tok)
+    t0 = time.perf_counter()
+    r = generate(model, ids, args.max_new_tokens, spec=spec, stream=out, **sampling_kw)
+    wall = time.perf_counter() - t0
+    out.finish()
+    s = r.stats
+    line = (f"[{path.name}] {s.new_tokens} new tokens in {wall:.2f}s: {s.new_tokens / wall:.1f} tok/s end to end, "
+            f"decode {s.decode_tokens_per_s:.1f} tok/s, TPOT {1e3 * s.tpot_s:.2f} ms")
+    if spec is None:
+        line += ", plain decoding"
+    else:
+        alphas = " ".join(f"{a:.2f}" for a in s.alpha)
+        win = "native" if spec.window is None else f"window {spec.window} sinks {spec.sinks}"
+        line += f", k={spec.k} ({win}), AL {s.acceptance_length:.2f}, alpha_j [{alphas}]"
+    print(line, file=sys.stderr if args.stats_to_stderr else sys.stdout)
+    return 0
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(prog="python -m qwen_mtp", description="qwen-mtp: Qwen3.5 inference in JAX "
+                                 "with the MTP head as speculative drafter")
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="continue a text prompt, streaming the decoded text")
+    g.add_argument("prompt", help="the text to continue")
+    g.add_argument("--model", default=None, help="checkpoint folder (default: the shipped checkpoints/qwen3_5_small)")
+    g.add_argument("--max-new-tokens", type=_pos_int, default=128)
+    g.add_argument("--k", type=_k_arg, default=3, help="drafts per round, 1..16, or 'auto' to time plain and "
+                   f"k in {list(K_AUTO_CANDIDATES)} on this machine and use the fastest (default 3)")
+    g.add_argument("--window", type=_pos_int, default=None, help="Wind-MTP: the draft head attends to the last "
+                   "WINDOW positions plus the sinks (default: native full attention)")
+    g.add_argument("--sinks", type=_nonneg_int, default=0, help="with --window: the first SINKS positions stay "
+                   "visible to the draft head (default 0)")
+    g.add_argument("--no-spec", action="store_true", help="plain decoding, no MTP drafts")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=_nonneg_int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stats-to-stderr", action="store_true", help="print the stats line on stderr")
+    g.set_defaults(func=cmd_generate)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if getattr(args, "sinks", 0) and getattr(args, "window", None) is None:
+        ap.error("--sinks needs --window")
+    try:
+        return args.func(args)
+    except QwenMTPError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
