@@ -146,6 +146,69 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _windows_arg(value: str):
+    out = []
+    for part in value.split(","):
+        part = part.strip()
+        if part == "native":
+            out.append(None)
+            continue
+        try:
+            w = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma list of integers >= 1 or 'native', found {part!r}") \
+                from None
+        if w < 1:
+            raise argparse.ArgumentTypeError(f"expected windows >= 1, found {w}")
+        out.append(w)
+    return out
+
+
+def cmd_analyze_window(args) -> int:
+    from . import load
+    from .analysis import (ab_probe, attention_mass, dose_response, format_alpha_intervals, format_dose_response,
+                           plot_results)
+
+    path = Path(args.model) if args.model else default_model_path()
+    model = load(path)
+    if not model.has_mtp:
+        raise ArgumentError("--model", "a checkpoint with an MTP head (mtp.* tensors)", f"{path} without mtp.*")
+    tok = load_tokenizer(path)
+    if args.prompt_file:
+        text = Path(args.prompt_file).read_text(encoding="utf-8")
+    else:
+        from checkpoints.train_small import HELD_OUT, stdlib_root
+
+        text = "\n".join((stdlib_root() / f).read_text(encoding="utf-8") for f in HELD_OUT)
+    ids = np.asarray(tok.encode(text).ids, np.int32)
+    need = args.prompts * args.prompt_len
+    if ids.size < need:
+        raise ArgumentError("--prompt-file", f"text of at least {need} tokens", f"{ids.size} tokens")
+    step = ids.size // args.prompts
+    prompts = [ids[i * step:i * step + args.prompt_len] for i in range(args.prompts)]
+    print(f"{path.name}: {args.prompts} prompts x {args.prompt_len} tokens, {args.max_new_tokens} new tokens, "
+          f"k={args.k}, sinks={args.sinks}; every run checked equal to plain greedy")
+    results, plain = dose_response(model, prompts, args.max_new_tokens, args.k, args.windows, args.sinks)
+    print("\ndose-response\n" + format_dose_response(results))
+    print("\nper-position alpha_j\n" + format_alpha_intervals(results))
+    seq = np.concatenate([prompts[0], plain.tokens[0]])
+    print(f"\nA/B probe and attention mass (teacher-forced over prompt 0 + its output, {seq.size} tokens, rows where "
+          "the window hides something)")
+    print("| window | rows | same top-1 | flips | margin at flips | margin overall | native mass in window |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for w in args.windows:
+        if w is None or w + args.sinks >= seq.size - 1:
+            continue
+        ab = ab_probe(model, seq, w, args.sinks)
+        mass = attention_mass(model, seq, w, args.sinks)
+        print(f"| {w} | {ab['rows']} | {ab['same_top1']:.3f} | {ab['flips']} | {ab['margin_at_flips']:.3f} | "
+              f"{ab['margin_overall']:.3f} | {mass:.3f} |")
+    if args.plot:
+        plot_results(results, args.plot)
+        print(f"\nplot written to {args.plot}")
+    return 0
+
+
 def build_parser():
     ap = argparse.ArgumentParser(prog="python -m qwen_mtp", description="qwen-mtp: Qwen3.5 inference in JAX "
                                  "with the MTP head as speculative drafter")
@@ -167,6 +230,21 @@ def build_parser():
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stats-to-stderr", action="store_true", help="print the stats line on stderr")
     g.set_defaults(func=cmd_generate)
+
+    a = sub.add_parser("analyze-window", help="Wind-MTP: dose-response over draft windows, alpha_j with Wilson "
+                       "intervals, A/B probe, attention mass")
+    a.add_argument("--model", default=None)
+    a.add_argument("--windows", type=_windows_arg, default=_windows_arg("16,64,256,1024,native"),
+                   help="comma list of windows, 'native' for full attention (default 16,64,256,1024,native)")
+    a.add_argument("--sinks", type=_nonneg_int, default=4)
+    a.add_argument("--k", type=_pos_int, default=4)
+    a.add_argument("--prompts", type=_pos_int, default=4)
+    a.add_argument("--prompt-len", type=_pos_int, default=512)
+    a.add_argument("--max-new-tokens", type=_pos_int, default=64)
+    a.add_argument("--prompt-file", default=None, help="text to cut prompts from (default: the held-out stdlib "
+                   "files the shipped model never saw)")
+    a.add_argument("--plot", default=None, help="save a PNG of AL/TPOT and alpha_j per window here")
+    a.set_defaults(func=cmd_analyze_window)
     return ap
 
 

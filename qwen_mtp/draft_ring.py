@@ -10,7 +10,8 @@ the ring as it was (rows < start) plus the call's own new keys. That makes one f
 step, the (k+1)-row refill after a verify, and prefill chunks of any length. The ring can hold stale rows
 (drafts of a rejected round, or rows past `start`): `ring_rows` names the one row each slot can hold that is
 < start, and the visibility mask never admits a stale one, because W + k slots outlive every stale write
-(the test in tests/test_draft_ring.py checks this on real runs).
+(tests/test_draft_ring.py checks this through generate's write pattern). The attention itself is
+kernels_pallas/windowed_attention.py: a Pallas kernel on GPU, its pure-JAX reference elsewhere.
 """
 
 from __future__ import annotations
@@ -71,21 +72,6 @@ def init_ring(batch: int, sinks: int, window: int, k: int, kv_heads: int, head_d
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-def windowed_attend_reference(q, ring_k, ring_v, new_k, new_v, start, window: int, sinks: int):
-    """Pure-JAX reference of the windowed draft attention (the Pallas kernel has this signature).
-
-    q [B, T, nh, hd] (RoPE applied) for head rows start .. start+T-1; ring_k/v [B, S + ring, nkv, hd] as
-    before this call's writes; new_k/v [B, T, nkv, hd]. Returns [B, T, nh, hd]."""
-    from .attention import attend
-
-    T = q.shape[1]
-    ring = ring_k.shape[1] - sinks
-    key_ok = window_mask(start, T, window, sinks, ring)
-    keys = jnp.concatenate([ring_k, new_k.astype(ring_k.dtype)], axis=1)
-    vals = jnp.concatenate([ring_v, new_v.astype(ring_v.dtype)], axis=1)
-    return attend(q, keys, vals, key_ok)
-
-
 def ring_attention_layer(x, w, cfg, cache: KVCache, start, window: int, sinks: int, rope_offset: int,
                          attend_fn=None):
     """The head's attention with Wind-MTP: windowed over the ring, then this call's rows are written."""
@@ -94,7 +80,8 @@ def ring_attention_layer(x, w, cfg, cache: KVCache, start, window: int, sinks: i
     B, T, _ = x.shape
     rows = start[:, None] + jnp.arange(T, dtype=start.dtype)[None]
     q, k, v, gate = project_qkv(x, w, cfg, rows + rope_offset)
-    attend_fn = attend_fn or windowed_attend_reference
+    if attend_fn is None:  # the Pallas kernel on GPU, its pure-JAX reference elsewhere
+        from kernels_pallas.windowed_attention import windowed_attend as attend_fn
     o = attend_fn(q, cache.k, cache.v, k, v, start, window, sinks)
     return output(o, gate, w), ring_write(cache, k, v, start, sinks)
 
