@@ -36,8 +36,8 @@ class TextStream:
     """Decodes ids as they arrive and writes only the new, complete text (a byte-level BPE token can end in the
     middle of a UTF-8 character: such a tail is held back until the next token completes it)."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tok, self.out, self.ids, self.shown = tokenizer, out, [], 0
+    def __init__(self, tokenizer, out=None):
+        self.tok, self.out, self.ids, self.shown = tokenizer, out or sys.stdout, [], 0
 
     def __call__(self, rows):
         self.ids.extend(int(i) for i in rows[0])
@@ -87,6 +87,10 @@ def _pos_int(value: str):
     return v
 
 
+def _discard(rows):
+    pass
+
+
 def pick_k(model, ids, max_new, sampling_kw, make_spec, candidates=K_AUTO_CANDIDATES, log=sys.stderr):
     """Measure decode time for plain decoding and each k on this prompt and machine; return the fastest
     (None = plain). Each candidate runs twice (the first run compiles); the second is timed."""
@@ -95,13 +99,18 @@ def pick_k(model, ids, max_new, sampling_kw, make_spec, candidates=K_AUTO_CANDID
     timings = {}
     for k in (None, *candidates):
         spec = None if k is None else make_spec(k)
-        for _ in range(2):
-            r = generate(model, ids, max_new, spec=spec, **sampling_kw)
+        for _ in range(2):  # streaming on, as in the real run, so its compiled program is the one timed
+            r = generate(model, ids, max_new, spec=spec, stream=_discard, **sampling_kw)
         timings[k] = r.stats.decode_s / max(int(r.lengths[0]) - 1, 1)
     best = min(timings, key=timings.get)
     row = "  ".join(f"{'plain' if k is None else f'k={k}'}: {1e3 * t:.2f}" for k, t in timings.items())
     print(f"[auto k] TPOT ms  {row}  -> {'plain' if best is None else f'k={best}'}", file=log)
     return best
+
+
+def k_was_not_timed(args) -> bool:
+    """--k auto already compiled and ran every candidate, the chosen one included."""
+    return args.no_spec or args.k != "auto"
 
 
 def cmd_generate(args) -> int:
@@ -127,6 +136,11 @@ def cmd_generate(args) -> int:
         if k == "auto":
             k = pick_k(model, ids, args.max_new_tokens, sampling_kw, make_spec)
         spec = None if k is None else make_spec(k)
+    warm = 0.0
+    if not args.no_warmup and k_was_not_timed(args):
+        t = time.perf_counter()  # compile (and run once) the exact program of the real run, output discarded
+        generate(model, ids, args.max_new_tokens, spec=spec, stream=_discard, **sampling_kw)
+        warm = time.perf_counter() - t
     sys.stdout.write(args.prompt)
     out = TextStream(tok)
     t0 = time.perf_counter()
@@ -136,6 +150,8 @@ def cmd_generate(args) -> int:
     s = r.stats
     line = (f"[{path.name}] {s.new_tokens} new tokens in {wall:.2f}s: {s.new_tokens / wall:.1f} tok/s end to end, "
             f"decode {s.decode_tokens_per_s:.1f} tok/s, TPOT {1e3 * s.tpot_s:.2f} ms")
+    if warm:
+        line += f" (compile + warm-up {warm:.1f}s not counted)"
     if spec is None:
         line += ", plain decoding"
     else:
@@ -229,6 +245,8 @@ def build_parser():
     g.add_argument("--top-k", type=_nonneg_int, default=0, help="0 = off")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stats-to-stderr", action="store_true", help="print the stats line on stderr")
+    g.add_argument("--no-warmup", action="store_true", help="time the first call too (it includes compiling); "
+                   "by default a discarded run compiles first, so tok/s is the steady-state speed")
     g.set_defaults(func=cmd_generate)
 
     a = sub.add_parser("analyze-window", help="Wind-MTP: dose-response over draft windows, alpha_j with Wilson "
@@ -251,7 +269,7 @@ def build_parser():
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    if getattr(args, "sinks", 0) and getattr(args, "window", None) is None:
+    if args.command == "generate" and args.sinks and args.window is None:
         ap.error("--sinks needs --window")
     try:
         return args.func(args)

@@ -120,3 +120,16 @@ def test_cli_bad_input(capsys, tmp_path):
             main(["generate", "x", *bad])
         assert e.value.code == 2
         capsys.readouterr()
+
+
+def test_analyze_window_cli(capsys, tmp_path):
+    png = tmp_path / "windows.png"
+    rc = main(["analyze-window", "--windows", "8,native", "--sinks", "2", "--k", "2", "--prompts", "2",
+               "--prompt-len", "64", "--max-new-tokens", "16", "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "dose-response" in out and "| 8 | 2 |" in out and "| native | 0 |" in out
+    assert "95% Wilson" in out and "same top-1" in out
+    ab_row = [line for line in out.splitlines() if line.startswith("| 8 | ") and line.count("|") == 8]
+    assert ab_row, out  # the A/B probe + attention-mass row for W=8
+    assert png.stat().st_size > 1000
