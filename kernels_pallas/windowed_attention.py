@@ -28,6 +28,7 @@ from qwen_mtp.attention import attend
 from qwen_mtp.draft_ring import window_mask
 
 MAX_ROWS = 128  # G * T per program
+HIGHEST = jax.lax.Precision.HIGHEST  # no TF32 in f32 dots on GPU
 MAX_HEAD_DIM = 256
 
 
@@ -74,7 +75,8 @@ def _kernel(qrow_ref, newest_ref, newrow_ref, q_ref, rk_ref, rv_ref, nk_ref, nv_
 
     def update(carry, k, v, key_row):
         m_i, l_i, acc = carry
-        s = jnp.dot(q, k.astype(jnp.float32).T, preferred_element_type=jnp.float32) * scale  # [M, block]
+        s = jnp.dot(q, k.astype(jnp.float32).T, precision=HIGHEST, preferred_element_type=jnp.float32)
+        s = s * scale  # [M, block_k]
         ok = visible(key_row[None, :], qrow[:, None])
         s = jnp.where(ok, s, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
@@ -82,7 +84,8 @@ def _kernel(qrow_ref, newest_ref, newrow_ref, q_ref, rk_ref, rv_ref, nk_ref, nv_
         p = jnp.where(ok, jnp.exp(s - m_safe[:, None]), 0.0)
         corr = jnp.where(m_i == -jnp.inf, 0.0, jnp.exp(m_i - m_safe))
         l_i = l_i * corr + jnp.sum(p, axis=1)
-        acc = acc * corr[:, None] + jnp.dot(p, v.astype(jnp.float32), preferred_element_type=jnp.float32)
+        acc = acc * corr[:, None] + jnp.dot(p, v.astype(jnp.float32), precision=HIGHEST,
+                                             preferred_element_type=jnp.float32)
         return m_new, l_i, acc
 
     def ring_block(j, carry):

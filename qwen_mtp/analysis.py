@@ -153,13 +153,14 @@ def plot_results(results, path=None):
     ax1b = ax1.twinx()
     ax1b.plot(names, [r["tpot_ms"] for r in results], "s--", color="tab:red", label="TPOT")
     ax1b.set_ylabel("TPOT (ms)")
-    ax1.set_title("dose-response")
+    ax1.set_title("dose-response (AL solid, TPOT dashed)")
     for i, r in enumerate(results):
         j = np.arange(1, len(r["alpha"]) + 1) + (i - len(results) / 2) * 0.05
         a = np.array([x[0] for x in r["alpha"]])
         lo = np.array([x[1] for x in r["alpha"]])
         hi = np.array([x[2] for x in r["alpha"]])
         ax2.errorbar(j, a, yerr=[a - lo, hi - a], fmt="o-", capsize=3, label=names[i])
+    ax2.set_xticks(range(1, max(len(r["alpha"]) for r in results) + 1))
     ax2.set_xlabel("draft position j")
     ax2.set_ylabel("alpha_j (95% Wilson)")
     ax2.set_ylim(0, 1)
