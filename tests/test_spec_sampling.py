@@ -47,3 +47,36 @@ def test_sampling_is_reproducible_by_seed(ckpt):
     c = qwen_mtp.generate(model, [PROMPT] * 8, 12, temperature=1.0, seed=8).tokens
     np.testing.assert_array_equal(a, b)
     assert len({tuple(r) for r in c}) > 1  # rows of one batch draw independently
+
+
+def test_distribution_test_catches_a_wrong_residual(ckpt, monkeypatch, report):
+    """The classic bug: after a rejection, draw from p instead of the residual norm(max(p - q, 0)). The same
+    chi-square comparison, with the same seeds and the same 1e-3 threshold, rejects it: the test above could
+    fail."""
+    import jax
+
+    from qwen_mtp import speculative
+
+    real = speculative._accept
+
+    def accept_drawing_from_p(D, Q, logits, sampling, key):
+        n, _, passed = real(D, Q, logits, sampling, key)  # the same accept decisions ...
+        P = speculative.probs(logits, sampling)
+        _, k_res = jax.random.split(key)
+        return n, speculative.draw(k_res, P[jax.numpy.arange(D.shape[0]), n]), passed  # ... but p, not residual
+
+    model = qwen_mtp.load(ckpt("dense_mtp")[1])
+    prompts = [PROMPT] * B
+    plain = qwen_mtp.generate(model, prompts, 4, eos_token_id=[], seed=1, temperature=1.0).tokens
+    jax.clear_caches()  # spec_decode must be traced again with the wrong _accept
+    monkeypatch.setattr(speculative, "_accept", accept_drawing_from_p)
+    try:
+        bad = qwen_mtp.generate(model, prompts, 4, eos_token_id=[], seed=2, temperature=1.0,
+                                spec=qwen_mtp.SpecConfig(k=2)).tokens
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    pvals = [_pvalue(_counts(plain, j), _counts(bad, j)) for j in range(4)]
+    report(f"spec sampling with the wrong residual (p after a rejection): p-values "
+           f"{[f'{p:.1e}' for p in pvals]} (the real test requires all > 1e-3)")
+    assert min(pvals) < 1e-3, pvals
