@@ -42,6 +42,16 @@ def _msg_has(err, *parts):
     return msg
 
 
+def _load_refused(folder, file, tensor, expected, found):
+    """qwen_mtp.load(folder) raises exactly CheckpointError naming file and tensor, with these expected and
+    found values, all four in its message."""
+    e = _refused(CheckpointError, qwen_mtp.load, folder)
+    assert (e.file, e.tensor) == (str(file), tensor)
+    assert e.expected == expected and e.found == found
+    _msg_has(e, file, tensor, expected, found)
+    return e
+
+
 # ------------------------------------------------------------------------------------------------ fixtures
 @pytest.fixture
 def dense_copy(ckpt, tmp_path):
@@ -93,10 +103,7 @@ def test_wrong_shape(dense_copy):
         t[name] = np.ones((48, 31), np.float32)
 
     f = _rewrite(dense_copy, edit)
-    e = _refused(CheckpointError, qwen_mtp.load, dense_copy)
-    assert (e.file, e.tensor) == (str(f), name)
-    assert e.expected == "shape [48, 32]" and e.found == "shape [48, 31]"
-    _msg_has(e, f, name, "shape [48, 32]", "shape [48, 31]")
+    _load_refused(dense_copy, f, name, "shape [48, 32]", "shape [48, 31]")
 
 
 def test_wrong_dtype_int32(dense_copy):
@@ -179,11 +186,7 @@ def test_shard_path_escaping_folder(dense_copy, tmp_path, how):
     if how == "symlink":
         (dense_copy / ref).symlink_to(outside)
     assert outside.is_file() and (dense_copy / ref).is_file()  # exists: only the escape check can reject it
-    e = _refused(CheckpointError, qwen_mtp.load, dense_copy)
-    assert (e.file, e.tensor) == (str(index), name)
-    root = str(dense_copy.resolve())
-    assert e.expected == f"a shard path inside {root}" and e.found == repr(ref)
-    _msg_has(e, index, name, root, repr(ref))
+    _load_refused(dense_copy, index, name, f"a shard path inside {dense_copy.resolve()}", repr(ref))
 
 
 def test_unexpected_extra_tensor(dense_copy):
@@ -193,10 +196,7 @@ def test_unexpected_extra_tensor(dense_copy):
         t[name] = np.ones((48, 32), np.float32)
 
     f = _rewrite(dense_copy, edit)
-    e = _refused(CheckpointError, qwen_mtp.load, dense_copy)
-    assert (e.file, e.tensor) == (str(f), name)
-    assert e.expected == "only tensors the config accounts for" and e.found == "an unexpected tensor"
-    _msg_has(e, f, name, "only tensors the config accounts for", "an unexpected tensor")
+    _load_refused(dense_copy, f, name, "only tensors the config accounts for", "an unexpected tensor")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "fp32", "", None, np.float32])
