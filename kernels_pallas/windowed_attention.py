@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from qwen_mtp.attention import attend
-from qwen_mtp.draft_ring import window_mask
+from qwen_mtp.draft_ring import slot_rows, visible, window_mask
 
 MAX_ROWS = 128  # G * T per program
 HIGHEST = jax.lax.Precision.HIGHEST  # no TF32 in f32 dots on GPU
@@ -70,14 +70,11 @@ def _kernel(qrow_ref, newest_ref, newrow_ref, q_ref, rk_ref, rv_ref, nk_ref, nv_
     newest = newest_ref[...]  # [block_k], all equal to start - 1
     M, hd = q.shape
 
-    def visible(key_row, query_row):
-        return (key_row >= 0) & (key_row <= query_row) & ((key_row < sinks) | (key_row > query_row - window))
-
     def update(carry, k, v, key_row):
         m_i, l_i, acc = carry
         s = jnp.dot(q, k.astype(jnp.float32).T, precision=HIGHEST, preferred_element_type=jnp.float32)
         s = s * scale  # [M, block_k]
-        ok = visible(key_row[None, :], qrow[:, None])
+        ok = visible(key_row[None, :], qrow[:, None], window, sinks)
         s = jnp.where(ok, s, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -92,12 +89,7 @@ def _kernel(qrow_ref, newest_ref, newrow_ref, q_ref, rk_ref, rv_ref, nk_ref, nv_
         k = rk_ref[pl.ds(j * block_k, block_k), :]
         v = rv_ref[pl.ds(j * block_k, block_k), :]
         slot = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
-        off = slot - sinks
-        ring_row = newest - jax.lax.rem(jax.lax.rem(newest - sinks - off, ring) + ring, ring)
-        ring_row = jnp.where((newest >= sinks) & (ring_row >= sinks), ring_row, -1)
-        sink_row = jnp.where(slot <= newest, slot, -1)
-        held = jnp.where(slot < sinks, sink_row, jnp.where(slot < sinks + ring, ring_row, -1))
-        return update(carry, k, v, held)
+        return update(carry, k, v, slot_rows(slot, newest, sinks, ring))
 
     carry = (jnp.full((M,), -jnp.inf, jnp.float32), jnp.zeros((M,), jnp.float32), jnp.zeros((M, hd), jnp.float32))
     carry = jax.lax.fori_loop(0, n_blocks, ring_block, carry)

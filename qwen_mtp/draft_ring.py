@@ -16,6 +16,7 @@ kernels_pallas/windowed_attention.py: a Pallas kernel on GPU, its pure-JAX refer
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from .state import KVCache
@@ -26,16 +27,22 @@ def ring_slot(row, sinks: int, ring: int):
     return jnp.where(row < sinks, row, sinks + (row - sinks) % ring)
 
 
+def slot_rows(slots, newest, sinks: int, ring: int):
+    """The logical row <= newest that each physical slot holds (-1 if none; slots past sinks + ring hold
+    none). Elementwise over slots and newest (the last row written, start - 1), so the Pallas kernel calls it
+    on one block of slots at a time. The remainder is written with lax.rem (non-negative either way)."""
+    off = slots - sinks
+    ring_row = newest - jax.lax.rem(jax.lax.rem(newest - sinks - off, ring) + ring, ring)
+    ring_row = jnp.where((newest >= sinks) & (ring_row >= sinks), ring_row, -1)
+    sink_row = jnp.where(slots <= newest, slots, -1)
+    return jnp.where(slots < sinks, sink_row, jnp.where(slots < sinks + ring, ring_row, -1))
+
+
 def ring_rows(newest, sinks: int, ring: int):
     """For each of the sinks + ring slots, the logical row <= newest it holds ([..., S + ring], -1 if none);
     newest [...] is the last row written (start - 1)."""
-    slots = jnp.arange(sinks + ring)
     newest = jnp.asarray(newest)[..., None]
-    sink_row = jnp.where(slots <= newest, slots, -1)
-    off = slots - sinks
-    ring_row = newest - (newest - sinks - off) % ring
-    ring_row = jnp.where((newest >= sinks) & (ring_row >= sinks), ring_row, -1)
-    return jnp.where(slots < sinks, sink_row, ring_row)
+    return slot_rows(jnp.arange(sinks + ring, dtype=newest.dtype), newest, sinks, ring)
 
 
 def visible(key_row, query_row, window: int, sinks: int):
