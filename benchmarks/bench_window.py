@@ -87,9 +87,8 @@ def main(argv=None):
     print(f"draft KV at {L1}: windowed {wb1:,} bytes = {wb1 / nb1:.4f} of native {nb1:,}")
 
     tok = load_tokenizer(args.model)
-    from checkpoints.train_small import HELD_OUT, stdlib_root
-    text = "\n".join((stdlib_root() / f).read_text(encoding="utf-8") for f in HELD_OUT)
-    ids = np.asarray(tok.encode(text).ids, np.int32)
+    from checkpoints.train_small import held_out_text
+    ids = np.asarray(tok.encode(held_out_text()).ids, np.int32)
     ids = np.tile(ids, -(-args.e2e_context // ids.size))[:args.e2e_context]
     res = {}
     for name, spec in [("plain", None), ("native", qwen_mtp.SpecConfig(k=args.k)),

@@ -18,30 +18,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from checkpoints.train_small import SEQ, encode, eval_windows, losses, read_texts, source_files, stdlib_root
-from qwen_mtp.model import forward, lm_logits
-from qwen_mtp.mtp import init_mtp_cache, mtp_forward
-from qwen_mtp.state import init_state
+from checkpoints.train_small import (SEQ, encode, eval_windows, losses_from_logits, read_texts, source_files,
+                                     stdlib_root, teacher_forced_logits)
+
+
+def _hits(x, trunk_logits, mtp_logits):
+    """Per head row t (0..T-2): does the head's argmax equal the trunk's argmax for the token after next, and
+    does repeat-last-token (x[t+1]) equal it? Returns (head hits, repeat hits, count)."""
+    T = trunk_logits.shape[1]
+    target = jnp.argmax(trunk_logits, -1)[:, 1:]  # trunk's choice after position t+1, given the true x[t+1]
+    head = jnp.argmax(mtp_logits, -1)  # row t drafts the token at t+2
+    return jnp.sum(head == target), jnp.sum(x[:, 1:T] == target), target.size
 
 
 @partial(jax.jit, static_argnames=("cfg",))
 def _teacher_forced(weights, cfg, x):
-    """x [B, T+1]. Per row t (0..T-2): does the head's argmax equal the trunk's argmax for the token after
-    next, and does repeat-last-token (x[t+1]) equal it? Returns (head hits, repeat hits, count)."""
-    B, T1 = x.shape
-    T = T1 - 1
-    zeros = jnp.zeros((B,), jnp.int32)
-    hidden, _ = forward(weights, cfg, x[:, :T], init_state(cfg, B, T, jnp.float32), zeros,
-                        jnp.full((B,), T, jnp.int32), gdn_mode="chunk")
-    trunk_next = jnp.argmax(lm_logits(weights, hidden), -1)  # trunk's choice after position t: [B, T]
-    out, _, _ = mtp_forward(weights, cfg, x[:, 1:T], hidden[:, :T - 1], init_mtp_cache(cfg, B, T - 1, jnp.float32),
-                            zeros)
-    head = jnp.argmax(lm_logits(weights, out), -1)  # row t drafts the token at t+2
-    target = trunk_next[:, 1:]  # trunk's choice after position t+1, given the true x[t+1]
-    return jnp.sum(head == target), jnp.sum(x[:, 1:T] == target), target.size
+    """x [B, T+1]: (head hits, repeat-last-token hits, rows) of _hits, with inference's exact GDN form."""
+    return _hits(x, *teacher_forced_logits(weights, cfg, x, gdn_mode="chunk"))
 
 
-_losses = jax.jit(losses, static_argnames=("cfg", "gdn_mode"))
+@partial(jax.jit, static_argnames=("cfg",))
+def _eval_batch(weights, cfg, x):
+    """One trunk + head forward: (trunk CE, MTP CE, head hits, repeat hits, rows)."""
+    logits = teacher_forced_logits(weights, cfg, x, gdn_mode="chunk")  # inference's exact GDN chunk form
+    trunk, mtp, _ = losses_from_logits(x, *logits)
+    return (trunk, mtp, *_hits(x, *logits))
 
 
 def repeat_last_al(tokens, k):
@@ -75,10 +76,9 @@ def evaluate(model, tok, n_prompts=8, prompt_len=128, new=96, ks=range(1, 7), se
     tl, ml, hh, rh, cnt = [], [], 0, 0, 0
     for i in range(0, len(windows) - B + 1, B):
         x = jnp.asarray(windows[i:i + B])
-        t, m, _ = _losses(w, cfg, x, gdn_mode="chunk")  # inference's exact GDN chunk form
+        t, m, a, b, c = _eval_batch(w, cfg, x)
         tl.append(float(t))
         ml.append(float(m))
-        a, b, c = _teacher_forced(w, cfg, x)
         hh, rh, cnt = hh + int(a), rh + int(b), cnt + int(c)
     res = dict(held_out_tokens=int(ids.size), eval_windows=int(len(windows)), trunk_loss=float(np.mean(tl)),
                mtp_loss=float(np.mean(ml)), alpha1_teacher_forced=hh / cnt, alpha1_repeat_last=rh / cnt)

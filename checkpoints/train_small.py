@@ -118,6 +118,11 @@ def read_texts(root: Path, rels):
     return texts
 
 
+def held_out_text() -> str:
+    """The held-out files joined by newlines: evaluation text the model and tokenizer never saw."""
+    return "\n".join(read_texts(stdlib_root(), HELD_OUT))
+
+
 def train_tokenizer(texts, vocab_size=VOCAB):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -185,24 +190,33 @@ def _xent(logits, labels):
     return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
 
 
-def losses(weights, cfg, x, gdn_mode="chunk_fast"):
-    """x [B, T+1] ids. Returns (trunk CE mean, MTP CE mean, MTP top-1 accuracy on the token after next).
+def teacher_forced_logits(weights, cfg, x, gdn_mode="chunk_fast"):
+    """x [B, T+1] ids. Returns the trunk's logits after positions 0..T-1 [B, T, V] and the head's logits for
+    rows t = 0..T-2 [B, T-1, V] (row t: embed(x[t+1]) and the trunk's hidden at t -> the token at t+2).
     gdn_mode "chunk_fast" (the default, what trained the shipped model) uses the all-matmul doubling inverse
     in the GDN chunk form; "chunk" is inference's exact forward substitution."""
     B, T1 = x.shape
     T = T1 - 1
-    tokens = x[:, :T]
     state = init_state(cfg, B, T, jnp.float32)
     zeros = jnp.zeros((B,), jnp.int32)
-    hidden, _ = forward(weights, cfg, tokens, state, zeros, jnp.full((B,), T, jnp.int32), gdn_mode=gdn_mode)
-    trunk = _xent(lm_logits(weights, hidden), x[:, 1:]).mean()
-    # head row t: (x[t+1], hidden t) -> x[t+2], rows t = 0 .. T-2
+    hidden, _ = forward(weights, cfg, x[:, :T], state, zeros, jnp.full((B,), T, jnp.int32), gdn_mode=gdn_mode)
     out, _, _ = mtp_forward(weights, cfg, x[:, 1:T], hidden[:, :T - 1], init_mtp_cache(cfg, B, T - 1, jnp.float32),
                             zeros)
-    mlog = lm_logits(weights, out)
-    mtp = _xent(mlog, x[:, 2:T + 1]).mean()
-    acc = jnp.mean(jnp.argmax(mlog, -1) == x[:, 2:T + 1])
+    return lm_logits(weights, hidden), lm_logits(weights, out)
+
+
+def losses_from_logits(x, trunk_logits, mtp_logits):
+    """(trunk CE mean, MTP CE mean, MTP top-1 accuracy on the token after next)."""
+    T = trunk_logits.shape[1]
+    trunk = _xent(trunk_logits, x[:, 1:]).mean()
+    mtp = _xent(mtp_logits, x[:, 2:T + 1]).mean()
+    acc = jnp.mean(jnp.argmax(mtp_logits, -1) == x[:, 2:T + 1])
     return trunk, mtp, acc
+
+
+def losses(weights, cfg, x, gdn_mode="chunk_fast"):
+    """x [B, T+1] ids. Returns (trunk CE mean, MTP CE mean, MTP top-1 accuracy on the token after next)."""
+    return losses_from_logits(x, *teacher_forced_logits(weights, cfg, x, gdn_mode))
 
 
 def make_optimizer(total_steps):
@@ -274,22 +288,24 @@ def main(argv=None):
         starts = rng.integers(0, train_ids.size - SEQ - 1, BATCH)
         return jnp.asarray(np.stack([train_ids[s:s + SEQ + 1] for s in starts]))
 
-    # time a few steps with a throwaway optimizer state to size the run
-    probe_opt, _ = make_optimizer(1000)
-    w_probe, s_probe = init_weights(cfg, jax.random.PRNGKey(args.seed)), None
-    s_probe = probe_opt.init(w_probe)
-    w_probe, s_probe, _ = train_step(w_probe, s_probe, batch(), cfg, probe_opt)
-    t = time.time()
-    for _ in range(3):
-        w_probe, s_probe, aux = train_step(w_probe, s_probe, batch(), cfg, probe_opt)
-    jax.block_until_ready(aux)
-    step_s = (time.time() - t) / 3
-    del w_probe, s_probe
-    rng = np.random.default_rng(args.seed)  # the real run draws the same batches whatever the probe took
-    eval_s = len(held) / BATCH * step_s / 3
-    steps = args.steps if not args.minutes else max(WARMUP + 50, int(args.minutes * 60 / (step_s * (1 + 1 / args.eval_every)
-                                                                     + eval_s / args.eval_every)))
-    print(f"model: {n_params / 1e6:.2f}M parameters; {step_s:.2f}s/step x {steps} steps of {BATCH}x{SEQ} tokens")
+    steps, timing = args.steps, ""
+    if args.minutes:  # time a few steps with a throwaway optimizer state to size the run
+        probe_opt, _ = make_optimizer(1000)
+        w_probe = init_weights(cfg, jax.random.PRNGKey(args.seed))
+        s_probe = probe_opt.init(w_probe)
+        w_probe, s_probe, _ = train_step(w_probe, s_probe, batch(), cfg, probe_opt)
+        t = time.time()
+        for _ in range(3):
+            w_probe, s_probe, aux = train_step(w_probe, s_probe, batch(), cfg, probe_opt)
+        jax.block_until_ready(aux)
+        step_s = (time.time() - t) / 3
+        del w_probe, s_probe
+        rng = np.random.default_rng(args.seed)  # the real run draws the same batches whatever the probe took
+        eval_s = len(held) / BATCH * step_s / 3
+        per_step = step_s * (1 + 1 / args.eval_every) + eval_s / args.eval_every
+        steps = max(WARMUP + 50, int(args.minutes * 60 / per_step))
+        timing = f"{step_s:.2f}s/step x "
+    print(f"model: {n_params / 1e6:.2f}M parameters; {timing}{steps} steps of {BATCH}x{SEQ} tokens")
 
     opt, sched = make_optimizer(steps)
     opt_state = opt.init(weights)

@@ -193,9 +193,9 @@ def cmd_analyze_window(args) -> int:
     if args.prompt_file:
         text = Path(args.prompt_file).read_text(encoding="utf-8")
     else:
-        from checkpoints.train_small import HELD_OUT, stdlib_root
+        from checkpoints.train_small import held_out_text
 
-        text = "\n".join((stdlib_root() / f).read_text(encoding="utf-8") for f in HELD_OUT)
+        text = held_out_text()
     ids = np.asarray(tok.encode(text).ids, np.int32)
     need = args.prompts * args.prompt_len
     if ids.size < need:
