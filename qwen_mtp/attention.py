@@ -10,8 +10,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.masked_attention import attend
+
 from .config import ModelConfig
-from .ops import linear, precision_for, rmsnorm_1pw
+from .ops import linear, rmsnorm_1pw
 from .rope import apply_rope, rope_cos_sin
 from .state import KVCache
 from .weights import AttnWeights
@@ -28,23 +30,6 @@ def project_qkv(x, w: AttnWeights, cfg: ModelConfig, positions):
     v = linear(x, w.v_proj).reshape(B, T, nkv, hd)
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
-
-
-def attend(q, k, v, key_ok):
-    """Grouped-query softmax attention.
-
-    q [B, T, nh, hd]; k, v [B, S, nkv, hd]; key_ok [B, T, S] bool (which keys each query may see).
-    Scores and softmax in f32; returns [B, T, nh, hd] in q's dtype.
-    """
-    B, T, nh, hd = q.shape
-    nkv = k.shape[2]
-    qg = q.reshape(B, T, nkv, nh // nkv, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision=precision_for(q.dtype),
-                        preferred_element_type=jnp.float32) * (hd ** -0.5)
-    scores = jnp.where(key_ok[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, precision=precision_for(q.dtype))
-    return out.reshape(B, T, nh, hd)
 
 
 def write_kv(cache: KVCache, k, v, pos) -> KVCache:

@@ -10,53 +10,23 @@ the ring as it was (rows < start) plus the call's own new keys. That makes one f
 step, the (k+1)-row refill after a verify, and prefill chunks of any length. The ring can hold stale rows
 (drafts of a rejected round, or rows past `start`): `ring_rows` names the one row each slot can hold that is
 < start, and the visibility mask never admits a stale one, because W + k slots outlive every stale write
-(tests/test_draft_ring.py checks this through generate's write pattern). The attention itself is
-kernels_pallas/windowed_attention.py: a Pallas kernel on GPU, its pure-JAX reference elsewhere.
+(tests/test_draft_ring.py checks this through generate's write pattern).
+
+The slot mapping and the mask (ring_slot, slot_rows, ring_rows, visible, window_mask) are pure functions in
+kernels_pallas/ring_layout.py, shared with the kernel and re-exported here. The attention itself is
+kernels_pallas/windowed_attention.py: the Pallas kernel in a program lowered for cuda, its pure-JAX reference
+elsewhere.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
+from kernels_pallas.ring_layout import ring_rows, ring_slot, slot_rows, visible, window_mask  # noqa: F401
+from kernels_pallas.windowed_attention import windowed_attend
+
+from .attention import output, project_qkv
 from .state import KVCache
-
-
-def ring_slot(row, sinks: int, ring: int):
-    """Physical slot of logical head row `row` (>= 0): sinks keep their row, the rest wrap in `ring` slots."""
-    return jnp.where(row < sinks, row, sinks + (row - sinks) % ring)
-
-
-def slot_rows(slots, newest, sinks: int, ring: int):
-    """The logical row <= newest that each physical slot holds (-1 if none; slots past sinks + ring hold
-    none). Elementwise over slots and newest (the last row written, start - 1), so the Pallas kernel calls it
-    on one block of slots at a time. The remainder is written with lax.rem (non-negative either way)."""
-    off = slots - sinks
-    ring_row = newest - jax.lax.rem(jax.lax.rem(newest - sinks - off, ring) + ring, ring)
-    ring_row = jnp.where((newest >= sinks) & (ring_row >= sinks), ring_row, -1)
-    sink_row = jnp.where(slots <= newest, slots, -1)
-    return jnp.where(slots < sinks, sink_row, jnp.where(slots < sinks + ring, ring_row, -1))
-
-
-def ring_rows(newest, sinks: int, ring: int):
-    """For each of the sinks + ring slots, the logical row <= newest it holds ([..., S + ring], -1 if none);
-    newest [...] is the last row written (start - 1)."""
-    newest = jnp.asarray(newest)[..., None]
-    return slot_rows(jnp.arange(sinks + ring, dtype=newest.dtype), newest, sinks, ring)
-
-
-def visible(key_row, query_row, window: int, sinks: int):
-    """The Wind-MTP mask: key rows [0, S) and (query - W, query], causal, none negative."""
-    return (key_row >= 0) & (key_row <= query_row) & ((key_row < sinks) | (key_row > query_row - window))
-
-
-def window_mask(start, T: int, window: int, sinks: int, ring: int):
-    """key_ok for [ring slots ; T new rows] of queries start .. start+T-1: [B, T, S + ring + T]."""
-    rows = start[:, None] + jnp.arange(T, dtype=start.dtype)[None]  # [B, T]
-    held = ring_rows(start - 1, sinks, ring)  # [B, S + ring]
-    ok_ring = visible(held[:, None, :], rows[:, :, None], window, sinks)
-    ok_new = visible(rows[:, None, :], rows[:, :, None], window, sinks)
-    return jnp.concatenate([ok_ring, ok_new], axis=-1)
 
 
 def ring_write(cache: KVCache, k, v, start, sinks: int) -> KVCache:
@@ -82,13 +52,11 @@ def init_ring(batch: int, sinks: int, window: int, k: int, kv_heads: int, head_d
 def ring_attention_layer(x, w, cfg, cache: KVCache, start, window: int, sinks: int, rope_offset: int,
                          attend_fn=None):
     """The head's attention with Wind-MTP: windowed over the ring, then this call's rows are written."""
-    from .attention import output, project_qkv
-
     B, T, _ = x.shape
     rows = start[:, None] + jnp.arange(T, dtype=start.dtype)[None]
     q, k, v, gate = project_qkv(x, w, cfg, rows + rope_offset)
-    if attend_fn is None:  # the Pallas kernel on GPU, its pure-JAX reference elsewhere
-        from kernels_pallas.windowed_attention import windowed_attend as attend_fn
+    if attend_fn is None:  # the Pallas kernel in a program lowered for cuda, its pure-JAX reference elsewhere
+        attend_fn = windowed_attend
     o = attend_fn(q, cache.k, cache.v, k, v, start, window, sinks)
     return output(o, gate, w), ring_write(cache, k, v, start, sinks)
 

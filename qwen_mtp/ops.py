@@ -8,10 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
-def precision_for(dtype):
-    """f32 runs at full precision (no TF32 / bf16 passes on GPU); low-precision dtypes use the default."""
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+from kernels_pallas.masked_attention import precision_for  # noqa: F401  (the one precision rule)
 
 
 def linear(x, w):
