@@ -72,3 +72,47 @@ class Weights:
     final_norm: jax.Array  # [H]
     lm_head: Any  # [H, V], or None when tied to embed
     mtp: Any = None  # MTPWeights | None
+
+
+def weight_shapes(cfg, dtype="bfloat16", *, mtp: bool = True) -> Weights:
+    """The `Weights` pytree a checkpoint of `cfg` loads into, as jax.ShapeDtypeStruct leaves (every tensor in
+    `dtype`, as the loader casts them). For lowering and exporting programs at real model shapes without
+    allocating them, and for building random weights of a shape (jax.tree.map over it)."""
+    import jax.numpy as jnp
+
+    dt = jnp.dtype(dtype)
+    a = lambda *shape: jax.ShapeDtypeStruct(shape, dt)
+    H, V = cfg.hidden_size, cfg.vocab_size
+
+    def attn():
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        return AttnWeights(q_proj=a(H, 2 * nh * hd), k_proj=a(H, nkv * hd), v_proj=a(H, nkv * hd),
+                           o_proj=a(nh * hd, H), q_norm=a(hd), k_norm=a(hd))
+
+    def gdn():
+        nv = cfg.gdn_num_v_heads
+        return GDNWeights(in_proj_qkv=a(H, cfg.conv_dim), in_proj_z=a(H, cfg.gdn_value_dim), in_proj_b=a(H, nv),
+                          in_proj_a=a(H, nv), conv=a(cfg.conv_kernel, cfg.conv_dim), A_log=a(nv), dt_bias=a(nv),
+                          norm=a(cfg.gdn_v_head_dim), out_proj=a(cfg.gdn_value_dim, H))
+
+    def mlp(inter):
+        return MLPWeights(gate=a(H, inter), up=a(H, inter), down=a(inter, H))
+
+    def moe():
+        E, inter = cfg.num_experts, cfg.moe_intermediate_size
+        return MoEWeights(router=a(H, E), gate=a(E, H, inter), up=a(E, H, inter), down=a(E, inter, H),
+                          shared=mlp(cfg.shared_expert_intermediate_size), shared_gate=a(H, 1))
+
+    def layer(kind, mlp_kind):
+        return LayerWeights(input_norm=a(H), post_norm=a(H), mixer=attn() if kind == "full_attention" else gdn(),
+                            mlp=moe() if mlp_kind == "moe" else mlp(cfg.intermediate_size))
+
+    layers = tuple(layer(k, m) for k, m in zip(cfg.layer_types, cfg.mlp_types))
+    head = None
+    if mtp:
+        # the MTP layer's MLP is an MoE block exactly when the trunk's MLPs are (as the loader reads it)
+        kind = "moe" if cfg.family == "qwen3_5_moe" or (cfg.family == "qwen3_next" and cfg.has_moe) else "dense"
+        head = MTPWeights(fc=a(2 * H, H), pre_fc_norm_embedding=a(H), pre_fc_norm_hidden=a(H), norm=a(H),
+                          layer=layer("full_attention", kind))
+    return Weights(embed=a(V, H), layers=layers, final_norm=a(H),
+                   lm_head=None if cfg.tie_word_embeddings else a(H, V), mtp=head)

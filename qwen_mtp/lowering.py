@@ -1,0 +1,106 @@
+"""Lowering programs for a platform this machine may not have: `jax.export` runs the whole lowering for cuda
+(Pallas-Triton kernels included) on a CPU, which proves a program compiles for the GPU up to the point where
+XLA takes over, and shows which Pallas kernels it contains.
+
+    exported = export_for(jitted_fn, *args, platform="cuda", **static_kwargs)
+    kernel_calls(exported) -> ["windowed_draft_attention", ...]   # the Pallas kernels in the program
+
+Args may be jax.ShapeDtypeStruct, so real model shapes (qwen_mtp.real_shapes, weights.weight_shapes) lower
+without allocating anything. Export is used here as a lowering check, not to serialize: the Triton custom call
+and the host callback of streaming carry no cross-version compatibility guarantee, so those safety checks are
+disabled. One platform at a time: lowered for ("cpu", "cuda") together, jax lowers every branch of
+platform_dependent for every platform, and the Pallas kernel refuses the cpu lowering.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+_UNSTABLE_CALLS = (TRITON_CALL, "xla_ffi_python_gpu_callback", "xla_ffi_python_cpu_callback",
+                   "xla_python_gpu_callback", "xla_python_cpu_callback")
+DISABLED_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(c) for c in _UNSTABLE_CALLS]
+
+
+def export_for(fn, *args, platform: str = "cuda", **static):
+    """jax.export of `fn` (jitted if it is not) for one platform; static kwargs are passed through."""
+    if not hasattr(fn, "lower"):
+        fn = jax.jit(fn)
+    return jax.export.export(fn, platforms=(platform,), disabled_checks=DISABLED_CHECKS)(*args, **static)
+
+
+def custom_call_targets(exported) -> list:
+    return re.findall(r"custom_call @([\w$.]+)", exported.mlir_module())
+
+
+def kernel_calls(exported) -> list:
+    """Names of the Pallas-Triton kernels called by the exported program, one entry per call site."""
+    names = []
+    for line in exported.mlir_module().splitlines():
+        if f"custom_call @{TRITON_CALL}" in line:
+            found = re.search(r'name = "([\w.-]+)"', line)
+            names.append(found.group(1) if found else "<unnamed>")
+    return names
+
+
+SM90_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on an H100 / H200 (227 KiB)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonKernel:
+    name: str
+    ir: str  # Triton IR, text: what XLA compiles to PTX on the GPU
+    num_warps: int
+    num_stages: int
+    grid: tuple
+
+
+def triton_kernels(exported) -> list:
+    """Each Pallas-Triton kernel call of the exported program, with its Triton IR decoded from the custom call's
+    bytecode (dot precisions, operand dtypes, block shapes) and its launch parameters."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.triton import dialect as triton_dialect
+
+    found = []
+    with mlir.make_ir_context() as ctx:
+        triton_dialect.register_dialect(ctx)
+        module = ir.Module.parse(exported.mlir_module())
+
+        def walk(op):
+            for region in op.regions:
+                for block in region.blocks:
+                    for child in block.operations:
+                        if child.operation.name == "stablehlo.custom_call" and \
+                                ir.StringAttr(child.attributes["call_target_name"]).value == TRITON_CALL:
+                            cfg = child.attributes["mhlo.backend_config"]
+                            num = lambda key: ir.IntegerAttr(cfg[key]).value
+                            found.append(TritonKernel(
+                                name=ir.StringAttr(cfg["name"]).value,
+                                ir=str(ir.Module.parse(ir.StringAttr(cfg["ir"]).value_bytes)),
+                                num_warps=num("num_warps"), num_stages=num("num_stages"),
+                                grid=(num("grid_x"), num("grid_y"), num("grid_z"))))
+                        walk(child.operation)
+
+        walk(module.operation)
+    return found
+
+
+def compile_sm90(kernels, timeout: float = 900) -> list:
+    """Compile TritonKernels to sm_90 machine code with the `triton` package, in a subprocess
+    (qwen_mtp/sm90_compile.py). Returns per kernel {"name", "shared", "registers", "local", "stack", "error"}."""
+    payload = json.dumps([dict(name=k.name, ir=k.ir, num_warps=k.num_warps, num_stages=k.num_stages)
+                          for k in kernels])
+    worker = Path(__file__).with_name("sm90_compile.py")
+    done = subprocess.run([sys.executable, str(worker)], input=payload, capture_output=True, text=True,
+                          timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{worker} failed (exit {done.returncode}): {done.stderr[-3000:]}")
+    return json.loads(done.stdout)
