@@ -1,61 +1,168 @@
-"""GPU check of the Pallas kernels: compiled for the device (not interpret mode), against their pure-JAX
-references, with timings. One short script for a lent accelerator; never part of CI.
+"""GPU check, the one command to run first on a lent GPU (under 8 minutes; never part of CI):
 
-    python benchmarks/gpu_check.py            # on a GPU machine
-    python benchmarks/gpu_check.py --interpret  # the same checks in interpret mode, on CPU (smoke test)
+    python benchmarks/gpu_check.py              # on the GPU machine
+    python benchmarks/gpu_check.py --interpret  # the same checks on CPU, kernels in interpret mode (a smoke test)
+
+1. every Pallas kernel compiled for the device (not interpret mode) against its pure-JAX reference at the test
+   shapes and at real Qwen3.5 draft shapes, f32 and bf16, with the ring in one part and split in several;
+2. timings of kernel and reference (XLA) at the real shapes, with achieved GB/s against the device's
+   bandwidth (bytes = the ring's K and V, the queries, the new rows and the output, each read or written once);
+3. end to end on the shipped model: plain, speculative native and speculative windowed greedy generate (the
+   windowed one with its kernel, checked in the compiled program, streaming on and off) give the same tokens.
+Exits non-zero if any check fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = os.path.join(ROOT, "checkpoints", "qwen3_5_small")
+sys.path.insert(0, ROOT)
 
-from kernels_pallas.windowed_attention import unsupported_reason, windowed_attend_pallas, windowed_attend_reference
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
-# (B, T, nkv, G, hd, sinks, window, k, starts): the test shapes plus realistic Qwen3.5 draft shapes
-CASES = [(1, 1, 2, 1, 16, 0, 4, 1, [3]), (2, 4, 2, 6, 16, 4, 16, 3, [1000, 19]), (1, 7, 1, 1, 64, 0, 5, 6, [77]),
-         (1, 1, 2, 8, 256, 64, 4032, 7, [100_000]), (8, 8, 2, 8, 256, 64, 4032, 7, [50_000 + 997 * i for i in range(8)]),
-         (4, 4, 4, 4, 128, 16, 1024, 3, [3000, 70, 1040, 9999])]
+from kernels_pallas.windowed_attention import (plan, unsupported_reason, windowed_attend_pallas,  # noqa: E402
+                                               windowed_attend_reference)
+
+# device -> HBM bandwidth in bytes/s (published peaks)
+BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "B200": 8.0e12}
+
+# (B, T, nkv, G, hd, sinks, window, k, starts, dtype, parts): test shapes, then real Qwen3.5 draft shapes
+SMALL = [(1, 1, 2, 1, 16, 0, 4, 1, [3], "float32", None), (2, 4, 2, 6, 16, 4, 16, 3, [1000, 19], "float32", 3),
+         (1, 7, 1, 1, 64, 0, 5, 6, [77], "float32", None), (1, 9, 1, 16, 256, 4, 24, 8, [100], "float32", 2)]
+REAL = [(1, 1, 4, 6, 256, 64, 4032, 7, [100_000], "bfloat16", None),      # 27B draft step
+        (1, 8, 4, 6, 256, 64, 4032, 7, [100_000], "bfloat16", None),      # 27B refill, k = 7
+        (8, 1, 2, 8, 256, 64, 4032, 7, [50_000 + 997 * i for i in range(8)], "bfloat16", None),  # 35B-A3B, B 8
+        (4, 9, 2, 16, 256, 128, 8192, 8, [3000, 70, 9040, 99_999], "bfloat16", None),  # 397B refill k 8, W 8192
+        (1, 1, 4, 6, 256, 64, 4032, 7, [100_000], "bfloat16", 1),         # the 27B step without the split
+        (1, 1, 4, 6, 256, 64, 4032, 7, [100_000], "float32", None)]
 
 
-def _time(f, *a, n=20):
-    f(*a).block_until_ready()
+def _time(f, *a, n=50):
+    jax.block_until_ready(f(*a))
     t = time.perf_counter()
     for _ in range(n):
         out = f(*a)
-    out.block_until_ready()
-    return 1e3 * (time.perf_counter() - t) / n
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t) / n
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--interpret", action="store_true")
-    args = ap.parse_args()
-    print("backend:", jax.default_backend(), jax.devices())
+def _bandwidth():
+    kind = jax.devices()[0].device_kind
+    for name, bw in BANDWIDTH.items():
+        if name in kind:
+            return kind, bw
+    return kind, None
+
+
+def check_kernels(cases, interpret, timings):
     rng = np.random.default_rng(0)
-    worst = 0.0
-    for B, T, nkv, G, hd, S, W, k, starts in CASES:
-        if args.interpret and hd * (S + W) > 200_000:
-            continue  # the big shapes are for the device
+    kind, bw = _bandwidth()
+    failures = 0
+    for B, T, nkv, G, hd, S, W, k, starts, dtype, parts in cases:
         L = S + W + k
-        f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+        dt = jnp.dtype(dtype)
+        f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32).astype(dt)
         q, rk, rv, nk, nv = f(B, T, nkv * G, hd), f(B, L, nkv, hd), f(B, L, nkv, hd), f(B, T, nkv, hd), f(B, T, nkv, hd)
         start = jnp.asarray(starts, jnp.int32)
         assert unsupported_reason(q, rk, nk, S) is None
-        kern = jax.jit(lambda *a: windowed_attend_pallas(*a, W, S, interpret=args.interpret))
+        kern = jax.jit(lambda *a: windowed_attend_pallas(*a, W, S, num_splits=parts, interpret=interpret))
         ref = jax.jit(lambda *a: windowed_attend_reference(*a, W, S))
         a = (q, rk, rv, nk, nv, start)
-        got, want = np.asarray(kern(*a)), np.asarray(ref(*a))
+        got = np.asarray(kern(*a).astype(jnp.float32))
+        want = np.asarray(ref(*a).astype(jnp.float32))
         rel = float(np.abs(got - want).max() / np.abs(want).max())
-        worst = max(worst, rel)
-        print(f"B{B} T{T} kv{nkv} G{G} hd{hd} S{S} W{W}: max_rel {rel:.1e}; kernel {_time(kern, *a):.3f} ms, "
-              f"reference {_time(ref, *a):.3f} ms")
-    print(f"worst max_rel {worst:.1e}: {'OK' if worst < 1e-4 else 'FAIL'}")
+        tol = 1e-4 if dt == jnp.float32 else 2e-2
+        ok = rel < tol and np.isfinite(got).all()
+        failures += not ok
+        p = plan(B, T, nkv * G, nkv, hd, L, dt.itemsize, num_splits=parts)
+        line = (f"B{B} T{T} kv{nkv} G{G} hd{hd} S{S} W{W} {dtype}: grid ({B},{nkv},{p.row_tiles},{p.splits}) "
+                f"block_k {p.block_k} warps {p.num_warps} stages {p.num_stages}, "
+                f"max_rel {rel:.1e} {'OK' if ok else 'FAIL'}")
+        if timings:
+            t_k, t_r = _time(kern, *a), _time(ref, *a)
+            nbytes = dt.itemsize * (2 * B * L * nkv * hd + 2 * B * T * nkv * hd + 2 * B * T * nkv * G * hd)
+            gbs = nbytes / t_k / 1e9
+            frac = f" = {100 * nbytes / t_k / bw:.0f}% of {kind}'s {bw / 1e12:.2f} TB/s" if bw else ""
+            line += (f"; kernel {1e6 * t_k:.1f} us ({gbs:.0f} GB/s{frac}), reference {1e6 * t_r:.1f} us, "
+                     f"kernel/reference {t_k / t_r:.2f}x")
+        print(line, flush=True)
+    return failures
+
+
+def check_end_to_end(max_new):
+    import qwen_mtp
+    from qwen_mtp.lowering import export_for, kernel_calls
+    from qwen_mtp.mtp import init_mtp_cache
+    from qwen_mtp.speculative import spec_decode
+    from qwen_mtp.state import init_state
+    from qwen_mtp.weights import weight_shapes
+
+    failures = 0
+    from tokenizers import Tokenizer
+
+    model = qwen_mtp.load(SHIPPED, dtype="bfloat16")
+    tokenizer = Tokenizer.from_file(os.path.join(SHIPPED, "tokenizer.json"))
+    tok_ids = tokenizer.encode(open(__file__).read()).ids[:320]  # Python source: the window of 64 wraps
+    runs = {"plain": None, "native k4": qwen_mtp.SpecConfig(k=4),
+            "windowed k4 W64 S4": qwen_mtp.SpecConfig(k=4, window=64, sinks=4)}
+    tokens = {}
+    for name, spec in runs.items():
+        for streaming in (False, True):
+            got = []
+            r = qwen_mtp.generate(model, tok_ids, max_new, spec=spec, eos_token_id=[],
+                                  stream=(lambda rows: got.append(rows[0])) if streaming else None)
+            r = qwen_mtp.generate(model, tok_ids, max_new, spec=spec, eos_token_id=[])  # warm: time the 2nd run
+            tokens[(name, streaming)] = r.tokens[0]
+            if streaming and not np.array_equal(np.concatenate(got), r.tokens[0]):
+                print(f"  {name}: streamed ids differ from the result", flush=True)
+                failures += 1
+            print(f"{name:20s} streaming={streaming!s:5s}: {r.stats.decode_tokens_per_s:8.1f} tokens/s"
+                  + (f", AL {r.stats.acceptance_length:.2f}" if spec else ""), flush=True)
+    base = tokens[("plain", False)]
+    for key, t in tokens.items():
+        if not np.array_equal(t, base):
+            print(f"  {key}: tokens differ from plain greedy", flush=True)
+            failures += 1
+    # the windowed speculative program, as lowered for this device, calls the kernel (and on CPU does not)
+    platform = "cuda" if jax.default_backend() == "gpu" else jax.default_backend()
+    cfg, B = model.config, 1
+    S_ = jax.ShapeDtypeStruct
+    i32 = lambda *s: S_(s, jnp.int32)
+    state = jax.eval_shape(lambda: init_state(cfg, B, 1024, jnp.bfloat16))
+    mc = jax.eval_shape(lambda: init_mtp_cache(cfg, B, 1024, jnp.bfloat16, window=64, sinks=4, k=4))
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    exported = export_for(spec_decode, weight_shapes(cfg, "bfloat16"), cfg, state, mc, i32(B),
+                          S_((B, cfg.hidden_size), jnp.bfloat16), i32(B), i32(1), i32(), key, i32(), platform=platform,
+                          cap=64, spec=runs["windowed k4 W64 S4"], sampling=qwen_mtp.Sampling(), streaming=False)
+    calls = kernel_calls(exported)
+    on_gpu = jax.default_backend() == "gpu"
+    print(f"windowed speculative program for {jax.default_backend()}: Pallas kernels {calls}", flush=True)
+    if on_gpu and not calls:
+        failures += 1
+    return failures
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--interpret", action="store_true", help="kernels in interpret mode (CPU smoke test)")
+    ap.add_argument("--max-new", type=int, default=128, help="new tokens per end-to-end run")
+    args = ap.parse_args(argv)
+    print("backend:", jax.default_backend(), jax.devices(), "jax", jax.__version__, flush=True)
+    t0 = time.perf_counter()
+    failures = check_kernels(SMALL, args.interpret, timings=False)
+    if not args.interpret:
+        failures += check_kernels(REAL, False, timings=True)
+    failures += check_end_to_end(args.max_new)
+    print(f"{'OK' if not failures else f'FAIL ({failures})'} in {time.perf_counter() - t0:.0f} s", flush=True)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""benchmarks/gpu_check.py, the first command on a lent GPU, keeps working: its CPU form (kernels in interpret
+mode at the small shapes, the end-to-end token equality of plain / native / windowed speculative generate with
+streaming on and off) runs here and must report no failure."""
+
+import importlib.util
+from pathlib import Path
+
+
+def test_gpu_check_runs_on_cpu(capsys):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.main(["--interpret", "--max-new", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and out.rstrip().splitlines()[-1].startswith("OK")
+    assert "windowed k4 W64 S4" in out and "Pallas kernels []" in out  # on CPU the program holds the reference
