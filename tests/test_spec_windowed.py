@@ -24,12 +24,13 @@ def model(ckpt):
     return qwen_mtp.load(ckpt("dense_mtp")[1])
 
 
-def _brute_force_mtp_logits(model, ids, W, S):
+def _brute_force_mtp_logits(model, ids, W, S, chunk):
     """The head over the whole prompt at once with an explicit numpy mask: row i sees rows j <= i with
-    j < S or j > i - W. No ring, no chunks, no slot arithmetic."""
+    j < S or j > i - W. No ring, no chunks, no slot arithmetic in the head. The trunk's hidden comes from the
+    same chunked prefill as mtp_logits uses, so only the head's attention differs between the two."""
     cfg, w = model.config, model.weights
     T = len(ids)
-    _, _, hidden = prefill(model, [np.asarray(ids)], 256, keep_hidden=True)
+    _, _, hidden = prefill(model, [np.asarray(ids)], 256, prefill_chunk=chunk, keep_hidden=True)
     toks = jnp.asarray(ids[None, 1:])
     hid = hidden[:, :T - 1]
     _, _, st = mtp_forward(w, cfg, toks, hid, init_mtp_cache(cfg, 1, T - 1, jnp.float32), jnp.zeros((1,), jnp.int32),
@@ -48,7 +49,7 @@ def _brute_force_mtp_logits(model, ids, W, S):
 def test_windowed_head_equals_brute_force(model, W, S, chunk, report):
     ids = _ids(90, 7)
     got = qwen_mtp.mtp_logits(model, ids, window=W, sinks=S, prefill_chunk=chunk)
-    ref = _brute_force_mtp_logits(model, ids, W, S)
+    ref = _brute_force_mtp_logits(model, ids, W, S, chunk)
     native = qwen_mtp.mtp_logits(model, ids)
     err = rel_err(got, ref)[0]
     late_err = rel_err(got[W + S + 1:], native[W + S + 1:])[0]
