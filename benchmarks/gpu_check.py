@@ -7,9 +7,18 @@
    shapes and at real Qwen3.5 draft shapes, f32 and bf16, with the ring in one part and split in several;
 2. timings of kernel and reference (XLA) at the real shapes, with achieved GB/s against the device's
    bandwidth (bytes = the ring's K and V, the queries, the new rows and the output, each read or written once);
-3. end to end on the shipped model: plain, speculative native and speculative windowed greedy generate (the
+3. the library baseline where it is installed: tokamax.dot_product_attention (mosaic, triton, cudnn, xla) on
+   the same inputs, [ring ; new rows] keys with the Wind-MTP mask, timed beside our kernel (each
+   implementation that refuses the case says why);
+4. end to end on the shipped model: plain, speculative native and speculative windowed greedy generate (the
    windowed one with its kernel, checked in the compiled program, streaming on and off) give the same tokens.
 Exits non-zero if any check fails.
+
+On the lent H200 run it from the repository root as it is, with the image's python3 (its jax, the CUDA 13
+plugin, flax, safetensors and tokenizers are there; the script puts the repository on sys.path). jax there
+may be newer than the project's pin: the script prints the version. tokamax is not in that image: carry its
+wheels (`pip download -d .whl tokamax==0.0.12 qwix einshape immutabledict typeguard==2.13.3 wadler_lindig
+tensorboardX --no-deps`, carry ".whl", then `pip install --no-index --find-links .whl tokamax` first there).
 """
 
 from __future__ import annotations
@@ -61,6 +70,32 @@ def _bandwidth():
     return kind, None
 
 
+def _tokamax_times(args, W, S, want, impls=("mosaic", "triton", "cudnn", "xla")):
+    """tokamax.dot_product_attention on [ring ; new rows] with the Wind-MTP mask: seconds per call for each
+    implementation that takes the case and matches our reference, else why not. {} without tokamax."""
+    try:
+        import tokamax
+    except ImportError:
+        return {}
+    from kernels_pallas.ring_layout import window_mask
+
+    q, rk, rv, nk, nv, start = args
+    T, L = q.shape[1], rk.shape[1]
+    mask = window_mask(start, T, W, S, L - S)[:, None]  # [B, 1, T, L + T]
+    keys, vals = jnp.concatenate([rk, nk], 1), jnp.concatenate([rv, nv], 1)
+    out = {}
+    for impl in impls:
+        fn = jax.jit(lambda q, k, v, m, impl=impl: tokamax.dot_product_attention(
+            q, k, v, mask=m, implementation=impl, precision=jax.lax.Precision.HIGHEST))
+        try:
+            got = np.asarray(fn(q, keys, vals, mask).astype(jnp.float32))
+            rel = float(np.abs(got - want).max() / np.abs(want).max())
+            out[impl] = _time(fn, q, keys, vals, mask) if rel < 2e-2 else f"wrong answer (max_rel {rel:.1e})"
+        except Exception as e:  # an implementation that does not take the case says why, in one line
+            out[impl] = f"not used ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+    return out
+
+
 def check_kernels(cases, interpret, timings):
     rng = np.random.default_rng(0)
     kind, bw = _bandwidth()
@@ -87,16 +122,20 @@ def check_kernels(cases, interpret, timings):
                 f"max_rel {rel:.1e} {'OK' if ok else 'FAIL'}")
         if timings:
             t_k, t_r = _time(kern, *a), _time(ref, *a)
+            baseline = _tokamax_times(a, W, S, want)
             nbytes = dt.itemsize * (2 * B * L * nkv * hd + 2 * B * T * nkv * hd + 2 * B * T * nkv * G * hd)
             gbs = nbytes / t_k / 1e9
             frac = f" = {100 * nbytes / t_k / bw:.0f}% of {kind}'s {bw / 1e12:.2f} TB/s" if bw else ""
             line += (f"; kernel {1e6 * t_k:.1f} us ({gbs:.0f} GB/s{frac}), reference {1e6 * t_r:.1f} us, "
                      f"kernel/reference {t_k / t_r:.2f}x")
+            for impl, t_or_why in baseline.items():
+                line += (f"; tokamax {impl} {1e6 * t_or_why:.1f} us (kernel/tokamax {t_k / t_or_why:.2f}x)"
+                         if isinstance(t_or_why, float) else f"; tokamax {impl}: {t_or_why}")
         print(line, flush=True)
     return failures
 
 
-def check_end_to_end(max_new):
+def check_end_to_end(max_new, thorough=True):
     import qwen_mtp
     from qwen_mtp.lowering import export_for, kernel_calls
     from qwen_mtp.mtp import init_mtp_cache
@@ -114,18 +153,20 @@ def check_end_to_end(max_new):
             "windowed k4 W64 S4": qwen_mtp.SpecConfig(k=4, window=64, sinks=4)}
     tokens = {}
     for name, spec in runs.items():
-        for streaming in (False, True):
+        for streaming in (False, True) if thorough else (True,):
             got = []
-            r = qwen_mtp.generate(model, tok_ids, max_new, spec=spec, eos_token_id=[],
-                                  stream=(lambda rows: got.append(rows[0])) if streaming else None)
-            r = qwen_mtp.generate(model, tok_ids, max_new, spec=spec, eos_token_id=[])  # warm: time the 2nd run
+            stream = (lambda rows: got.append(rows[0])) if streaming else None
+            r = qwen_mtp.generate(model, tok_ids, max_new, spec=spec, eos_token_id=[], stream=stream)
+            if thorough:  # time a second, compiled run
+                got.clear()
+                r = qwen_mtp.generate(model, tok_ids, max_new, spec=spec, eos_token_id=[], stream=stream)
             tokens[(name, streaming)] = r.tokens[0]
             if streaming and not np.array_equal(np.concatenate(got), r.tokens[0]):
                 print(f"  {name}: streamed ids differ from the result", flush=True)
                 failures += 1
             print(f"{name:20s} streaming={streaming!s:5s}: {r.stats.decode_tokens_per_s:8.1f} tokens/s"
                   + (f", AL {r.stats.acceptance_length:.2f}" if spec else ""), flush=True)
-    base = tokens[("plain", False)]
+    base = tokens[("plain", not thorough)]
     for key, t in tokens.items():
         if not np.array_equal(t, base):
             print(f"  {key}: tokens differ from plain greedy", flush=True)
@@ -159,7 +200,7 @@ def main(argv=None):
     failures = check_kernels(SMALL, args.interpret, timings=False)
     if not args.interpret:
         failures += check_kernels(REAL, False, timings=True)
-    failures += check_end_to_end(args.max_new)
+    failures += check_end_to_end(args.max_new, thorough=not args.interpret)
     print(f"{'OK' if not failures else f'FAIL ({failures})'} in {time.perf_counter() - t0:.0f} s", flush=True)
     return 1 if failures else 0
 

@@ -46,10 +46,14 @@ def _kernel_args(B, T, nh, nkv, hd, L, dtype):
             SDS((B, T, nkv, hd), dtype), SDS((B, T, nkv, hd), dtype), i32(B))
 
 
-@pytest.mark.parametrize("model", REAL_HEADS)
-@pytest.mark.parametrize("B", [1, 8])
-@pytest.mark.parametrize("T", [1, 2, 5, 9], ids=lambda t: f"T{t}")  # a draft step; the refill at k = 1, 4, 8
-@pytest.mark.parametrize("W,S", [(4032, 64), (8192, 128)], ids=["W4032S64", "W8192S128"])
+# T = 1 is a draft step, T = k + 1 the refill after a verify. Every model: the draft step at batch 1 with the
+# paper's W 4032, S 64, and the k = 8 refill at the largest window, batch and sinks (B 8, W 8192, S 128);
+# 27B also every k in 1..8 there.
+REAL_KERNEL_CASES = ([(m, 1, 1, 4032, 64) for m in REAL_HEADS] + [(m, 8, 9, 8192, 128) for m in REAL_HEADS]
+                     + [("27B", 8, t, 8192, 128) for t in range(2, 9)])
+
+
+@pytest.mark.parametrize("model,B,T,W,S", REAL_KERNEL_CASES, ids=lambda c: str(c))
 def test_kernel_lowers_for_cuda_at_real_shapes(model, B, T, W, S):
     nh, nkv = REAL_HEADS[model]
     k = max(T - 1, 1)
