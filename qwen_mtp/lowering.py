@@ -4,6 +4,8 @@ XLA takes over, and shows which Pallas kernels it contains.
 
     exported = export_for(jitted_fn, *args, platform="cuda", **static_kwargs)
     kernel_calls(exported) -> ["windowed_draft_attention", ...]   # the Pallas kernels in the program
+    triton_kernels(exported) -> [TritonKernel(name, ir, num_warps, num_stages, grid), ...]
+    compile_sm90(triton_kernels(exported)) -> [{"shared", "registers", "stack", ...}, ...]  # needs `triton`
 
 Args may be jax.ShapeDtypeStruct, so real model shapes (qwen_mtp.real_shapes, weights.weight_shapes) lower
 without allocating anything. Export is used here as a lowering check, not to serialize: the Triton custom call
