@@ -4,9 +4,10 @@ in the cuda program and the pure-JAX reference in the cpu and rocm ones.
 
 Real shapes come from qwen_mtp/real_shapes.py as jax.ShapeDtypeStructs: nothing is allocated. Entry points use
 real layer dimensions with one full period of layers (3 GDN : 1 attention; lowering does not depend on depth),
-and one full-depth 27B program. What export cannot prove here: XLA's compile of the Triton IR to PTX (that
-happens on a GPU; benchmarks/gpu_check.py), and the host callback of streaming (jax registers it with a live
-CUDA client at lowering time; see test_streaming_callback_needs_a_live_cuda_client).
+and one full-depth 27B program. The kernel's Triton IR is then read out of the program and compiled to sm_90
+machine code with the `triton` package (test_kernels_compile_for_sm90), a close proxy for XLA's own Triton
+compile, which only a GPU runs (benchmarks/gpu_check.py). Not provable here: the host callback of streaming
+(jax registers it with a live CUDA client at lowering time; see test_streaming_callback_needs_a_live_cuda_client).
 """
 
 from __future__ import annotations
