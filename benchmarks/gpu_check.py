@@ -142,11 +142,7 @@ def check_kernels(cases, interpret, timings):
 
 def check_end_to_end(max_new, thorough=True):
     import qwen_mtp
-    from qwen_mtp.lowering import export_for, kernel_calls
-    from qwen_mtp.mtp import init_mtp_cache
-    from qwen_mtp.speculative import spec_decode
-    from qwen_mtp.state import init_state
-    from qwen_mtp.weights import weight_shapes
+    from qwen_mtp.lowering import export_spec_decode, kernel_calls
 
     failures = 0
     from tokenizers import Tokenizer
@@ -177,18 +173,10 @@ def check_end_to_end(max_new, thorough=True):
             print(f"  {key}: tokens differ from plain greedy", flush=True)
             failures += 1
     # the windowed speculative program, as lowered for this device, calls the kernel (and on CPU does not)
-    platform = "cuda" if jax.default_backend() == "gpu" else jax.default_backend()
-    cfg, B = model.config, 1
-    S_ = jax.ShapeDtypeStruct
-    i32 = lambda *s: S_(s, jnp.int32)
-    state = jax.eval_shape(lambda: init_state(cfg, B, 1024, jnp.bfloat16))
-    mc = jax.eval_shape(lambda: init_mtp_cache(cfg, B, 1024, jnp.bfloat16, window=64, sinks=4, k=4))
-    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-    exported = export_for(spec_decode, weight_shapes(cfg, "bfloat16"), cfg, state, mc, i32(B),
-                          S_((B, cfg.hidden_size), jnp.bfloat16), i32(B), i32(1), i32(), key, i32(), platform=platform,
-                          cap=64, spec=runs["windowed k4 W64 S4"], sampling=qwen_mtp.Sampling(), streaming=False)
-    calls = kernel_calls(exported)
     on_gpu = jax.default_backend() == "gpu"
+    exported = export_spec_decode(model.config, jnp.bfloat16, runs["windowed k4 W64 S4"], qwen_mtp.Sampling(),
+                                  batch=1, cache_len=1024, cap=64, platform="cuda" if on_gpu else jax.default_backend())
+    calls = kernel_calls(exported)
     print(f"windowed speculative program for {jax.default_backend()}: Pallas kernels {calls}", flush=True)
     if on_gpu and not calls:
         failures += 1

@@ -173,13 +173,11 @@ def _layer(r, p, cfg, kind, mlp_kind, cast):
 
 def _mtp(r, cfg, cast):
     H = cfg.hidden_size
-    # the MTP layer's MLP is an MoE block exactly when the trunk's MLPs are
-    mlp_kind = "moe" if cfg.family == "qwen3_5_moe" or (cfg.family == "qwen3_next" and cfg.has_moe) else "dense"
     return MTPWeights(fc=cast(r.get("mtp.fc.weight", (H, 2 * H)).T),
                       pre_fc_norm_embedding=cast(r.get("mtp.pre_fc_norm_embedding.weight", (H,))),
                       pre_fc_norm_hidden=cast(r.get("mtp.pre_fc_norm_hidden.weight", (H,))),
                       norm=cast(r.get("mtp.norm.weight", (H,))),
-                      layer=_layer(r, "mtp.layers.0.", cfg, "full_attention", mlp_kind, cast))
+                      layer=_layer(r, "mtp.layers.0.", cfg, "full_attention", cfg.mtp_mlp_type, cast))
 
 
 def load_weights(folder, cfg: ModelConfig, dtype="float32") -> Weights:

@@ -246,11 +246,7 @@ def windowed_attend(q, ring_k, ring_v, new_k, new_v, start, window: int, sinks: 
                     interpret: bool = False):
     """The kernel in a program lowered for cuda, the reference elsewhere (dispatch.run); see the module doc."""
     args = (q, ring_k, ring_v, new_k, new_v, start)
-    kernel = functools.partial(_call_kernel, window=window, sinks=sinks, interpret=interpret)
+    kernel = functools.partial(windowed_attend_pallas, window=window, sinks=sinks, interpret=interpret)
     reference = functools.partial(windowed_attend_reference, window=window, sinks=sinks)
     reason = unsupported_reason(q, ring_k, new_k, sinks)
     return dispatch.run("windowed draft attention", kernel, reference, reason, backend, *args)
-
-
-def _call_kernel(q, ring_k, ring_v, new_k, new_v, start, *, window, sinks, interpret):
-    return windowed_attend_pallas(q, ring_k, ring_v, new_k, new_v, start, window, sinks, interpret=interpret)

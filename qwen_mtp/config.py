@@ -75,6 +75,11 @@ class ModelConfig:
     def has_moe(self) -> bool:
         return "moe" in self.mlp_types
 
+    @property
+    def mtp_mlp_type(self) -> str:
+        """The MTP layer's MLP: an MoE block exactly when the trunk's MLPs are."""
+        return "moe" if self.family == "qwen3_5_moe" or (self.family == "qwen3_next" and self.has_moe) else "dense"
+
 
 def _int_list(x):
     if x is None:

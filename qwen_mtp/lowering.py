@@ -4,6 +4,7 @@ XLA takes over, and shows which Pallas kernels it contains.
 
     exported = export_for(jitted_fn, *args, platform="cuda", **static_kwargs)
     kernel_calls(exported) -> ["windowed_draft_attention", ...]   # the Pallas kernels in the program
+    export_spec_decode(cfg, dtype, spec, sampling, batch=..., cache_len=..., cap=...)  # the speculative loop
     triton_kernels(exported) -> [TritonKernel(name, ir, num_warps, num_stages, grid), ...]
     compile_sm90(triton_kernels(exported)) -> [{"shared", "registers", "stack", ...}, ...]  # needs `triton`
 
@@ -18,12 +19,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+
+from .mtp import init_mtp_cache
+from .speculative import spec_decode
+from .state import init_state
+from .weights import weight_shapes
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 _UNSTABLE_CALLS = (TRITON_CALL, "xla_ffi_python_gpu_callback", "xla_ffi_python_cpu_callback",
@@ -38,18 +44,23 @@ def export_for(fn, *args, platform: str = "cuda", **static):
     return jax.export.export(fn, platforms=(platform,), disabled_checks=DISABLED_CHECKS)(*args, **static)
 
 
-def custom_call_targets(exported) -> list:
-    return re.findall(r"custom_call @([\w$.]+)", exported.mlir_module())
-
-
 def kernel_calls(exported) -> list:
     """Names of the Pallas-Triton kernels called by the exported program, one entry per call site."""
-    names = []
-    for line in exported.mlir_module().splitlines():
-        if f"custom_call @{TRITON_CALL}" in line:
-            found = re.search(r'name = "([\w.-]+)"', line)
-            names.append(found.group(1) if found else "<unnamed>")
-    return names
+    return [k.name for k in triton_kernels(exported)]
+
+
+def export_spec_decode(cfg, dtype, spec, sampling, *, batch: int, cache_len: int, cap: int, streaming=False,
+                       platform: str = "cuda"):
+    """The speculative loop (speculative.spec_decode) exported at abstract shapes: weights, trunk state and
+    the draft head's cache of `cfg` in `dtype`, nothing allocated."""
+    SDS, i32 = jax.ShapeDtypeStruct, lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    state = jax.eval_shape(lambda: init_state(cfg, batch, cache_len, dtype))
+    head = jax.eval_shape(lambda: init_mtp_cache(cfg, batch, cache_len, dtype, window=spec.window,
+                                                 sinks=spec.sinks, k=spec.k))
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    return export_for(spec_decode, weight_shapes(cfg, dtype), cfg, state, head, i32(batch),
+                      SDS((batch, cfg.hidden_size), dtype), i32(batch), i32(1), i32(), key, i32(), platform=platform,
+                      cap=cap, spec=spec, sampling=sampling, streaming=streaming)
 
 
 SM90_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on an H100 / H200 (227 KiB)

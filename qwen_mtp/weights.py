@@ -110,9 +110,7 @@ def weight_shapes(cfg, dtype="bfloat16", *, mtp: bool = True) -> Weights:
     layers = tuple(layer(k, m) for k, m in zip(cfg.layer_types, cfg.mlp_types))
     head = None
     if mtp:
-        # the MTP layer's MLP is an MoE block exactly when the trunk's MLPs are (as the loader reads it)
-        kind = "moe" if cfg.family == "qwen3_5_moe" or (cfg.family == "qwen3_next" and cfg.has_moe) else "dense"
         head = MTPWeights(fc=a(2 * H, H), pre_fc_norm_embedding=a(H), pre_fc_norm_hidden=a(H), norm=a(H),
-                          layer=layer("full_attention", kind))
+                          layer=layer("full_attention", cfg.mtp_mlp_type))
     return Weights(embed=a(V, H), layers=layers, final_norm=a(H),
                    lm_head=None if cfg.tie_word_embeddings else a(H, V), mtp=head)

@@ -26,10 +26,11 @@ from kernels_pallas.windowed_attention import unsupported_reason, windowed_atten
 from qwen_mtp import real_shapes
 from qwen_mtp.config import load_config
 from qwen_mtp.generate import _choose, _logits, _mtp_chunk, _plain_decode, _prefill_chunk
-from qwen_mtp.lowering import SM90_SHARED_LIMIT, compile_sm90, export_for, kernel_calls, triton_kernels
+from qwen_mtp.lowering import (SM90_SHARED_LIMIT, compile_sm90, export_for, export_spec_decode, kernel_calls,
+                               triton_kernels)
 from qwen_mtp.mtp import init_mtp_cache
 from qwen_mtp.sampling import Sampling
-from qwen_mtp.speculative import SpecConfig, spec_decode
+from qwen_mtp.speculative import SpecConfig
 from qwen_mtp.state import init_state
 from qwen_mtp.weights import weight_shapes
 
@@ -132,11 +133,9 @@ def _kernels_expected(spec):
     return [KERNEL] * (1 + (spec.k > 1)) if spec.window is not None else []
 
 
-def _spec_program(cfg, dtype, spec, sampling, streaming):
-    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-    return export_for(spec_decode, weight_shapes(cfg, dtype), cfg, _state(cfg, dtype), _head_cache(cfg, dtype, spec),
-                      i32(B), SDS((B, cfg.hidden_size), dtype), i32(B), i32(1), i32(), key, i32(), cap=CAP,
-                      spec=spec, sampling=sampling, streaming=streaming)
+def _spec_program(cfg, dtype, spec, sampling, streaming, platform="cuda"):
+    return export_spec_decode(cfg, dtype, spec, sampling, batch=B, cache_len=CACHE, cap=CAP, streaming=streaming,
+                              platform=platform)
 
 
 def _plain_program(cfg, dtype, sampling, streaming, cap=CAP):
@@ -196,11 +195,7 @@ def test_full_depth_27b_speculative_loop_lowers_for_cuda():
 
 def test_windowed_program_lowered_for_cpu_holds_the_reference():
     cfg, dtype = _config("shipped")
-    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-    exported = export_for(spec_decode, weight_shapes(cfg, dtype), cfg, _state(cfg, dtype),
-                          _head_cache(cfg, dtype, WINDOWED), i32(B), SDS((B, cfg.hidden_size), dtype), i32(B), i32(1),
-                          i32(), key, i32(), platform="cpu", cap=CAP, spec=WINDOWED, sampling=GREEDY, streaming=False)
-    assert kernel_calls(exported) == []
+    assert kernel_calls(_spec_program(cfg, dtype, WINDOWED, GREEDY, False, platform="cpu")) == []
 
 
 def test_streaming_callback_needs_a_live_cuda_client():
