@@ -33,6 +33,7 @@ from qwen_mtp.sampling import Sampling
 from qwen_mtp.speculative import SpecConfig
 from qwen_mtp.state import init_state
 from qwen_mtp.weights import weight_shapes
+from tests.test_kernel_windowed_attention import CASES as INTERPRET_CASES
 
 KERNEL = "windowed_draft_attention"
 SDS = jax.ShapeDtypeStruct
@@ -66,9 +67,7 @@ def test_kernel_lowers_for_cuda_at_real_shapes(model, B, T, W, S):
 
 
 # the interpret-mode test cases of test_kernel_windowed_attention.py (B, T, nkv, G, hd, sinks, window, k)
-TEST_SHAPES = [(1, 1, 2, 1, 16, 0, 4, 1), (2, 1, 1, 2, 32, 2, 8, 3), (2, 4, 2, 6, 16, 4, 16, 3),
-               (1, 7, 1, 1, 64, 0, 5, 6), (3, 3, 2, 2, 16, 1, 70, 2), (1, 2, 3, 2, 16, 3, 2, 1),
-               (1, 9, 1, 16, 256, 4, 24, 8)]
+TEST_SHAPES = [case[:8] for case in INTERPRET_CASES]
 
 
 @pytest.mark.parametrize("case", TEST_SHAPES, ids=str)
