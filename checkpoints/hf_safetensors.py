@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from qwen_mtp.config import ModelConfig
 from qwen_mtp.errors import CheckpointError
+from qwen_mtp.quant import QuantPolicy, quantize
 from qwen_mtp.weights import (AttnWeights, GDNWeights, LayerWeights, MLPWeights, MoEWeights, MTPWeights,
                               Weights)
 
@@ -99,18 +100,18 @@ class _Reader:
             raise CheckpointError(file, name, "only tensors the config accounts for", "an unexpected tensor")
 
 
-def _attention(r, p, cfg, cast):
+def _attention(r, p, cfg, cast, lin):
     H, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     return AttnWeights(
-        q_proj=cast(r.get(p + "q_proj.weight", (2 * nh * hd, H)).T),
-        k_proj=cast(r.get(p + "k_proj.weight", (nkv * hd, H)).T),
-        v_proj=cast(r.get(p + "v_proj.weight", (nkv * hd, H)).T),
-        o_proj=cast(r.get(p + "o_proj.weight", (H, nh * hd)).T),
+        q_proj=lin(r.get(p + "q_proj.weight", (2 * nh * hd, H)).T),
+        k_proj=lin(r.get(p + "k_proj.weight", (nkv * hd, H)).T),
+        v_proj=lin(r.get(p + "v_proj.weight", (nkv * hd, H)).T),
+        o_proj=lin(r.get(p + "o_proj.weight", (H, nh * hd)).T),
         q_norm=cast(r.get(p + "q_norm.weight", (hd,))),
         k_norm=cast(r.get(p + "k_norm.weight", (hd,))))
 
 
-def _gdn(r, p, cfg, cast):
+def _gdn(r, p, cfg, cast, lin):
     H, nk, nv, dk, dv = (cfg.hidden_size, cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim,
                          cfg.gdn_v_head_dim)
     kd, vd = cfg.gdn_key_dim, cfg.gdn_value_dim
@@ -130,19 +131,19 @@ def _gdn(r, p, cfg, cast):
         a = r.get(p + "in_proj_a.weight", (nv, H))
     conv = r.get(p + "conv1d.weight", (cfg.conv_dim, 1, cfg.conv_kernel))
     return GDNWeights(
-        in_proj_qkv=cast(qkv.T), in_proj_z=cast(z.T), in_proj_b=cast(b.T), in_proj_a=cast(a.T),
+        in_proj_qkv=lin(qkv.T), in_proj_z=lin(z.T), in_proj_b=cast(b.T), in_proj_a=cast(a.T),
         conv=cast(conv[:, 0, :].T), A_log=cast(r.get(p + "A_log", (nv,))),
         dt_bias=cast(r.get(p + "dt_bias", (nv,))), norm=cast(r.get(p + "norm.weight", (dv,))),
-        out_proj=cast(r.get(p + "out_proj.weight", (H, vd)).T))
+        out_proj=lin(r.get(p + "out_proj.weight", (H, vd)).T))
 
 
-def _mlp(r, p, H, inter, cast):
-    return MLPWeights(gate=cast(r.get(p + "gate_proj.weight", (inter, H)).T),
-                      up=cast(r.get(p + "up_proj.weight", (inter, H)).T),
-                      down=cast(r.get(p + "down_proj.weight", (H, inter)).T))
+def _mlp(r, p, H, inter, lin):
+    return MLPWeights(gate=lin(r.get(p + "gate_proj.weight", (inter, H)).T),
+                      up=lin(r.get(p + "up_proj.weight", (inter, H)).T),
+                      down=lin(r.get(p + "down_proj.weight", (H, inter)).T))
 
 
-def _moe(r, p, cfg, cast):
+def _moe(r, p, cfg, cast, lin):
     H, E, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     if r.has(p + "experts.gate_up_proj"):  # fused: [E, 2I, H] (gate rows first), [E, H, I]
         gu = r.get(p + "experts.gate_up_proj", (E, 2 * inter, H))
@@ -154,33 +155,35 @@ def _moe(r, p, cfg, cast):
         up = np.stack([e(i, "up", (inter, H)) for i in range(E)])
         down = np.stack([e(i, "down", (H, inter)) for i in range(E)])
     t = lambda x: np.swapaxes(x, 1, 2)
-    return MoEWeights(router=cast(r.get(p + "gate.weight", (E, H)).T), gate=cast(t(gate)), up=cast(t(up)),
-                      down=cast(t(down)),
-                      shared=_mlp(r, p + "shared_expert.", H, cfg.shared_expert_intermediate_size, cast),
+    return MoEWeights(router=cast(r.get(p + "gate.weight", (E, H)).T), gate=lin(t(gate)), up=lin(t(up)),
+                      down=lin(t(down)),
+                      shared=_mlp(r, p + "shared_expert.", H, cfg.shared_expert_intermediate_size, lin),
                       shared_gate=cast(r.get(p + "shared_expert_gate.weight", (1, H)).T))
 
 
-def _layer(r, p, cfg, kind, mlp_kind, cast):
+def _layer(r, p, cfg, kind, mlp_kind, cast, lin):
     H = cfg.hidden_size
-    mixer = (_attention(r, p + "self_attn.", cfg, cast) if kind == "full_attention"
-             else _gdn(r, p + "linear_attn.", cfg, cast))
-    ff = (_moe(r, p + "mlp.", cfg, cast) if mlp_kind == "moe"
-          else _mlp(r, p + "mlp.", H, cfg.intermediate_size, cast))
+    mixer = (_attention(r, p + "self_attn.", cfg, cast, lin) if kind == "full_attention"
+             else _gdn(r, p + "linear_attn.", cfg, cast, lin))
+    ff = (_moe(r, p + "mlp.", cfg, cast, lin) if mlp_kind == "moe"
+          else _mlp(r, p + "mlp.", H, cfg.intermediate_size, lin))
     return LayerWeights(input_norm=cast(r.get(p + "input_layernorm.weight", (H,))),
                         post_norm=cast(r.get(p + "post_attention_layernorm.weight", (H,))),
                         mixer=mixer, mlp=ff)
 
 
-def _mtp(r, cfg, cast):
+def _mtp(r, cfg, cast, lin):
     H = cfg.hidden_size
-    return MTPWeights(fc=cast(r.get("mtp.fc.weight", (H, 2 * H)).T),
+    return MTPWeights(fc=lin(r.get("mtp.fc.weight", (H, 2 * H)).T),
                       pre_fc_norm_embedding=cast(r.get("mtp.pre_fc_norm_embedding.weight", (H,))),
                       pre_fc_norm_hidden=cast(r.get("mtp.pre_fc_norm_hidden.weight", (H,))),
                       norm=cast(r.get("mtp.norm.weight", (H,))),
-                      layer=_layer(r, "mtp.layers.0.", cfg, "full_attention", cfg.mtp_mlp_type, cast))
+                      layer=_layer(r, "mtp.layers.0.", cfg, "full_attention", cfg.mtp_mlp_type, cast, lin))
 
 
-def load_weights(folder, cfg: ModelConfig, dtype="float32") -> Weights:
+def load_weights(folder, cfg: ModelConfig, dtype="float32", policy: QuantPolicy | None = None) -> Weights:
+    """`policy` None: every tensor in `dtype`. Otherwise the matrices it names are quantized as they load
+    (qwen_mtp/quant.py), each from its float32 values, so a bf16 load and an f32 load quantize alike."""
     if dtype not in DTYPES:
         raise CheckpointError(folder, None, f"dtype one of {sorted(DTYPES)}", repr(dtype))
     jdtype = DTYPES[dtype]
@@ -189,22 +192,35 @@ def load_weights(folder, cfg: ModelConfig, dtype="float32") -> Weights:
     def cast(x):
         return jnp.asarray(np.ascontiguousarray(x).astype(np_dtype))
 
+    def quantizer(on):
+        if policy is None or not on:
+            return cast
+        return lambda x: quantize(x, policy.method, policy.group_size)
+
+    lin, lin_mtp = quantizer(True), quantizer(policy is not None and policy.mtp)
+
     r = _Reader(Path(folder))
     P, H, V = cfg.tensor_prefix, cfg.hidden_size, cfg.vocab_size
     if not r.has(P + "embed_tokens.weight"):
         other = "model." if P != "model." else "model.language_model."
         if r.has(other + "embed_tokens.weight"):  # e.g. a text checkpoint saved with the multimodal prefix
             P = other
-    embed = cast(r.get(P + "embed_tokens.weight", (V, H)))
-    layers = tuple(_layer(r, f"{P}layers.{i}.", cfg, kind, mk, cast)
+    embed_raw = r.get(P + "embed_tokens.weight", (V, H))
+    embed = cast(embed_raw)
+    layers = tuple(_layer(r, f"{P}layers.{i}.", cfg, kind, mk, cast, lin)
                    for i, (kind, mk) in enumerate(zip(cfg.layer_types, cfg.mlp_types)))
     final_norm = cast(r.get(P + "norm.weight", (H,)))
-    lm_head = None if cfg.tie_word_embeddings else cast(r.get("lm_head.weight", (V, H)).T)
+    lm_head = None if cfg.tie_word_embeddings else r.get("lm_head.weight", (V, H)).T
+    if policy is not None and policy.lm_head:  # tied: a quantized copy of embed^T; the embedding stays as loaded
+        lm_head = quantize(embed_raw.T if lm_head is None else lm_head, policy.method,
+                           policy.group_size)
+    elif lm_head is not None:
+        lm_head = cast(lm_head)
     mtp = None
     if any(name.startswith("mtp.") for name in r.files):
         n = max(cfg.mtp_num_layers, 1)
         if n != 1:
             raise CheckpointError(folder, "mtp.layers.*", "mtp_num_hidden_layers == 1 (as released)", n)
-        mtp = _mtp(r, cfg, cast)
+        mtp = _mtp(r, cfg, cast, lin_mtp)
     r.check_all_used(allowed_unused={"lm_head.weight"} if cfg.tie_word_embeddings else ())
     return Weights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head, mtp=mtp)

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .ops import linear, precision_for
+from .ops import linear
+from .quant import ragged_dot
 from .weights import MLPWeights, MoEWeights
 
 
@@ -15,7 +16,8 @@ def mlp(x, w: MLPWeights):
 
 
 def moe(x, w: MoEWeights, cfg: ModelConfig):
-    """x [..., H]. Tokens are sorted by expert and run through grouped matmuls (lax.ragged_dot)."""
+    """x [..., H]. Tokens are sorted by expert and run through grouped matmuls (quant.ragged_dot: lax.ragged_dot
+    on plain or quantized experts)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     n, k, E = x2.shape[0], cfg.top_k, cfg.num_experts
@@ -30,10 +32,10 @@ def moe(x, w: MoEWeights, cfg: ModelConfig):
     token = order // k
     group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
     xs = x2[token]
-    prec = precision_for(x.dtype)
-    g = jax.lax.ragged_dot(xs, w.gate.astype(x.dtype), group_sizes, precision=prec)
-    u = jax.lax.ragged_dot(xs, w.up.astype(x.dtype), group_sizes, precision=prec)
-    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, w.down.astype(x.dtype), group_sizes, precision=prec)
+    row_expert = flat_e[order]
+    g = ragged_dot(xs, w.gate, group_sizes, row_expert)
+    u = ragged_dot(xs, w.up, group_sizes, row_expert)
+    y = ragged_dot(jax.nn.silu(g) * u, w.down, group_sizes, row_expert)
     y = y * top_p.reshape(-1)[order][:, None]
     routed = jnp.zeros_like(x2).at[token].add(y)
     shared = mlp(x2, w.shared) * jax.nn.sigmoid(linear(x2, w.shared_gate))

@@ -1,6 +1,7 @@
 """Elementary ops shared by every layer: the single matmul helper and the two RMSNorm flavours.
 
-All weight matmuls go through `linear` so that a quantized weight type can later slot in behind it.
+All weight matmuls go through `linear`: a plain matrix runs one einsum, a `quant.QuantArray` runs the quantized
+matmul (kernels_pallas/quant_matmul.py: the Pallas kernel on a GPU, dequantize-then-dot elsewhere).
 """
 
 from __future__ import annotations
@@ -8,11 +9,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.masked_attention import precision_for  # noqa: F401  (the one precision rule)
+from kernels_pallas.masked_attention import precision_for  # the one precision rule
+
+from .quant import QuantArray
+from .quant import linear as quant_linear
 
 
 def linear(x, w):
-    """x [..., in] @ w [in, out] -> [..., out], in x's dtype."""
+    """x [..., in] @ w [in, out] -> [..., out], in x's dtype. w: a plain array or a QuantArray."""
+    if isinstance(w, QuantArray):
+        return quant_linear(x, w)
     return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), precision=precision_for(x.dtype))
 
 
