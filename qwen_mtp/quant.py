@@ -158,16 +158,18 @@ class QuantPolicy:
     group_size: int = 128
     lm_head: bool = False
     mtp: bool = True
+    source: str = "load"  # "load": quantized as loaded; "checkpoint": the checkpoint's own (FP8) quantization
 
     KEPT = ("embed", "norms", "router", "shared_expert_gate", "conv", "A_log", "dt_bias", "in_proj_b", "in_proj_a")
 
     def to_json(self) -> dict:
-        return dict(method=self.method, group_size=self.group_size, lm_head=self.lm_head, mtp=self.mtp)
+        return {"method": self.method, "group_size": self.group_size, "lm_head": self.lm_head, "mtp": self.mtp,
+                "source": self.source}
 
     @classmethod
-    def from_json(cls, d: dict) -> "QuantPolicy":
+    def from_json(cls, d: dict) -> QuantPolicy:
         return cls(method=d["method"], group_size=int(d["group_size"]), lm_head=bool(d["lm_head"]),
-                   mtp=bool(d["mtp"]))
+                   mtp=bool(d["mtp"]), source=str(d.get("source", "load")))
 
     def describe(self) -> str:
         fmt = {"int8": "int8 per output channel", "int4": f"int4 groups of {self.group_size} along K",
@@ -175,6 +177,44 @@ class QuantPolicy:
         kept = ", ".join(self.KEPT) + ("" if self.lm_head else ", lm_head") + ("" if self.mtp else ", MTP head")
         return f"{fmt}: trunk linears{', lm_head' if self.lm_head else ''}{', MTP head' if self.mtp else ''}; " \
                f"kept in the load dtype: {kept}"
+
+
+# the Weights fields load(quant=...) quantizes (MLPWeights / MoEWeights share gate, up, down; MTPWeights.fc)
+QUANTIZED_FIELDS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
+                              "gate", "up", "down", "fc"})
+
+
+def layout_of(kind: str, shape, group_size: int = 128):
+    """(storage shape of q, shape of scale, block) that `quantize` gives a weight of `shape` [..., K, N]."""
+    *lead, K, N = shape
+    block = {"int8": (K, 1), "int4": (group_size, 1), "fp8": FP8_BLOCK}[kind]
+    kq = layout.padded_k(kind, K, block[0]) // (2 if kind == "int4" else 1)
+    return (*lead, kq, N), (*lead, layout.cdiv(K, block[0]), layout.cdiv(N, block[1])), block
+
+
+def abstract(shapes, policy: QuantPolicy, *, tied: bool = False):
+    """The pytree `load(quant=policy.method)` builds, from weights.weight_shapes(...) (ShapeDtypeStruct leaves):
+    the matrices the policy quantizes become QuantArrays of ShapeDtypeStructs. For exporting and restoring
+    quantized models without building them. `tied`: the config ties lm_head to embed (a quantized lm_head is
+    then a copy of embed^T)."""
+
+    def one(s):
+        qs, ss, block = layout_of(policy.method, s.shape, policy.group_size)
+        return QuantArray(q=jax.ShapeDtypeStruct(qs, np.dtype(STORAGE[policy.method])),
+                          scale=jax.ShapeDtypeStruct(ss, np.float32), kind=policy.method, shape=tuple(s.shape),
+                          block=block)
+
+    def visit(path, leaf):
+        names = [getattr(k, "name", None) for k in path]
+        if names[-1] not in QUANTIZED_FIELDS or (names[0] == "mtp" and not policy.mtp):
+            return leaf
+        return one(leaf)
+
+    out = jax.tree_util.tree_map_with_path(visit, shapes)
+    if policy.lm_head:
+        H, V = shapes.embed.shape[1], shapes.embed.shape[0]
+        out = out.replace(lm_head=one(jax.ShapeDtypeStruct((H, V), shapes.embed.dtype)))
+    return out
 
 
 def weight_bytes(weights) -> dict:
@@ -185,7 +225,7 @@ def weight_bytes(weights) -> dict:
             quantized += leaf.nbytes
         elif leaf is not None:
             plain += int(leaf.size * leaf.dtype.itemsize)
-    return dict(total=quantized + plain, quantized=quantized, plain=plain)
+    return {"total": quantized + plain, "quantized": quantized, "plain": plain}
 
 
 def formats(weights) -> dict:
