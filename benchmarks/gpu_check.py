@@ -11,7 +11,13 @@
    the same inputs, [ring ; new rows] keys with the Wind-MTP mask, timed beside our kernel (each
    implementation that refuses the case says why);
 4. end to end on the shipped model: plain, speculative native and speculative windowed greedy generate (the
-   windowed one with its kernel, checked in the compiled program, streaming on and off) give the same tokens.
+   windowed one with its kernel, checked in the compiled program, streaming on and off) give the same tokens;
+5. the quantized-matmul kernel (int8 per channel, int4 groups, fp8 blocks and per channel) against its XLA
+   reference at small shapes and at the real 27B matrices (gate / up, down, lm_head) for M = 1, 5 and 512,
+   timed beside the reference (XLA dequantize-then-dot), a plain bf16 dot of the same shape and qwix
+   (qwix.quantize + qwix.dot, where qwix expresses the format: int8 per channel, int4 groups along K and fp8
+   128 x 128 tiles when the tiles divide K and N), with achieved GB/s (bytes of q, scale, x and the output, each
+   moved once) against the device's bandwidth. `--quant-only` runs just this part.
 Exits non-zero if any check fails.
 
 On the lent H200 run it from the repository root as it is, with the image's python3 (its jax, the CUDA 13
@@ -36,6 +42,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from kernels_pallas import quant_matmul as qmm  # noqa: E402
+from kernels_pallas.quant_layout import cdiv, padded_k  # noqa: E402
 from kernels_pallas.windowed_attention import (plan, unsupported_reason, windowed_attend_pallas,  # noqa: E402
                                                windowed_attend_reference)
 
@@ -183,17 +191,152 @@ def check_end_to_end(max_new, thorough=True):
     return failures
 
 
+# quantized matmul cases (kind, "channel" | int4 group | fp8 block, M, K, N, x dtype): the CPU smoke form runs
+# QUANT_SMOKE only (interpret mode is slow); on a GPU QUANT_SMALL checks numerics, QUANT_REAL numerics and speed
+QUANT_SMOKE = [("int8", "channel", 1, 40, 24, "float32"), ("int4", 128, 5, 100, 24, "bfloat16"),
+               ("fp8", (128, 128), 2, 100, 40, "bfloat16")]
+QUANT_SMALL = QUANT_SMOKE + [("int8", "channel", 1, 200, 72, "float32"), ("int4", 32, 5, 300, 40, "bfloat16"),
+                             ("fp8", (128, 128), 2, 300, 136, "float32"),
+                             ("int4", 64, 64, 200, 72, "float32"), ("int4", 128, 300, 300, 136, "bfloat16"),
+                             ("fp8", "channel", 9, 200, 40, "bfloat16"), ("int8", "channel", 512, 600, 200, "bfloat16"),
+                             ("fp8", (128, 128), 5, 17408, 5120, "float32")]
+QUANT_SHAPES = {"gate/up": (5120, 17408), "down": (17408, 5120), "lm_head": (5120, 248320)}  # Qwen3.5-27B
+QUANT_REAL = [(kind, fmt, M, K, N, "bfloat16") for (K, N) in QUANT_SHAPES.values() for M in (1, 5, 512)
+              for kind, fmt in (("int8", "channel"), ("int4", 128), ("fp8", (128, 128)))]
+QUANT_REAL += [("fp8", "channel", 1, 5120, 17408, "bfloat16"), ("int4", 32, 1, 5120, 17408, "bfloat16"),
+               ("int8", "channel", 5, 5120, 17408, "float32"), ("int4", 128, 5, 17408, 5120, "float32")]
+
+
+def _quant_inputs(kind, fmt, M, K, N, dtype, seed):
+    """x [M, K] and a random weight in quant_layout's format: small ones from numpy (jax.random's compiles cost
+    seconds on a CPU), real shapes made on the device (GBs)."""
+    block = (K, 1) if fmt == "channel" else ((fmt, 1) if kind == "int4" else tuple(fmt))
+    if K * N > 1 << 22:
+        return (*jax.jit(_quant_arrays, static_argnums=(0, 1, 2, 3, 4, 5))(kind, block, M, K, N, dtype,
+                                                                            jax.random.PRNGKey(seed)), block)
+    rng = np.random.default_rng(seed)
+    if kind == "int8":
+        q = rng.integers(-127, 128, (K, N)).astype(np.int8)
+    elif kind == "int4":
+        q = rng.integers(0, 256, (padded_k(kind, K, block[0]) // 2, N)).astype(np.uint8)
+    else:
+        q = np.clip(64 * rng.standard_normal((K, N)), -448, 448).astype(jnp.float8_e4m3fn)
+    scale = rng.uniform(0.5, 2.0, (cdiv(K, block[0]), cdiv(N, block[1]))).astype(np.float32) * 1e-2
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32).astype(dtype)
+    return x, jnp.asarray(q), jnp.asarray(scale), block
+
+
+def _quant_arrays(kind, block, M, K, N, dtype, key):
+    kq, ks, kx = jax.random.split(key, 3)
+    if kind == "int8":
+        q = jax.random.randint(kq, (K, N), -127, 128, jnp.int32).astype(jnp.int8)
+    elif kind == "int4":
+        q = jax.random.randint(kq, (padded_k(kind, K, block[0]) // 2, N), 0, 256, jnp.int32).astype(jnp.uint8)
+    else:
+        q = jnp.clip(64 * jax.random.normal(kq, (K, N)), -448, 448).astype(jnp.float8_e4m3fn)
+    scale = jax.random.uniform(ks, (cdiv(K, block[0]), cdiv(N, block[1])), jnp.float32, 0.5, 2.0) * 1e-2
+    x = jax.random.normal(kx, (M, K), jnp.float32).astype(dtype)
+    return x, q, scale
+
+
+def _qwix_time(kind, block, x, w, dt):
+    """qwix.quantize + qwix.dot of the bf16 weight w in the same format: seconds per call, or why not."""
+    try:
+        import qwix
+    except ImportError:
+        return "not installed"
+    K, N = w.shape
+    bk, bn = block
+    try:
+        if kind == "int8":
+            qa = qwix.quantize(w, jnp.int8, channelwise_axes=(1,))
+        elif kind == "int4" and K % bk == 0:
+            qa = qwix.quantize(w, jnp.int4, channelwise_axes=(1,), tiled_axes={0: bk})
+        elif kind == "fp8" and bn == 1 and bk >= K:
+            qa = qwix.quantize(w, jnp.float8_e4m3fn, channelwise_axes=(1,))
+        elif kind == "fp8" and K % bk == 0 and N % bn == 0:
+            qa = qwix.quantize(w, jnp.float8_e4m3fn, tiled_axes={0: bk, 1: bn})
+        else:
+            return f"not used (qwix's tiles must divide the axes: K {K}, N {N}, block {block})"
+        fn = jax.jit(lambda x, qa: qwix.dot(x, qa, preferred_element_type=jnp.float32).astype(dt))
+        got = np.asarray(fn(x, qa).astype(jnp.float32))
+        want = np.asarray(jnp.dot(x.astype(jnp.float32), qwix.dequantize(qa).astype(jnp.float32),
+                                  precision=jax.lax.Precision.HIGHEST))
+        rel = float(np.abs(got - want).max() / np.abs(want).max())
+        return _time(fn, x, qa) if rel < 2e-2 else f"wrong answer (max_rel {rel:.1e})"
+    except Exception as e:  # a format or shape qwix does not take says why, in one line
+        return f"not used ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+
+
+def check_quant(cases, interpret, timings):
+    """The quantized-matmul kernel against its reference (and, with timings, the speed comparison)."""
+    kind_of_device, bw = _bandwidth()
+    failures = 0
+    bf16_dot = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype))
+    for i, (kind, fmt, M, K, N, dtype) in enumerate(cases):
+        dt = jnp.dtype(dtype)
+        label = f"quant {kind} {fmt} M{M} K{K} N{N} {dtype}".replace(" (", " ").replace(", ", "x").replace(")", "")
+        try:
+            x, q, scale, block = _quant_inputs(kind, fmt, M, K, N, dt, seed=i)
+            reason = qmm.unsupported_reason(x, q, scale, kind=kind, k=K, block=block)
+            assert reason is None, reason
+            kern = jax.jit(lambda x, q, s, kind=kind, K=K, block=block: qmm.quant_matmul_pallas(
+                x, q, s, kind=kind, k=K, block=block, interpret=interpret))
+            ref = lambda x, q, s, kind=kind, K=K, block=block: qmm.quant_matmul_reference(x, q, s, kind=kind, k=K,
+                                                                                           block=block)
+            want = np.asarray(ref(x, q, scale).astype(jnp.float32))
+            got = np.asarray(kern(x, q, scale).astype(jnp.float32))
+        except Exception as e:  # one case that does not compile or run must not hide the others
+            print(f"{label}: FAIL {type(e).__name__}: {e}", flush=True)
+            failures += 1
+            continue
+        rel = float(np.abs(got - want).max() / np.abs(want).max())
+        tol = 1e-4 if dt == jnp.float32 else 2e-2  # bf16: the reference rounds each dequantized weight to bf16
+        ok = rel < tol and np.isfinite(got).all()
+        failures += not ok
+        p = qmm.plan(M, K, N, kind, block, dt.itemsize)
+        line = (f"{label}: grid ({p.row_tiles},{p.col_tiles},{p.splits}) tile {p.block_m}x{p.block_n} K step "
+                f"{p.block_k} dot K {p.dot_k} warps {p.num_warps} stages {p.num_stages}, max_rel {rel:.1e} "
+                f"{'OK' if ok else 'FAIL'}")
+        if timings:
+            nbytes = q.nbytes + scale.nbytes + x.nbytes + M * N * dt.itemsize
+            t_k, t_r = _time(kern, x, q, scale), _time(ref, x, q, scale)
+            frac = lambda b, t: f" = {100 * b / t / bw:.0f}% of {kind_of_device}'s {bw / 1e12:.2f} TB/s" if bw else ""
+            line += (f"; kernel {1e6 * t_k:.1f} us ({nbytes / t_k / 1e9:.0f} GB/s{frac(nbytes, t_k)}), "
+                     f"reference {1e6 * t_r:.1f} us (kernel/reference {t_k / t_r:.2f}x)")
+            if dt == jnp.bfloat16:
+                w = jax.jit(lambda key, K=K, N=N: jax.random.normal(key, (K, N), jnp.bfloat16))(jax.random.PRNGKey(i))
+                t_b = _time(bf16_dot, x, w)
+                b_bytes = w.nbytes + x.nbytes + M * N * dt.itemsize
+                line += (f", bf16 dot {1e6 * t_b:.1f} us ({b_bytes / t_b / 1e9:.0f} GB/s{frac(b_bytes, t_b)}; "
+                         f"kernel/bf16 {t_k / t_b:.2f}x)")
+                t_q = _qwix_time(kind, block, x, w, dt)
+                line += (f", qwix {1e6 * t_q:.1f} us (kernel/qwix {t_k / t_q:.2f}x)" if isinstance(t_q, float)
+                         else f", qwix: {t_q}")
+                del w
+        print(line, flush=True)
+        del x, q, scale
+    return failures
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--interpret", action="store_true", help="kernels in interpret mode (CPU smoke test)")
     ap.add_argument("--max-new", type=int, default=128, help="new tokens per end-to-end run")
+    ap.add_argument("--quant-only", action="store_true", help="only the quantized-matmul checks (item 5)")
     args = ap.parse_args(argv)
     print("backend:", jax.default_backend(), jax.devices(), "jax", jax.__version__, flush=True)
     t0 = time.perf_counter()
-    failures = check_kernels(SMALL, args.interpret, timings=False)
+    failures = 0
+    if not args.quant_only:
+        failures += check_kernels(SMALL, args.interpret, timings=False)
+        if not args.interpret:
+            failures += check_kernels(REAL, False, timings=True)
+    failures += check_quant(QUANT_SMOKE if args.interpret else QUANT_SMALL, args.interpret, timings=False)
     if not args.interpret:
-        failures += check_kernels(REAL, False, timings=True)
-    failures += check_end_to_end(args.max_new, thorough=not args.interpret)
+        failures += check_quant(QUANT_REAL, False, timings=True)
+    if not args.quant_only:
+        failures += check_end_to_end(args.max_new, thorough=not args.interpret)
     print(f"{'OK' if not failures else f'FAIL ({failures})'} in {time.perf_counter() - t0:.0f} s", flush=True)
     return 1 if failures else 0
 

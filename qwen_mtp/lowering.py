@@ -50,15 +50,17 @@ def kernel_calls(exported) -> list:
 
 
 def export_spec_decode(cfg, dtype, spec, sampling, *, batch: int, cache_len: int, cap: int, streaming=False,
-                       platform: str = "cuda"):
+                       platform: str = "cuda", weights=None):
     """The speculative loop (speculative.spec_decode) exported at abstract shapes: weights, trunk state and
-    the draft head's cache of `cfg` in `dtype`, nothing allocated."""
+    the draft head's cache of `cfg` in `dtype`, nothing allocated. `weights`: an abstract Weights pytree to use
+    instead of weight_shapes(cfg, dtype) (e.g. quant.abstract(...) for a quantized model)."""
     SDS, i32 = jax.ShapeDtypeStruct, lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     state = jax.eval_shape(lambda: init_state(cfg, batch, cache_len, dtype))
     head = jax.eval_shape(lambda: init_mtp_cache(cfg, batch, cache_len, dtype, window=spec.window,
                                                  sinks=spec.sinks, k=spec.k))
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-    return export_for(spec_decode, weight_shapes(cfg, dtype), cfg, state, head, i32(batch),
+    weights = weight_shapes(cfg, dtype) if weights is None else weights
+    return export_for(spec_decode, weights, cfg, state, head, i32(batch),
                       SDS((batch, cfg.hidden_size), dtype), i32(batch), i32(1), i32(), key, i32(), platform=platform,
                       cap=cap, spec=spec, sampling=sampling, streaming=streaming)
 

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import pytest
 
 from kernels_pallas import dispatch
+from kernels_pallas import quant_matmul as qmm
 from kernels_pallas.windowed_attention import unsupported_reason, windowed_attend, windowed_attend_pallas
-from qwen_mtp import real_shapes
+from qwen_mtp import quant, real_shapes
 from qwen_mtp.config import load_config
 from qwen_mtp.generate import _choose, _logits, _mtp_chunk, _plain_decode, _prefill_chunk
 from qwen_mtp.lowering import (SM90_SHARED_LIMIT, compile_sm90, export_for, export_spec_decode, kernel_calls,
@@ -33,6 +34,8 @@ from qwen_mtp.sampling import Sampling
 from qwen_mtp.speculative import SpecConfig
 from qwen_mtp.state import init_state
 from qwen_mtp.weights import weight_shapes
+from tests.test_kernel_quant_matmul import CASES as QUANT_INTERPRET_CASES
+from tests.test_kernel_quant_matmul import _inputs as quant_inputs
 from tests.test_kernel_windowed_attention import CASES as INTERPRET_CASES
 
 KERNEL = "windowed_draft_attention"
@@ -258,3 +261,129 @@ def test_kernels_compile_for_sm90(report):
                f"{r['stack']} B spilled per thread")
         assert 0 < r["shared"] <= SM90_SHARED_LIMIT, (label, r)
         assert r["stack"] == 0 if dtype == jnp.bfloat16 else r["stack"] <= 256, (label, r)
+
+
+# ------------------------------------------------------------------------------ the quantized-matmul kernel
+# real Qwen3.5-27B matrices [in, out]: the MLP's gate / up and down, and lm_head
+QUANT_REAL = {"gate/up": (5120, 17408), "down": (17408, 5120), "lm_head": (5120, 248320)}
+QUANT_M = (1, 5, 512)  # a decode step, the verify of k = 4 drafts, a prefill chunk
+
+
+def _quant_args(kind, M, K, N, dtype, fmt=None):
+    """(x, q, scale) ShapeDtypeStructs and the block of a [K, N] weight in `kind`: quant.layout_of's layout
+    (int4 groups of 128, fp8 128 x 128 blocks), or fp8 per channel with fmt="channel"."""
+    qs, ss, block = quant.layout_of(kind, (K, N), 128)
+    if fmt == "channel":
+        ss, block = (1, N), (K, 1)
+    return (SDS((M, K), dtype), SDS(qs, qmm.STORAGE[kind]), SDS(ss, jnp.float32)), block
+
+
+def _quant_fn(kind, K, block, **kw):
+    return jax.jit(lambda x, q, s: qmm.quant_matmul(x, q, s, kind=kind, k=K, block=block, **kw))
+
+
+@pytest.mark.parametrize("case", QUANT_INTERPRET_CASES, ids=lambda c: f"{c[0]}-{c[1]}-M{c[2]}K{c[3]}N{c[4]}-{c[5]}")
+def test_quant_kernel_lowers_for_cuda_at_test_shapes(case):
+    """The interpret-mode cases of test_kernel_quant_matmul.py, with their forced launch parameters."""
+    kind, fmt, M, K, N, dtype, tiling = case
+    *arrays, block = quant_inputs(kind, fmt, M, K, N, dtype, seed=0)
+    args = [SDS(a.shape, a.dtype) for a in arrays]
+    exported = export_for(lambda *a: qmm.quant_matmul_pallas(*a, kind=kind, k=K, block=block, **tiling), *args)
+    assert kernel_calls(exported) == [f"quant_matmul_{kind}"]
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+def test_quant_kernel_lowers_for_cuda_at_real_shapes(kind):
+    """27B's gate / up, down and lm_head at M = 1, 5 and 512 with bf16 activations: the kernel is in the cuda
+    program, and no dequantized weight is: no [K, N] bf16 array exists anywhere in it (the reference, lowered
+    for cpu, has one; that is what the check would see if the kernel dequantized through memory)."""
+    for name, (K, N) in QUANT_REAL.items():
+        for M in QUANT_M:
+            args, block = _quant_args(kind, M, K, N, jnp.bfloat16)
+            assert qmm.unsupported_reason(*args, kind=kind, k=K, block=block) is None
+            exported = export_for(_quant_fn(kind, K, block), *args)
+            assert kernel_calls(exported) == [f"quant_matmul_{kind}"], (name, M)
+            assert f"tensor<{K}x{N}xbf16>" not in exported.mlir_module(), (name, M)
+    args, block = _quant_args(kind, 5, 5120, 17408, jnp.bfloat16)
+    on_cpu = export_for(_quant_fn(kind, 5120, block), *args, platform="cpu")
+    assert kernel_calls(on_cpu) == [] and "tensor<5120x17408xbf16>" in on_cpu.mlir_module()
+    if kind == "fp8":  # compressed-tensors' per-channel fp8 too
+        args, block = _quant_args(kind, 5, 5120, 17408, jnp.bfloat16, fmt="channel")
+        assert kernel_calls(export_for(_quant_fn(kind, 5120, block), *args)) == ["quant_matmul_fp8"]
+
+
+def test_quant_backend_is_chosen_per_lowering_platform(monkeypatch):
+    args, block = _quant_args("int4", 5, 5120, 17408, jnp.bfloat16)
+    assert kernel_calls(export_for(_quant_fn("int4", 5120, block), *args, platform="rocm")) == []
+    assert kernel_calls(export_for(_quant_fn("int4", 5120, block, backend="reference"), *args)) == []
+    # a format the kernel does not take (int4 groups of 16) lowers the reference for cuda, with the warning
+    monkeypatch.setattr(dispatch, "_warned", set())
+    qs, ss, block16 = quant.layout_of("int4", (5120, 17408), 16)
+    small = (args[0], SDS(qs, jnp.uint8), SDS(ss, jnp.float32))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert kernel_calls(export_for(_quant_fn("int4", 5120, block16, backend="pallas"), *small)) == []
+    assert any("int4 group of 16" in str(w.message) for w in caught)
+
+
+# compiled to sm_90 (label, kind, M, K, N, x dtype, fp8 format): the tightest launches of the real shapes
+# (lm_head's 128-column decode tile holds the most registers, prefill tiles the most shared memory), the
+# split-K decode of down, and the f32 path (IEEE dots on the FMA units)
+QUANT_SM90_CASES = [("int8 lm_head M1", "int8", 1, 5120, 248320, jnp.bfloat16, None),
+                    ("int4 down M5", "int4", 5, 17408, 5120, jnp.bfloat16, None),
+                    ("int4 gate/up M512", "int4", 512, 5120, 17408, jnp.bfloat16, None),
+                    ("fp8 gate/up M512", "fp8", 512, 5120, 17408, jnp.bfloat16, None),
+                    ("int4 down M5 f32", "int4", 5, 17408, 5120, jnp.float32, None)]
+
+
+def test_quant_kernel_compiles_for_sm90(report):
+    """The quantized-matmul kernel's Triton IR at real 27B shapes compiled to sm_90 machine code: shared
+    memory within one block's 227 KiB, no register spill (no stack, no local memory) in any format, M or
+    dtype; its dots take the stored values converted to x's dtype (bf16 operands, f32 accumulation; f32 in IEEE
+    precision, not TF32), read from int8 / packed uint8 / fp8 tiles, never a dequantized matrix."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.fail("the `triton` package is missing: pip install -e '.[test]' installs it")
+    kernels, plans = [], []
+    for label, kind, M, K, N, dtype, fmt in QUANT_SM90_CASES:
+        args, block = _quant_args(kind, M, K, N, dtype, fmt)
+        (kernel,) = triton_kernels(export_for(_quant_fn(kind, K, block), *args))
+        kernels.append(kernel)
+        plans.append(qmm.plan(M, K, N, kind, block, jnp.dtype(dtype).itemsize))
+        stored = {"int8": "ptr<i8>>", "int4": "ptr<i8>>", "fp8": "ptr<f8E4M3FN>>"}[kind]  # (uint8 is i8 there)
+        loads = [line for line in kernel.ir.splitlines() if "tt.load" in line]
+        assert any(line.endswith(stored) for line in loads), (label, loads)
+        name = "f32" if dtype == jnp.float32 else "bf16"
+        dots = [line for line in kernel.ir.splitlines() if "tt.dot" in line]
+        assert dots, label
+        for line in dots:
+            operands, result = line.split(":")[-1].split("->")
+            assert "tf32" not in line and operands.count(f"x{name}>") == 2 and result.strip().endswith("xf32>"), line
+    results = compile_sm90(kernels)  # (test_kernels_compile_for_sm90 shows the probe sees an overflow)
+    for (label, *_), kernel, p, r in zip(QUANT_SM90_CASES, kernels, plans, results):
+        assert r["error"] is None, (label, r["error"])
+        report(f"sm_90 compile, quant_matmul {label}: grid {kernel.grid} (tile {p.block_m}x{p.block_n}, K step "
+               f"{p.block_k}, dot K {p.dot_k}), {kernel.num_warps} warps, {kernel.num_stages} stages, shared "
+               f"{r['shared']} B (limit {SM90_SHARED_LIMIT}), {r['registers']} registers, {r['stack']} B stack, "
+               f"{r['local']} B local")
+        assert kernel.grid == (p.row_tiles, p.col_tiles, p.splits), (label, kernel.grid, p)
+        assert 0 < r["shared"] <= SM90_SHARED_LIMIT and r["stack"] == 0 and r["local"] == 0, (label, r)
+
+
+def test_quantized_27b_speculative_loop_lowers_for_cuda():
+    """The speculative loop of a 27B (4 real layers) quantized as load(quant="int4") quantizes it: every
+    quantized matrix of the trunk and the MTP head is read by the quantized-matmul kernel (its packed values
+    are an operand of a kernel call), beside the windowed draft attention, and none exists dequantized."""
+    cfg, dtype = _config("Qwen3.5-27B")
+    weights = quant.abstract(weight_shapes(cfg, dtype), quant.QuantPolicy("int4"))
+    exported = export_spec_decode(cfg, dtype, WINDOWED, GREEDY, batch=1, cache_len=CACHE, cap=CAP, weights=weights)
+    calls = kernel_calls(exported)
+    assert calls.count(KERNEL) == 2 and set(calls) == {KERNEL, "quant_matmul_int4"}, calls
+    text = exported.mlir_module()
+    matrices = [leaf for leaf in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, quant.QuantArray))
+                if isinstance(leaf, quant.QuantArray)]
+    assert len(matrices) > 20
+    kernel_operands = "\n".join(line.rsplit(" : (", 1)[-1] for line in text.splitlines() if "xla.gpu.triton" in line)
+    for w in matrices:
+        K, N = w.shape
+        packed = f"tensor<{w.q.shape[0]}x{N}xui8>"
+        assert packed in kernel_operands and f"tensor<{K}x{N}xbf16>" not in text, (w.shape, packed)
