@@ -209,3 +209,99 @@ def load_config(path) -> ModelConfig:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(file, "<file>", "valid JSON", f"{type(e).__name__}: {e}") from None
     return parse_config(raw, file)
+
+
+# ------------------------------------------------------------------------------------ quantization_config
+QUANT_METHODS = ("fp8", "compressed-tensors")
+CT_FORMATS = ("float-quantized", "naive-quantized")  # compressed-tensors formats that store e4m3 values as such
+CT_STRATEGIES = ("channel", "tensor", "block")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointQuant:
+    """A checkpoint's own quantization (`quantization_config` in config.json), validated: FP8 e4m3 weights only.
+
+    method "fp8": Qwen's block-wise layout; `<weight>_scale_inv` beside each quantized weight, one scale per
+        `block` = weight_block_size = (rows of the output dim, columns of the input dim), as config.json writes it.
+    method "compressed-tensors": `<layer>.weight_scale` beside each quantized weight: per channel [out, 1], per
+        tensor [] / [1], or, when a config group names the block strategy, per `block` = its block_structure.
+    Which tensors are quantized is decided per tensor by the scales present (checkpoints/hf_safetensors.py),
+    not by the config's target / ignore lists. Activation settings (input_activations, activation_scheme,
+    `input_scale` tensors) are accepted and not used: activations stay in the load dtype."""
+
+    method: str
+    block: tuple | None  # (rows, cols) of one scale's block in HF's [out, in] orientation; None: no block scales
+
+    @property
+    def scale_suffix(self) -> str:
+        """Appended to a weight's name to name its scale."""
+        return "_scale_inv" if self.method == "fp8" else "_scale"
+
+
+def _block_pair(val, file, field):
+    if (not isinstance(val, (list, tuple)) or len(val) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in val)):
+        raise ConfigError(file, field, "two positive integers [rows, cols]", repr(val))
+    return (int(val[0]), int(val[1]))
+
+
+def _parse_compressed_tensors(q: dict, file, f) -> CheckpointQuant:
+    fmt = q.get("format")
+    if fmt is not None and fmt not in CT_FORMATS:
+        raise ConfigError(file, f + ".format", f"one of {list(CT_FORMATS)} (FP8 weights stored as e4m3)", repr(fmt))
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ConfigError(file, f + ".config_groups", "a non-empty object of quantization groups", repr(groups))
+    blocks = set()
+    for g, spec in groups.items():
+        w = spec.get("weights") if isinstance(spec, dict) else None
+        wf = f"{f}.config_groups.{g}.weights"
+        if not isinstance(w, dict):
+            raise ConfigError(file, wf, "an object describing the weights' quantization", repr(w))
+        if w.get("type") != "float" or w.get("num_bits") != 8:
+            raise ConfigError(file, wf, "type 'float' with num_bits 8 (FP8 e4m3 weights, the only compressed-tensors "
+                              "scheme supported)", f"type {w.get('type')!r}, num_bits {w.get('num_bits')!r}")
+        if w.get("symmetric", True) is not True:
+            raise ConfigError(file, wf + ".symmetric", "true (no zero points)", repr(w.get("symmetric")))
+        strategy = w.get("strategy")
+        if strategy not in CT_STRATEGIES:
+            raise ConfigError(file, wf + ".strategy", f"one of {list(CT_STRATEGIES)}", repr(strategy))
+        if strategy == "block":
+            blocks.add(_block_pair(w.get("block_structure"), file, wf + ".block_structure"))
+    if len(blocks) > 1:
+        raise ConfigError(file, f + ".config_groups", "at most one block_structure", sorted(blocks))
+    return CheckpointQuant("compressed-tensors", blocks.pop() if blocks else None)
+
+
+def parse_quantization(raw: dict, file="config.json") -> CheckpointQuant | None:
+    """The `quantization_config` of a config.json dict (top level, or under text_config), or None."""
+    q = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if q is None and isinstance(raw, dict) and isinstance(raw.get("text_config"), dict):
+        q = raw["text_config"].get("quantization_config")
+    if q is None:
+        return None
+    f = "quantization_config"
+    if not isinstance(q, dict):
+        raise ConfigError(file, f, "an object", repr(q))
+    method = q.get("quant_method")
+    if method not in QUANT_METHODS:
+        raise ConfigError(file, f + ".quant_method", f"one of {list(QUANT_METHODS)} (FP8 checkpoints)", repr(method))
+    if method == "compressed-tensors":
+        return _parse_compressed_tensors(q, file, f)
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise ConfigError(file, f + ".fmt", "'e4m3'", repr(q.get("fmt")))
+    if q.get("activation_scheme", "dynamic") not in ("dynamic", "static"):
+        raise ConfigError(file, f + ".activation_scheme", "'dynamic' or 'static'", repr(q.get("activation_scheme")))
+    return CheckpointQuant("fp8", _block_pair(q.get("weight_block_size"), file, f + ".weight_block_size"))
+
+
+def load_quantization(path) -> CheckpointQuant | None:
+    """parse_quantization of the folder's config.json (load_config's errors for a missing / unreadable file)."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ConfigError(file, "<file>", "an existing config.json", "no such file")
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(file, "<file>", "valid JSON", f"{type(e).__name__}: {e}") from None
+    return parse_quantization(raw, file)

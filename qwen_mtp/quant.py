@@ -172,6 +172,10 @@ class QuantPolicy:
                    mtp=bool(d["mtp"]), source=str(d.get("source", "load")))
 
     def describe(self) -> str:
+        if self.source == "checkpoint":  # a pre-quantized FP8 checkpoint: its own scales decide, tensor by tensor
+            return ("fp8 e4m3 as the checkpoint stores it (its own block / channel / tensor scales): every matrix "
+                    f"stored with a scale{', lm_head included' if self.lm_head else ''}"
+                    f"{', MTP head included' if self.mtp else ''}; the rest in the load dtype")
         fmt = {"int8": "int8 per output channel", "int4": f"int4 groups of {self.group_size} along K",
                "fp8": "fp8 e4m3, 128 x 128 block scales"}[self.method]
         kept = ", ".join(self.KEPT) + ("" if self.lm_head else ", lm_head") + ("" if self.mtp else ", MTP head")
