@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .config import ModelConfig, load_config
+from .config import ModelConfig, load_config, load_quantization
 from .errors import ArgumentError, CheckpointError, ConfigError, MissingMTPHeadError, QwenMTPError
 from .quant import QuantArray, QuantPolicy, check_method, formats, weight_bytes
 from .generate import GenerateResult, generate, mtp_logits, prefill_logits
@@ -49,8 +49,21 @@ def load(path, *, dtype: str = "float32", quant: str | None = None, group_size: 
     `group_size` rows along the input dimension, packed two per byte) or "fp8" (e4m3, one scale per 128 x 128
     block): the trunk's matrices are quantized as they load, the MTP head's too unless quant_mtp=False, the
     lm_head only with quant_lm_head=True; see quant.QuantPolicy for what always stays in `dtype`.
-    Activations and the compute stay in `dtype`."""
-    from checkpoints.hf_safetensors import DTYPES, load_weights
+    Activations and the compute stay in `dtype`.
+
+    A pre-quantized FP8 checkpoint (config.json `quantization_config`: Qwen's block-wise "fp8" or FP8
+    "compressed-tensors") loads as it is: each weight stored in e4m3 with its scale stays FP8 in memory, the
+    others load in `dtype` (checkpoints/hf_safetensors.py); Model.quant then says what it held quantized
+    (source "checkpoint"). quant= must be None for such a checkpoint (re-quantizing is an ArgumentError).
+
+    A folder `save` wrote (checkpoints/orbax_io.py) is restored as saved: its QuantArrays as stored, its plain
+    arrays cast to `dtype`; quant=None takes its policy, a quant= naming another policy than the saved one is
+    an ArgumentError."""
+    from checkpoints import orbax_io
+
+    if orbax_io.is_orbax_folder(path):
+        return _load_orbax(path, dtype, quant, group_size, quant_lm_head, quant_mtp)
+    from checkpoints.hf_safetensors import DTYPES, checkpoint_policy, load_weights
 
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise ArgumentError("dtype", f"one of {sorted(DTYPES)}", repr(dtype))
@@ -60,9 +73,40 @@ def load(path, *, dtype: str = "float32", quant: str | None = None, group_size: 
             raise ArgumentError(name, "True or False", repr(flag))
     policy = None if quant is None else QuantPolicy(quant, int(group_size), quant_lm_head, quant_mtp)
     cfg = load_config(path)
-    return Model(config=cfg, weights=load_weights(path, cfg, dtype, policy), path=str(Path(path)), dtype=dtype,
-                 quant=policy)
+    weights = load_weights(path, cfg, dtype, policy)
+    if load_quantization(path) is not None:  # a pre-quantized FP8 checkpoint: what it held in FP8
+        policy = checkpoint_policy(weights)
+    return Model(config=cfg, weights=weights, path=str(Path(path)), dtype=dtype, quant=policy)
 
 
-__all__ = ["load", "prefill_logits", "mtp_logits", "generate", "SpecConfig", "Sampling", "Model", "ModelConfig", "QuantArray", "QuantPolicy", "GenerateResult", "GenerateStats",
+def _load_orbax(path, dtype, quant, group_size, quant_lm_head, quant_mtp) -> Model:
+    from checkpoints import orbax_io
+
+    if not isinstance(dtype, str) or dtype not in orbax_io.DTYPES:
+        raise ArgumentError("dtype", f"one of {sorted(orbax_io.DTYPES)}", repr(dtype))
+    check_method(quant, group_size)
+    cfg, weights, dtype, saved = orbax_io.restore(path, dtype)
+    if quant is not None:
+        asked = QuantPolicy(quant, int(group_size), quant_lm_head, quant_mtp)
+        if saved is None or dataclasses.replace(saved, source="load") != asked:
+            held = "unquantized weights" if saved is None else saved.describe()
+            raise ArgumentError("quant", f"None (restore {path} as saved: {held}) or the saved policy",
+                                f"{quant!r}, group_size={group_size}, quant_lm_head={quant_lm_head}, "
+                                f"quant_mtp={quant_mtp}")
+    return Model(config=cfg, weights=weights, path=str(Path(path)), dtype=dtype, quant=saved)
+
+
+def save(model: Model, folder, *, overwrite: bool = False) -> Path:
+    """Write `model` as an orbax checkpoint folder that `load(folder)` restores (checkpoints/orbax_io.py): the
+    weights (QuantArrays as stored), config.json, the quantization policy and the tokenizer files of model.path.
+    Atomic: written beside `folder` and renamed into place. An existing `folder` is replaced only with
+    overwrite=True, and only if `save` wrote it (or it is empty)."""
+    from checkpoints import orbax_io
+
+    if not isinstance(model, Model):
+        raise ArgumentError("model", "a qwen_mtp.Model (from qwen_mtp.load)", type(model).__name__)
+    return orbax_io.save(model, folder, overwrite=overwrite)
+
+
+__all__ = ["load", "save", "prefill_logits", "mtp_logits", "generate", "SpecConfig", "Sampling", "Model", "ModelConfig", "QuantArray", "QuantPolicy", "GenerateResult", "GenerateStats",
            "QwenMTPError", "ConfigError", "CheckpointError", "ArgumentError", "MissingMTPHeadError"]

@@ -225,6 +225,29 @@ def cmd_analyze_window(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from tqdm import tqdm
+
+    from checkpoints import orbax_io
+
+    def bar(total):  # over the tensors quantized / cast, once the source has loaded
+        return tqdm(total=total, desc="quantize" if args.quant else "convert", unit="tensor", file=sys.stderr,
+                    disable=args.no_progress)
+
+    t = time.perf_counter()
+    before, model = orbax_io.convert(args.src, args.dst, dtype=args.dtype, quant=args.quant,
+                                     group_size=args.group_size, quant_lm_head=args.quant_lm_head,
+                                     quant_mtp=not args.keep_mtp_bf16, overwrite=args.overwrite, progress=bar)
+    after = model.weight_bytes()
+    print(model.describe_quant())
+    print(f"weights: {before / 2**20:.2f} MiB in {args.dtype} -> {after['total'] / 2**20:.2f} MiB "
+          f"({after['quantized'] / 2**20:.2f} quantized + {after['plain'] / 2**20:.2f} plain), "
+          f"{after['total'] / before:.3f} of {args.dtype}")
+    print(f"wrote {args.dst} in {time.perf_counter() - t:.1f}s; run it with: python -m qwen_mtp generate "
+          f"--model {args.dst} PROMPT")
+    return 0
+
+
 def build_parser():
     ap = argparse.ArgumentParser(prog="python -m qwen_mtp", description="qwen-mtp: Qwen3.5 inference in JAX "
                                  "with the MTP head as speculative drafter")
@@ -263,6 +286,23 @@ def build_parser():
                    "files the shipped model never saw)")
     a.add_argument("--plot", default=None, help="save a PNG of AL/TPOT and alpha_j per window here")
     a.set_defaults(func=cmd_analyze_window)
+
+    c = sub.add_parser("convert", help="quantize a checkpoint (Hugging Face, or one convert wrote) into an orbax "
+                       "checkpoint folder that generate --model and qwen_mtp.load read directly")
+    c.add_argument("src", help="source checkpoint folder")
+    c.add_argument("dst", help="folder to write (must not exist, be empty, or --overwrite a converted one)")
+    c.add_argument("--quant", choices=["int8", "int4", "fp8"], default=None,
+                   help="weight format (default: none, the tensors are only cast to --dtype)")
+    c.add_argument("--group-size", type=int, default=128, help="int4: rows of K per scale, a power of two "
+                   "(default 128)")
+    c.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="dtype of the tensors kept unquantized (default bfloat16)")
+    c.add_argument("--quant-lm-head", action="store_true", help="quantize the lm_head too (a tied one as a "
+                   "quantized copy of embed^T)")
+    c.add_argument("--keep-mtp-bf16", action="store_true", help="keep the MTP head unquantized, in --dtype")
+    c.add_argument("--overwrite", action="store_true", help="replace DST if it is a folder convert wrote")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.set_defaults(func=cmd_convert)
     return ap
 
 
