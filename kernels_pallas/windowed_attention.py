@@ -17,8 +17,15 @@ shared memory and register spills. Its grid is (batch row, kv head, row tile, ri
   streams its slots in blocks of `block_k` with an online softmax, computing each slot's logical row from
   `start` (no gather, no materialised mask), and the last part also takes the call's new rows; the parts'
   (max, sum, accumulator) are combined in XLA after the call.
-Dots run in the input dtype with f32 accumulation (bf16 products are exact in f32), at HIGHEST precision
+Dots run in q's dtype with f32 accumulation (bf16 products are exact in f32), at HIGHEST precision
 (for f32 inputs that is IEEE, not TF32).
+
+KV dtype: the ring and the new rows (one dtype for both) are in q's dtype or in float8_e4m3fn (the fp8 KV
+cache, qwen_mtp/state.py). The kernel loads fp8 blocks as they are (half the bytes of bf16 streamed from
+memory) and converts them to q's dtype in registers; the reference upcasts them the same way before its dots,
+so both see the same values (every e4m3fn value is exact in bf16 and f32). The caller rounds the new rows to
+the ring dtype (new_k / new_v arrive in it), so kernel and reference read a call's own rows exactly as a later
+call reads them from the ring. Any other ring dtype (e.g. a bf16 ring under f32 queries) takes the reference.
 
 Backend choice is kernels_pallas/dispatch.py's rule: the kernel in a program lowered for cuda, the reference
 elsewhere; `backend="pallas"` with `interpret=True` runs the kernel on CPU, as the tests do. A shape the kernel
@@ -41,19 +48,22 @@ from .ring_layout import slot_rows, visible, window_mask
 
 HIGHEST = jax.lax.Precision.HIGHEST
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # Triton dots need every dimension >= 16
-DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # q (the compute dtype); the ring in q's dtype or in FP8
+FP8 = jnp.float8_e4m3fn
 TARGET_PROGRAMS = 264  # two programs per SM of an H100 / H200 (132 SMs)
 MIN_BLOCKS_PER_SPLIT = 4  # a ring part streams at least 4 blocks, so the combine stays small next to the ring
 NUM_STAGES = 2
 
 
 def windowed_attend_reference(q, ring_k, ring_v, new_k, new_v, start, window: int, sinks: int):
-    """Pure-JAX reference: one softmax over [ring slots ; new rows] with ring_layout.window_mask."""
+    """Pure-JAX reference: one softmax over [ring slots ; new rows] with ring_layout.window_mask. The new rows
+    are taken in the ring's dtype (a plain cast; the caller rounds them as it stores them) and everything is
+    upcast to q's dtype before the dots."""
     T = q.shape[1]
     ring = ring_k.shape[1] - sinks
     key_ok = window_mask(start, T, window, sinks, ring)
-    keys = jnp.concatenate([ring_k, new_k.astype(ring_k.dtype)], axis=1)
-    vals = jnp.concatenate([ring_v, new_v.astype(ring_v.dtype)], axis=1)
+    keys = jnp.concatenate([ring_k, new_k.astype(ring_k.dtype)], axis=1).astype(q.dtype)
+    vals = jnp.concatenate([ring_v, new_v.astype(ring_v.dtype)], axis=1).astype(q.dtype)
     return attend(q, keys, vals, key_ok)
 
 
@@ -69,10 +79,10 @@ def unsupported_reason(q, ring_k, new_k, sinks: int):
         return f"ring of {ring_k.shape[1]} slots has no room past {sinks} sinks"
     if new_k.shape[1] != T:
         return f"new_k has {new_k.shape[1]} rows for {T} queries"
-    dtypes = {jnp.dtype(q.dtype), jnp.dtype(ring_k.dtype), jnp.dtype(new_k.dtype)}
-    if len(dtypes) != 1 or dtypes.pop() not in {jnp.dtype(d) for d in DTYPES}:
-        return (f"dtypes q {jnp.dtype(q.dtype)}, ring {jnp.dtype(ring_k.dtype)}, new {jnp.dtype(new_k.dtype)}: "
-                f"the kernel takes one of float32 / bfloat16 / float16 for all three")
+    qd, rd, nd = jnp.dtype(q.dtype), jnp.dtype(ring_k.dtype), jnp.dtype(new_k.dtype)
+    if qd not in {jnp.dtype(d) for d in DTYPES} or rd != nd or rd not in (qd, jnp.dtype(FP8)):
+        return (f"dtypes q {qd}, ring {rd}, new {nd}: the kernel takes q in float32 / bfloat16 / float16 and "
+                f"the ring and new rows both in q's dtype or both in float8_e4m3fn")
     return None
 
 
@@ -89,10 +99,20 @@ def _row_tile(M, hd, itemsize):
     return 16  # f32: larger tiles spill registers at every head_dim
 
 
-def _block_k(bm, hd, itemsize):
+# An fp8 ring (kv_itemsize 1) holds each block twice, as loaded and upcast to q's dtype: bf16 / f16 queries take
+# 16-slot blocks at head_dim 256 when the row tile is large; f32 queries take one pipeline stage (two spill
+# thousands of bytes per thread at head_dim 256) and 32-slot blocks at head_dim <= 64.
+def _block_k(bm, hd, itemsize, kv_itemsize=None):
+    fp8 = kv_itemsize is not None and kv_itemsize < itemsize
     if itemsize > 2:
-        return min(128, max(16, 8192 // hd))  # 32 slots at head_dim 256
+        return 32 if fp8 and hd <= 64 else min(128, max(16, 8192 // hd))  # 32 slots at head_dim 256
+    if fp8 and bm > 16:
+        return min(128, max(16, 4096 // hd))  # 16 slots at head_dim 256
     return min(128, max(16, (16384 if bm <= 16 else 8192) // hd))  # 64 / 32 slots at head_dim 256
+
+
+def _num_stages(itemsize, kv_itemsize):
+    return 1 if itemsize > 2 and kv_itemsize < itemsize else NUM_STAGES
 
 
 def _num_warps(bm, hd):
@@ -112,13 +132,16 @@ class Plan:
     num_stages: int
 
 
-def plan(B, T, nh, nkv, hd, L, itemsize=2, block_k=None, num_splits=None, num_warps=None, num_stages=None) -> Plan:
-    """Launch parameters from the shapes; any of block_k / num_splits / num_warps / num_stages given wins."""
+def plan(B, T, nh, nkv, hd, L, itemsize=2, block_k=None, num_splits=None, num_warps=None, num_stages=None, *,
+         kv_itemsize=None) -> Plan:
+    """Launch parameters from the shapes; any of block_k / num_splits / num_warps / num_stages given wins.
+    itemsize: bytes of q's dtype; kv_itemsize: of the ring's (None: the same)."""
+    kv_itemsize = itemsize if kv_itemsize is None else kv_itemsize
     G = nh // nkv
     bm = _row_tile(G * T, hd, itemsize)
     n_tiles = -(-G * T // bm)
     if block_k is None:
-        block_k = _block_k(bm, hd, itemsize)
+        block_k = _block_k(bm, hd, itemsize, kv_itemsize)
     n_blocks = -(-L // block_k)
     if num_splits is None:
         want = -(-TARGET_PROGRAMS // (B * nkv * n_tiles))
@@ -128,7 +151,9 @@ def plan(B, T, nh, nkv, hd, L, itemsize=2, block_k=None, num_splits=None, num_wa
     num_splits = -(-n_blocks // bps)
     if num_warps is None:
         num_warps = _num_warps(bm, hd)
-    return Plan(bm, n_tiles, block_k, bps, num_splits, num_warps, NUM_STAGES if num_stages is None else num_stages)
+    if num_stages is None:
+        num_stages = _num_stages(itemsize, kv_itemsize)
+    return Plan(bm, n_tiles, block_k, bps, num_splits, num_warps, num_stages)
 
 
 def _kernel(qrow_ref, newest_ref, newrow_ref, q_ref, rk_ref, rv_ref, nk_ref, nv_ref, acc_ref, m_ref, l_ref, *,
@@ -143,6 +168,7 @@ def _kernel(qrow_ref, newest_ref, newrow_ref, q_ref, rk_ref, rv_ref, nk_ref, nv_
 
     def update(carry, k, v, key_row):
         m_i, l_i, acc = carry
+        k, v = k.astype(q.dtype), v.astype(q.dtype)  # an fp8 ring: upcast in registers (else a no-op)
         s = jnp.dot(q, k.T, precision=prec, preferred_element_type=jnp.float32) * scale  # [bm, block]
         ok = visible(key_row[None, :], qrow[:, None], window, sinks)
         s = jnp.where(ok, s, -jnp.inf)
@@ -160,8 +186,8 @@ def _kernel(qrow_ref, newest_ref, newrow_ref, q_ref, rk_ref, rv_ref, nk_ref, nv_
         first = (part * bps + j) * block_k
         slot = first + jnp.arange(block_k, dtype=jnp.int32)
         inside = (slot < slots)[:, None]
-        k = plt.load(rk_ref.at[pl.ds(first, block_k), :], mask=inside, other=0)
-        v = plt.load(rv_ref.at[pl.ds(first, block_k), :], mask=inside, other=0)
+        k = plt.load(rk_ref.at[pl.ds(first, block_k), :], mask=inside, other=0.0)
+        v = plt.load(rv_ref.at[pl.ds(first, block_k), :], mask=inside, other=0.0)
         return update(carry, k, v, slot_rows(slot, newest, sinks, ring))
 
     bm, hd = q.shape
@@ -186,7 +212,8 @@ def windowed_attend_pallas(q, ring_k, ring_v, new_k, new_v, start, window: int, 
     L, nkv = ring_k.shape[1], ring_k.shape[2]
     G = nh // nkv
     ring = L - sinks
-    p = plan(B, T, nh, nkv, hd, L, jnp.dtype(q.dtype).itemsize, block_k, num_splits, num_warps, num_stages)
+    p = plan(B, T, nh, nkv, hd, L, jnp.dtype(q.dtype).itemsize, block_k, num_splits, num_warps, num_stages,
+             kv_itemsize=jnp.dtype(ring_k.dtype).itemsize)
     bm, n_tiles, block_k, bps, n_split = p.row_tile, p.row_tiles, p.block_k, p.blocks_per_split, p.splits
     M = bm * n_tiles
     Tn = _pow2(T)

@@ -3,6 +3,10 @@
 q_proj emits, per head, `head_dim` query values followed by `head_dim` output-gate values (split per head,
 not first half / second half of the row). q and k get (1+w) RMSNorms over head_dim, then partial RoPE. The
 output is o_proj(attn * sigmoid(gate)).
+
+The KV cache may be stored in another dtype than the compute dtype (fp8; state.py has the rule): new rows are
+written with state.to_cache first, and the attention then reads every row, the call's own included, back from
+the cache upcast to the compute dtype, so T rows at once see exactly what T single steps see.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from kernels_pallas.masked_attention import attend
 from .config import ModelConfig
 from .ops import linear, rmsnorm_1pw
 from .rope import apply_rope, rope_cos_sin
-from .state import KVCache
+from .state import KVCache, to_cache
 from .weights import AttnWeights
 
 
@@ -33,9 +37,9 @@ def project_qkv(x, w: AttnWeights, cfg: ModelConfig, positions):
 
 
 def write_kv(cache: KVCache, k, v, pos) -> KVCache:
-    """Write k, v [B, T, nkv, hd] into slots pos[b] .. pos[b]+T-1 of each row."""
+    """Write k, v [B, T, nkv, hd] into slots pos[b] .. pos[b]+T-1 of each row, rounded to the cache dtype."""
     upd = jax.vmap(lambda c, u, p: jax.lax.dynamic_update_slice(c, u, (p, 0, 0)))
-    return KVCache(upd(cache.k, k.astype(cache.k.dtype), pos), upd(cache.v, v.astype(cache.v.dtype), pos))
+    return KVCache(upd(cache.k, to_cache(k, cache.k.dtype), pos), upd(cache.v, to_cache(v, cache.v.dtype), pos))
 
 
 def output(o, gate, w: AttnWeights):
@@ -45,11 +49,13 @@ def output(o, gate, w: AttnWeights):
 
 def attention_layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, rope_offset: int = 0):
     """Causal attention of T new tokens in slots pos[b] + t of the row's cache, each seeing slots <= its own.
-    RoPE position = slot + rope_offset (0 for the trunk; 1 for the MTP head, whose row t sits at t + 1)."""
+    RoPE position = slot + rope_offset (0 for the trunk; 1 for the MTP head, whose row t sits at t + 1).
+    The new rows are written first and read back from the cache (in its dtype, upcast to the compute dtype)."""
     B, T, _ = x.shape
     positions = pos[:, None] + jnp.arange(T, dtype=pos.dtype)[None]
     q, k, v, gate = project_qkv(x, w, cfg, positions + rope_offset)
     cache = write_kv(cache, k, v, pos)
     slots = jnp.arange(cache.k.shape[1], dtype=pos.dtype)
     key_ok = slots[None, None, :] <= positions[:, :, None]
-    return output(attend(q, cache.k, cache.v, key_ok), gate, w), cache
+    o = attend(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), key_ok)
+    return output(o, gate, w), cache

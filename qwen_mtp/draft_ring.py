@@ -16,6 +16,11 @@ The slot mapping and the mask (ring_slot, slot_rows, ring_rows, visible, window_
 kernels_pallas/ring_layout.py, shared with the kernel and re-exported here. The attention itself is
 kernels_pallas/windowed_attention.py: the Pallas kernel in a program lowered for cuda, its pure-JAX reference
 elsewhere.
+
+KV dtype (state.py): the ring may be stored in float8_e4m3fn. The call's new rows are rounded to the ring's
+dtype (state.to_cache) BEFORE the attention, and the kernel / reference read ring and new rows alike upcast to
+the compute dtype, so a row sees itself and the rows of its own call exactly as later calls see them in the
+ring (what the native head gets by writing before attending).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from kernels_pallas.ring_layout import ring_rows, ring_slot, slot_rows, visible,
 from kernels_pallas.windowed_attention import windowed_attend
 
 from .attention import output, project_qkv
-from .state import KVCache
+from .state import KVCache, to_cache
 
 
 def ring_write(cache: KVCache, k, v, start, sinks: int) -> KVCache:
@@ -40,7 +45,7 @@ def ring_write(cache: KVCache, k, v, start, sinks: int) -> KVCache:
     keep = (rows < sinks) | (rows > last - ring)  # a later row of this call lands in the same slot otherwise
     slots = jnp.where(keep, slots, sinks + ring)  # out of range: dropped
     b = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    put = lambda c, x: c.at[b, slots].set(x.astype(c.dtype), mode="drop")
+    put = lambda c, x: c.at[b, slots].set(to_cache(x, c.dtype), mode="drop")
     return KVCache(put(cache.k, k), put(cache.v, v))
 
 
@@ -51,10 +56,12 @@ def init_ring(batch: int, sinks: int, window: int, k: int, kv_heads: int, head_d
 
 def ring_attention_layer(x, w, cfg, cache: KVCache, start, window: int, sinks: int, rope_offset: int,
                          attend_fn=None):
-    """The head's attention with Wind-MTP: windowed over the ring, then this call's rows are written."""
+    """The head's attention with Wind-MTP: windowed over the ring, then this call's rows are written. The new
+    rows enter the attention rounded to the ring's dtype, as they will be read from the ring later."""
     B, T, _ = x.shape
     rows = start[:, None] + jnp.arange(T, dtype=start.dtype)[None]
     q, k, v, gate = project_qkv(x, w, cfg, rows + rope_offset)
+    k, v = to_cache(k, cache.k.dtype), to_cache(v, cache.v.dtype)
     if attend_fn is None:  # the Pallas kernel in a program lowered for cuda, its pure-JAX reference elsewhere
         attend_fn = windowed_attend
     o = attend_fn(q, cache.k, cache.v, k, v, start, window, sinks)

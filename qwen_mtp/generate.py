@@ -1,4 +1,13 @@
-"""generate / prefill_logits / mtp_logits: chunked prefill, then plain or speculative decoding inside one\njitted lax.while_loop."""
+"""generate / prefill_logits / mtp_logits: chunked prefill, then plain or speculative decoding inside one
+jitted lax.while_loop.
+
+kv_dtype (all three): the dtype of the attention KV caches, the trunk's and the MTP head's (native cache or
+Wind-MTP ring). None keeps them in the compute dtype; "float8_e4m3fn" halves them against bf16 (a quarter of
+f32). fp8 values are saturated to +-448 before the cast and no scale is kept; every read upcasts to the compute
+dtype, and every row attention reads (a step's own new rows included) is its rounded stored value, so
+speculative output stays exactly the plain output under the same kv_dtype (state.py has the rule).
+`kv_cache_bytes` sizes the caches without allocating them.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +25,7 @@ from .model import forward, lm_logits
 from .mtp import init_mtp_cache, mtp_forward, require_mtp
 from .sampling import Sampling, choose
 from .speculative import SpecConfig, spec_decode
-from .state import init_state
+from .state import init_state, kv_bytes, resolve_kv_dtype
 from .stats import GenerateStats
 from .stream import emit, streaming_to
 
@@ -164,9 +173,11 @@ def _chunk_size(T, prefill_chunk):
     return min(_pow2_at_least(max(T, 16)), prefill_chunk)
 
 
-def prefill(model, rows, cache_len: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, keep_hidden=False):
+def prefill(model, rows, cache_len: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, keep_hidden=False,
+            kv_dtype=None):
     """Chunked prefill of right-padded rows. Returns (state, last post-norm hidden [B, H], per-position hidden
-    [B, T, H] or None). Feeding a prompt in pieces equals one pass (the GDN state carries over exactly)."""
+    [B, T, H] or None). Feeding a prompt in pieces equals one pass (the GDN state carries over exactly).
+    kv_dtype: the attention caches' dtype (None: the compute dtype; validated by the public callers)."""
     cfg, weights = model.config, model.weights
     lens = np.array([len(r) for r in rows], np.int32)
     B, T = len(rows), int(lens.max())
@@ -177,7 +188,7 @@ def prefill(model, rows, cache_len: int, prefill_chunk: int = DEFAULT_PREFILL_CH
     tokens = np.zeros((B, n_chunks * C), np.int32)
     for b, r in enumerate(rows):
         tokens[b, :len(r)] = r
-    state = init_state(cfg, B, cache_len, weights.embed.dtype)
+    state = init_state(cfg, B, cache_len, weights.embed.dtype, kv_dtype)
     last = None
     hiddens = []
     for c in range(n_chunks):
@@ -195,10 +206,11 @@ def prefill(model, rows, cache_len: int, prefill_chunk: int = DEFAULT_PREFILL_CH
 
 
 def mtp_prefill(model, tokens, hidden, cache_len: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                spec: SpecConfig | None = None):
+                spec: SpecConfig | None = None, kv_dtype=None):
     """Fill the MTP head's KV from the trunk: row t gets (tokens[:, t], hidden[:, t]).
     tokens [B, T] (the token AFTER each hidden's position), hidden [B, T, H]. Returns (out [B, T, H], cache).
-    With spec.window set, the head attends Wind-MTP style and the cache is its ring (draft_ring.py)."""
+    With spec.window set, the head attends Wind-MTP style and the cache is its ring (draft_ring.py).
+    kv_dtype: the head cache's dtype (None: the compute dtype)."""
     cfg, weights = model.config, model.weights
     B, T = tokens.shape
     C = _chunk_size(T, prefill_chunk)
@@ -208,7 +220,8 @@ def mtp_prefill(model, tokens, hidden, cache_len: int, prefill_chunk: int = DEFA
     hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
     window = spec.window if spec is not None else None
     sinks = spec.sinks if spec is not None else 0
-    cache = init_mtp_cache(cfg, B, max(cache_len, n_chunks * C), weights.embed.dtype, window=window, sinks=sinks,
+    cache_dtype = weights.embed.dtype if kv_dtype is None else kv_dtype
+    cache = init_mtp_cache(cfg, B, max(cache_len, n_chunks * C), cache_dtype, window=window, sinks=sinks,
                            k=spec.k if spec is not None else 0)
     outs = []
     for c in range(n_chunks):
@@ -231,37 +244,41 @@ def _single_prompt(ids, cfg):
     return rows
 
 
-def prefill_logits(model, ids, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> np.ndarray:
-    """Trunk logits [T, vocab] (f32) at every position of a 1-D prompt."""
+def prefill_logits(model, ids, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_dtype=None) -> np.ndarray:
+    """Trunk logits [T, vocab] (f32) at every position of a 1-D prompt (kv_dtype: the module doc)."""
     prefill_chunk = _check_chunk(prefill_chunk)
+    kv_dtype = resolve_kv_dtype(kv_dtype, model.weights.embed.dtype)
     rows = _single_prompt(ids, model.config)
     T = len(rows[0])
     _, _, hidden = prefill(model, rows, _round_up(T, _chunk_size(T, prefill_chunk)), prefill_chunk,
-                           keep_hidden=True)
+                           keep_hidden=True, kv_dtype=kv_dtype)
     return np.asarray(_logits(model.weights, hidden[0, :T]))
 
 
 def mtp_logits(model, ids, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, window: int | None = None,
-               sinks: int = 0) -> np.ndarray:
+               sinks: int = 0, kv_dtype=None) -> np.ndarray:
     """Teacher-forced MTP logits [T-1, vocab]: row t is the head fed embed(ids[t+1]) and the trunk's post-norm
     hidden at t, at RoPE position t+1, with the head's KV of rows < t in context (with window: Wind-MTP's
-    sinks + last `window` rows only)."""
+    sinks + last `window` rows only). kv_dtype: the trunk's and the head's caches (the module doc)."""
     spec = SpecConfig(k=1, window=window, sinks=sinks) if window is not None or sinks else None
     require_mtp(model.weights)
     prefill_chunk = _check_chunk(prefill_chunk)
+    kv_dtype = resolve_kv_dtype(kv_dtype, model.weights.embed.dtype)
     rows = _single_prompt(ids, model.config)
     T = len(rows[0])
     if T < 2:
         raise ArgumentError("ids", "at least 2 tokens (row t needs ids[t+1])", f"{T} token")
     _, _, hidden = prefill(model, rows, _round_up(T, _chunk_size(T, prefill_chunk)), prefill_chunk,
-                           keep_hidden=True)
-    out, _ = mtp_prefill(model, jnp.asarray(rows[0][None, 1:]), hidden[:, :T - 1], T, prefill_chunk, spec)
+                           keep_hidden=True, kv_dtype=kv_dtype)
+    out, _ = mtp_prefill(model, jnp.asarray(rows[0][None, 1:]), hidden[:, :T - 1], T, prefill_chunk, spec,
+                         kv_dtype)
     return np.asarray(_logits(model.weights, out[0]))
 
 
 def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None = None, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id=None,
-             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, return_logits: bool = False, stream=None) -> GenerateResult:
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, return_logits: bool = False, stream=None,
+             kv_dtype=None) -> GenerateResult:
     """Generate up to max_new_tokens per row.
 
     prompt_ids: 1-D ids (B = 1), or a batch (a list of 1-D sequences of any lengths, or a 2-D array).
@@ -272,11 +289,18 @@ def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None 
     return_logits (plain decoding only) also returns the logits each token was chosen from.
     stream: a callable given, as tokens are committed, a list with each row's new ids (a numpy array, possibly
     empty); the first call carries the token chosen from prefill. Results are the same with or without it.
+    kv_dtype: the dtype of every attention KV cache, the trunk's and the MTP head's (native or the Wind-MTP
+    ring): None (the compute dtype), "float8_e4m3fn" (half of bf16; values saturated to +-448, no scale, read
+    back upcast to the compute dtype), or a compute dtype name ("bfloat16", "float32"). Every row attention
+    reads, a step's own new rows included, is its stored rounded value, so with spec greedy output is still
+    exactly plain greedy output under the same kv_dtype (and sampled output keeps its distribution); against a
+    compute-dtype cache, fp8 perturbs the logits slightly (tests/test_kv_fp8.py states the bound).
     Programs are compiled per power-of-two bucket of max_new_tokens, so nearby lengths reuse one compile.
     """
     cfg = model.config
     max_new = _check_positive_int("max_new_tokens", max_new_tokens)
     prefill_chunk = _check_chunk(prefill_chunk)
+    kv_dtype = resolve_kv_dtype(kv_dtype, model.weights.embed.dtype)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
     if not _is_int(seed):
         raise ArgumentError("seed", "an integer", repr(seed))
@@ -302,7 +326,8 @@ def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None 
     key, first_key = jax.random.split(jax.random.PRNGKey(seed))
 
     t0 = time.perf_counter()
-    state, last, hidden = prefill(model, rows, cache_len, prefill_chunk, keep_hidden=spec is not None)
+    state, last, hidden = prefill(model, rows, cache_len, prefill_chunk, keep_hidden=spec is not None,
+                                  kv_dtype=kv_dtype)
     first_logits = _logits(model.weights, last)
     first = _choose(first_key, first_logits, sampling)
     if spec is not None:
@@ -311,7 +336,7 @@ def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None 
         for b, r in enumerate(rows):
             nxt[b, :len(r) - 1] = r[1:]
         nxt = jnp.asarray(nxt).at[jnp.arange(B), jnp.asarray(lens - 1)].set(first)
-        mtp_out, mcache = mtp_prefill(model, nxt, hidden, cache_len, prefill_chunk, spec)
+        mtp_out, mcache = mtp_prefill(model, nxt, hidden, cache_len, prefill_chunk, spec, kv_dtype)
         bridge = mtp_out[jnp.arange(B), jnp.asarray(lens - 1)]
     first.block_until_ready()
     t1 = time.perf_counter()
@@ -337,3 +362,18 @@ def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None 
                           rounds=int(hist.sum()) if hist is not None else 0, accept_hist=hist, position_hits=hits)
     return GenerateResult(tokens=out[:, :n], lengths=n_out, pad_id=int(pad_id), stats=stats,
                           logits=np.asarray(logits)[:, :n] if return_logits else None)
+
+
+def kv_cache_bytes(model, context: int, *, batch: int = 1, kv_dtype=None, spec: SpecConfig | None = None) -> dict:
+    """Bytes of the attention KV caches generate holds for `batch` rows of `context` positions, sized without
+    allocating: {"trunk": every full-attention layer's cache, "mtp": the head's (native: context slots; with
+    spec.window: its ring of sinks + window + k slots; 0 without spec), "total"}."""
+    cfg = model.config
+    context, batch = _check_positive_int("context", context), _check_positive_int("batch", batch)
+    dtype = resolve_kv_dtype(kv_dtype, model.weights.embed.dtype)
+    trunk = kv_bytes(jax.eval_shape(lambda: init_state(cfg, batch, context, model.weights.embed.dtype, dtype)))
+    head = 0
+    if spec is not None:
+        head = kv_bytes(jax.eval_shape(lambda: init_mtp_cache(cfg, batch, context, dtype, window=spec.window,
+                                                              sinks=spec.sinks, k=spec.k)))
+    return {"trunk": trunk, "mtp": head, "total": trunk + head}

@@ -37,7 +37,8 @@ def require_mtp(weights: Weights):
 
 def init_mtp_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, *, window: int | None = None,
                    sinks: int = 0, k: int = 0) -> KVCache:
-    """Native: max_len slots (slot = row). Windowed: the ring of sinks + window + k slots, any context length."""
+    """Native: max_len slots (slot = row). Windowed: the ring of sinks + window + k slots, any context length.
+    dtype: the cache's own dtype (the compute dtype, or the kv_dtype of generate, e.g. float8_e4m3fn)."""
     if window is not None:
         return init_ring(batch, sinks, window, k, cfg.num_kv_heads, cfg.head_dim, dtype)
     shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)

@@ -11,6 +11,8 @@ m1 = the head's bridge output MTP(embed(x), trunk hidden at pos-1) already compu
   5. refill the head's KV for the committed rows from the TRUNK's hiddens: rows pos..pos+n get
      (d_1..d_n, bonus) with trunk hiddens g_0..g_n; the output at row pos+n is the next round's bridge.
 EOS and max_new_tokens cut the emitted tokens exactly; finished rows are frozen.
+With an fp8 KV cache (generate(kv_dtype=...), state.py) the verify's k+1 rows read each other, and themselves,
+as stored (rounded), exactly as k+1 plain steps would: the output is still the plain output under that cache.
 """
 
 from __future__ import annotations

@@ -115,3 +115,42 @@ def test_cpu_default_is_reference():
     q, rk, rv, nk, nv, start = _inputs(*CASES[1], seed=1)
     np.testing.assert_array_equal(np.asarray(windowed_attend(q, rk, rv, nk, nv, start, 8, 2)),
                                   np.asarray(windowed_attend_reference(q, rk, rv, nk, nv, start, 8, 2)))
+
+
+# (case, q dtype, block_k, ring parts): GQA 6 with 4 queries over a wrapped ring streamed in three parts, under
+# f32 and bf16 queries (test_fp8_ring_plan checks the automatic plan of an fp8 ring)
+FP8_CASES = [(CASES[2], jnp.float32, 8, 3), (CASES[2], jnp.bfloat16, 8, 3)]
+
+
+@pytest.mark.parametrize("case,qdtype,block_k,splits", FP8_CASES, ids=["T4G6-wrapped-f32", "T4G6-wrapped-bf16"])
+def test_kernel_fp8_ring_matches_reference(case, qdtype, block_k, splits, report):
+    """The fp8 KV ring (float8_e4m3fn ring and new rows, q in the compute dtype): the kernel loads fp8 blocks
+    and upcasts them in registers, the reference upcasts before its dots; both read the same values."""
+    q, rk, rv, nk, nv, start = _inputs(*case, seed=11)
+    fp8 = lambda x: (3 * x).astype(jnp.float8_e4m3fn)  # values up to ~12: fp8's normal range, rounded
+    q, rk, rv, nk, nv = q.astype(qdtype), fp8(rk), fp8(rv), fp8(nk), fp8(nv)
+    assert unsupported_reason(q, rk, nk, case[5]) is None
+    got = windowed_attend_pallas(q, rk, rv, nk, nv, start, case[6], case[5], block_k=block_k, num_splits=splits,
+                                 interpret=True)
+    ref = windowed_attend_reference(q, rk, rv, nk, nv, start, case[6], case[5])
+    # the reference over the fp8 values upcast beforehand is the same computation: the ring's dtype changes
+    # nothing but the stored values
+    up = lambda x: x.astype(qdtype)
+    np.testing.assert_array_equal(np.asarray(ref.astype(jnp.float32)), np.asarray(
+        windowed_attend_reference(q, up(rk), up(rv), up(nk), up(nv), start, case[6], case[5]).astype(jnp.float32)))
+    assert got.dtype == qdtype
+    err = rel_err(got.astype(jnp.float32), ref.astype(jnp.float32))
+    assert (err[0] < 1e-5 or err[1] < 1e-6) if qdtype == jnp.float32 else err[0] < 2e-2, err
+    report(f"windowed kernel, fp8 ring, q {jnp.dtype(qdtype).name} {case[:7]} block_k={block_k} parts={splits}: "
+           f"max_rel={err[0]:.1e}")
+
+
+def test_fp8_ring_plan():
+    """An fp8 ring under bf16 queries takes 16-slot blocks at head_dim 256 when the row tile is large (the
+    loaded and the upcast block share the registers; sm_90 compiles then spill nothing), f32 queries one
+    pipeline stage; a ring in q's dtype keeps the plan it had."""
+    assert plan(1, 9, 24, 4, 256, 64 + 4032 + 8, 2, kv_itemsize=1).block_k == 16
+    assert plan(1, 9, 24, 4, 256, 64 + 4032 + 8, 2).block_k == 32
+    assert plan(1, 1, 24, 4, 256, 64 + 4032 + 1, 2, kv_itemsize=1).block_k == 64  # a draft step: row tile 16
+    assert plan(1, 1, 24, 4, 256, 64 + 4032 + 1, 4, kv_itemsize=1).num_stages == 1
+    assert plan(1, 1, 24, 4, 256, 64 + 4032 + 1, 4).num_stages == 2
