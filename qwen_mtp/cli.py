@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ArgumentError, QwenMTPError
+from .state import KV_DTYPE_NAMES
 
 K_AUTO_CANDIDATES = (1, 2, 3, 4, 5, 6)
 
@@ -119,12 +120,13 @@ def cmd_generate(args) -> int:
     from .speculative import SpecConfig
 
     path = Path(args.model) if args.model else default_model_path()
-    model = load(path)
+    model = load(path, quant=args.quant, group_size=args.group_size)
     tok = load_tokenizer(path)
     ids = np.asarray(tok.encode(args.prompt).ids, np.int32)
     if ids.size == 0:
         raise ArgumentError("prompt", "text that encodes to at least one token", repr(args.prompt))
-    sampling_kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    sampling_kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                       kv_dtype=args.kv_dtype)
     make_spec = lambda k: SpecConfig(k=k, window=args.window, sinks=args.sinks)
     if args.no_spec:
         spec = None
@@ -263,6 +265,11 @@ def build_parser():
     g.add_argument("--sinks", type=_nonneg_int, default=0, help="with --window: the first SINKS positions stay "
                    "visible to the draft head (default 0)")
     g.add_argument("--no-spec", action="store_true", help="plain decoding, no MTP drafts")
+    g.add_argument("--quant", choices=["int8", "int4", "fp8"], default=None, help="quantize the weights as they "
+                   "load (a Hugging Face checkpoint; python -m qwen_mtp convert saves the result)")
+    g.add_argument("--group-size", type=_pos_int, default=128, help="with --quant int4: rows of K per scale")
+    g.add_argument("--kv-dtype", choices=list(KV_DTYPE_NAMES), default=None, help="dtype of the KV caches (trunk "
+                   "and draft head); float8_e4m3fn halves their bytes (default: the compute dtype)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=_nonneg_int, default=0, help="0 = off")
