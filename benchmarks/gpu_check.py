@@ -58,7 +58,12 @@ REAL = [(1, 1, 4, 6, 256, 64, 4032, 7, [100_000], "bfloat16", None),      # 27B 
         (8, 1, 2, 8, 256, 64, 4032, 7, [50_000 + 997 * i for i in range(8)], "bfloat16", None),  # 35B-A3B, B 8
         (4, 9, 2, 16, 256, 128, 8192, 8, [3000, 70, 9040, 99_999], "bfloat16", None),  # 397B refill k 8, W 8192
         (1, 1, 4, 6, 256, 64, 4032, 7, [100_000], "bfloat16", 1),         # the 27B step without the split
-        (1, 1, 4, 6, 256, 64, 4032, 7, [100_000], "float32", None)]
+        (1, 1, 4, 6, 256, 64, 4032, 7, [100_000], "float32", None),
+        # an fp8 ring (generate(kv_dtype="float8_e4m3fn")): the 27B step and refill, read as e4m3, bf16 math
+        (1, 1, 4, 6, 256, 64, 4032, 7, [100_000], "bfloat16", None, "float8_e4m3fn"),
+        (1, 8, 4, 6, 256, 64, 4032, 7, [100_000], "bfloat16", None, "float8_e4m3fn")]
+# a small fp8-ring case for every form of the check (the 12th field: the ring's dtype, default q's)
+SMALL += [(2, 4, 2, 6, 16, 4, 16, 3, [1000, 19], "bfloat16", 3, "float8_e4m3fn")]
 
 
 def _time(f, *a, n=50):
@@ -108,11 +113,16 @@ def check_kernels(cases, interpret, timings):
     rng = np.random.default_rng(0)
     kind, bw = _bandwidth()
     failures = 0
-    for B, T, nkv, G, hd, S, W, k, starts, dtype, parts in cases:
+    for case in cases:
+        B, T, nkv, G, hd, S, W, k, starts, dtype, parts = case[:11]
+        kv = jnp.dtype(case[11] if len(case) > 11 else dtype)
         L = S + W + k
         dt = jnp.dtype(dtype)
-        f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32).astype(dt)
-        q, rk, rv, nk, nv = f(B, T, nkv * G, hd), f(B, L, nkv, hd), f(B, L, nkv, hd), f(B, T, nkv, hd), f(B, T, nkv, hd)
+        f = lambda *s, d=dt: jnp.asarray(rng.standard_normal(s), jnp.float32).astype(d)
+        q = f(B, T, nkv * G, hd)
+        rk, rv, nk, nv = f(B, L, nkv, hd, d=kv), f(B, L, nkv, hd, d=kv), f(B, T, nkv, hd, d=kv), f(B, T, nkv, hd, d=kv)
+        if kv != dt:
+            dtype = f"{dtype} q, {kv.name} ring"
         start = jnp.asarray(starts, jnp.int32)
         assert unsupported_reason(q, rk, nk, S) is None
         kern = jax.jit(lambda *a: windowed_attend_pallas(*a, W, S, num_splits=parts, interpret=interpret))
@@ -129,14 +139,14 @@ def check_kernels(cases, interpret, timings):
         tol = 1e-4 if dt == jnp.float32 else 2e-2
         ok = rel < tol and np.isfinite(got).all()
         failures += not ok
-        p = plan(B, T, nkv * G, nkv, hd, L, dt.itemsize, num_splits=parts)
+        p = plan(B, T, nkv * G, nkv, hd, L, dt.itemsize, num_splits=parts, kv_itemsize=kv.itemsize)
         line = (f"B{B} T{T} kv{nkv} G{G} hd{hd} S{S} W{W} {dtype}: grid ({B},{nkv},{p.row_tiles},{p.splits}) "
                 f"block_k {p.block_k} warps {p.num_warps} stages {p.num_stages}, "
                 f"max_rel {rel:.1e} {'OK' if ok else 'FAIL'}")
         if timings:
             t_k, t_r = _time(kern, *a), _time(ref, *a)
             baseline = _tokamax_times(a, W, S, want)
-            nbytes = dt.itemsize * (2 * B * L * nkv * hd + 2 * B * T * nkv * hd + 2 * B * T * nkv * G * hd)
+            nbytes = kv.itemsize * (2 * B * L * nkv * hd + 2 * B * T * nkv * hd) + dt.itemsize * 2 * B * T * nkv * G * hd
             gbs = nbytes / t_k / 1e9
             frac = f" = {100 * nbytes / t_k / bw:.0f}% of {kind}'s {bw / 1e12:.2f} TB/s" if bw else ""
             line += (f"; kernel {1e6 * t_k:.1f} us ({gbs:.0f} GB/s{frac}), reference {1e6 * t_r:.1f} us, "

@@ -37,6 +37,16 @@ def bytes_in_bf16(weights) -> int:
     return total
 
 
+def quantized_matrix_ratio(weights) -> float | None:
+    """Bytes of the quantized matrices (values + scales) over the same matrices in bf16; None if none."""
+    import jax
+
+    from qwen_mtp.quant import QuantArray
+
+    q = [x for x in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, QuantArray)) if isinstance(x, QuantArray)]
+    return sum(x.nbytes for x in q) / sum(2 * int(np.prod(x.shape)) for x in q) if q else None
+
+
 def measure(model, ids, prompts, new, ks, n_windows):
     from qwen_mtp import SpecConfig, generate
 
@@ -55,7 +65,7 @@ def measure(model, ids, prompts, new, ks, n_windows):
             raise AssertionError(f"speculative k={k} differs from plain greedy")
         al[k] = float(r.stats.acceptance_length)
     return {"trunk_loss": float(np.mean(tl)), "alpha1_teacher_forced": hits / rows, "al": al,
-            "bytes": bytes_in_bf16(model.weights)}
+            "bytes": bytes_in_bf16(model.weights), "matrices_vs_bf16": quantized_matrix_ratio(model.weights)}
 
 
 def run(path, formats=FORMATS, n_windows=64, n_prompts=8, prompt_len=128, new=96, ks=(1, 2, 3, 4),
@@ -85,12 +95,13 @@ def run(path, formats=FORMATS, n_windows=64, n_prompts=8, prompt_len=128, new=96
 def report(res) -> str:
     ks = list(res["rows"][0]["al"])
     head = "| weights | MTP head | trunk loss | alpha_1 (teacher-forced) | " + " | ".join(f"AL k={k}" for k in ks) \
-        + " | bytes vs bf16 |"
-    lines = [head, "|" + " --- |" * (5 + len(ks))]
+        + " | bytes vs bf16 | quantized matrices vs bf16 |"
+    lines = [head, "|" + " --- |" * (6 + len(ks))]
     for r in res["rows"]:
         als = " | ".join(f"{r['al'][k]:.2f}" for k in ks)
-        lines.append(f"| {r['format']} | {r['mtp_head']} | {r['trunk_loss']:.3f} | "
-                     f"{r['alpha1_teacher_forced']:.3f} | {als} | {r['bytes_vs_bf16']:.2f} |")
+        lines.append(f"| {r['format']} | {r['mtp_head']} | {r['trunk_loss']:.4f} | "
+                     f"{r['alpha1_teacher_forced']:.3f} | {als} | {r['bytes_vs_bf16']:.2f} | "
+                     f"{'-' if r.get('matrices_vs_bf16') is None else format(r['matrices_vs_bf16'], '.3f')} |")
     lines.append(f"held-out: {res['windows']} windows of {SEQ} tokens; AL over {res['prompts']} prompts x "
                  f"{res['new']} greedy tokens (speculative output equal to plain greedy at every k); int4 groups "
                  f"of {res['group_size']}; compute in f32; bytes: plain arrays counted in bf16")
