@@ -50,13 +50,14 @@ def kernel_calls(exported) -> list:
 
 
 def export_spec_decode(cfg, dtype, spec, sampling, *, batch: int, cache_len: int, cap: int, streaming=False,
-                       platform: str = "cuda", weights=None):
+                       platform: str = "cuda", weights=None, kv_dtype=None):
     """The speculative loop (speculative.spec_decode) exported at abstract shapes: weights, trunk state and
     the draft head's cache of `cfg` in `dtype`, nothing allocated. `weights`: an abstract Weights pytree to use
-    instead of weight_shapes(cfg, dtype) (e.g. quant.abstract(...) for a quantized model)."""
+    instead of weight_shapes(cfg, dtype) (e.g. quant.abstract(...) for a quantized model); `kv_dtype`: the KV
+    caches' dtype (generate's kv_dtype; None: dtype)."""
     SDS, i32 = jax.ShapeDtypeStruct, lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-    state = jax.eval_shape(lambda: init_state(cfg, batch, cache_len, dtype))
-    head = jax.eval_shape(lambda: init_mtp_cache(cfg, batch, cache_len, dtype, window=spec.window,
+    state = jax.eval_shape(lambda: init_state(cfg, batch, cache_len, dtype, kv_dtype))
+    head = jax.eval_shape(lambda: init_mtp_cache(cfg, batch, cache_len, kv_dtype or dtype, window=spec.window,
                                                  sinks=spec.sinks, k=spec.k))
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     weights = weight_shapes(cfg, dtype) if weights is None else weights

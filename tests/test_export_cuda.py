@@ -370,15 +370,20 @@ def test_quant_kernel_compiles_for_sm90(report):
 
 
 def test_quantized_27b_speculative_loop_lowers_for_cuda():
-    """The speculative loop of a 27B (4 real layers) quantized as load(quant="int4") quantizes it: every
-    quantized matrix of the trunk and the MTP head is read by the quantized-matmul kernel (its packed values
-    are an operand of a kernel call), beside the windowed draft attention, and none exists dequantized."""
+    """The speculative loop of a 27B (4 real layers) quantized as load(quant="int4") quantizes it, with an fp8
+    KV cache (generate(kv_dtype="float8_e4m3fn")): every quantized matrix of the trunk and the MTP head is read
+    by the quantized-matmul kernel (its packed values are an operand of a kernel call), none exists
+    dequantized, and the windowed draft attention kernel reads the fp8 ring as it is stored."""
     cfg, dtype = _config("Qwen3.5-27B")
     weights = quant.abstract(weight_shapes(cfg, dtype), quant.QuantPolicy("int4"))
-    exported = export_spec_decode(cfg, dtype, WINDOWED, GREEDY, batch=1, cache_len=CACHE, cap=CAP, weights=weights)
+    exported = export_spec_decode(cfg, dtype, WINDOWED, GREEDY, batch=1, cache_len=CACHE, cap=CAP, weights=weights,
+                                  kv_dtype="float8_e4m3fn")
     calls = kernel_calls(exported)
     assert calls.count(KERNEL) == 2 and set(calls) == {KERNEL, "quant_matmul_int4"}, calls
     text = exported.mlir_module()
+    ring = WINDOWED.sinks + WINDOWED.window + WINDOWED.k
+    attn = [line for line in text.splitlines() if "xla.gpu.triton" in line and f"x{ring}x" in line]
+    assert attn and all(f"x{ring}x{cfg.num_kv_heads}x{cfg.head_dim}xf8E4M3FN>" in line for line in attn), attn
     matrices = [leaf for leaf in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, quant.QuantArray))
                 if isinstance(leaf, quant.QuantArray)]
     assert len(matrices) > 20
