@@ -24,10 +24,12 @@ interleaving in registers.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 KINDS = ("int8", "int4", "fp8")
 QMAX = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
+STORAGE = {"int8": np.dtype(np.int8), "int4": np.dtype(np.uint8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
 
 
 def cdiv(a: int, b: int) -> int:

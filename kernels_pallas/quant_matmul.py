@@ -57,18 +57,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import dispatch
 from .masked_attention import precision_for
-from .quant_layout import cdiv, check, dequantize, padded_k, values
+from .quant_layout import STORAGE, cdiv, check, dequantize, padded_k, values
 
 HIGHEST = jax.lax.Precision.HIGHEST
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-STORAGE = {"int8": np.dtype(np.int8), "int4": np.dtype(np.uint8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
 TARGET_PROGRAMS = 264  # two programs per SM of an H100 / H200 (132 SMs)
 MIN_STEPS_PER_SPLIT = 4  # a K part runs at least 4 loop steps, so the partial sums stay small next to the work
 MIN_DIM = 16  # Triton dots need every dimension >= 16

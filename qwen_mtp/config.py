@@ -200,15 +200,19 @@ def parse_config(raw: dict, file="config.json") -> ModelConfig:
     )
 
 
-def load_config(path) -> ModelConfig:
+def read_config_json(path) -> tuple:
+    """(the parsed config.json of a checkpoint folder, its path); ConfigError when missing or not JSON."""
     file = Path(path) / "config.json"
     if not file.is_file():
         raise ConfigError(file, "<file>", "an existing config.json", "no such file")
     try:
-        raw = json.loads(file.read_text())
+        return json.loads(file.read_text()), file
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(file, "<file>", "valid JSON", f"{type(e).__name__}: {e}") from None
-    return parse_config(raw, file)
+
+
+def load_config(path) -> ModelConfig:
+    return parse_config(*read_config_json(path))
 
 
 # ------------------------------------------------------------------------------------ quantization_config
@@ -297,11 +301,4 @@ def parse_quantization(raw: dict, file="config.json") -> CheckpointQuant | None:
 
 def load_quantization(path) -> CheckpointQuant | None:
     """parse_quantization of the folder's config.json (load_config's errors for a missing / unreadable file)."""
-    file = Path(path) / "config.json"
-    if not file.is_file():
-        raise ConfigError(file, "<file>", "an existing config.json", "no such file")
-    try:
-        raw = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(file, "<file>", "valid JSON", f"{type(e).__name__}: {e}") from None
-    return parse_quantization(raw, file)
+    return parse_quantization(*read_config_json(path))

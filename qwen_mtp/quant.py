@@ -36,7 +36,7 @@ from .errors import ArgumentError
 
 KINDS = layout.KINDS
 FP8_BLOCK = (128, 128)
-STORAGE = {"int8": np.int8, "int4": np.uint8, "fp8": ml_dtypes.float8_e4m3fn}
+STORAGE = layout.STORAGE  # kind -> numpy dtype of the stored values
 
 
 @struct.dataclass
@@ -86,10 +86,9 @@ def quantize(w, kind: str, group_size: int = 128) -> QuantArray:
     check_method(kind, group_size)
     w = np.asarray(w, dtype=np.float32)
     *lead, K, N = w.shape
-    block = {"int8": (K, 1), "int4": (group_size, 1), "fp8": FP8_BLOCK}[kind]
+    _, (*_, gk, gn), block = layout_of(kind, w.shape, group_size)
     bk, bn = block
     kp = layout.padded_k(kind, K, bk)
-    gk, gn = layout.cdiv(K, bk), layout.cdiv(N, bn)
     # pad to whole blocks, take each block's max |w|
     wp = np.zeros((*lead, gk * bk, gn * bn), np.float32)
     wp[..., :K, :N] = w
