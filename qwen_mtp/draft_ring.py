@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from kernels_pallas.ring_layout import ring_rows, ring_slot, slot_rows, visible, window_mask  # noqa: F401
 from kernels_pallas.windowed_attention import windowed_attend
 
+from . import spmd
 from .attention import output, project_qkv
 from .state import KVCache, to_cache
 
@@ -62,8 +63,11 @@ def ring_attention_layer(x, w, cfg, cache: KVCache, start, window: int, sinks: i
     rows = start[:, None] + jnp.arange(T, dtype=start.dtype)[None]
     q, k, v, gate = project_qkv(x, w, cfg, rows + rope_offset)
     k, v = to_cache(k, cache.k.dtype), to_cache(v, cache.v.dtype)
-    if attend_fn is None:  # the Pallas kernel in a program lowered for cuda, its pure-JAX reference elsewhere
-        attend_fn = windowed_attend
-    o = attend_fn(q, cache.k, cache.v, k, v, start, window, sinks)
+    if attend_fn is None:  # the Pallas kernel in a program lowered for cuda, its pure-JAX reference elsewhere;
+        # under a mesh, per (row, kv head) shard (spmd.py)
+        call = lambda *a: windowed_attend(*a, window, sinks)
+        o = spmd.windowed(q, cache.k, cache.v, k, v, start, call)
+    else:
+        o = attend_fn(q, cache.k, cache.v, k, v, start, window, sinks)
     return output(o, gate, w), ring_write(cache, k, v, start, sinks)
 

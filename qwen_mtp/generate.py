@@ -11,6 +11,7 @@ speculative output stays exactly the plain output under the same kv_dtype (state
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from functools import partial
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import sharding
 from .config import ModelConfig
 from .errors import ArgumentError
 from .model import forward, lm_logits
@@ -119,6 +121,64 @@ def _pow2_at_least(x):
     return 1 << max(int(x) - 1, 0).bit_length()
 
 
+# ----------------------------------------------------------------------------------------------- placement
+# A model on a mesh (qwen_mtp.shard / load(mesh=...)): every host-made input becomes a global array (per-row
+# arrays split over `data` where the batch divides, the rest replicated), the states are created directly in
+# their shardings (sharding.state_shardings), and the programs are traced under jax.set_mesh(mesh) so the
+# kernels run per shard (spmd.py). The same calls run on every process of a multi-host job.
+def _mesh(model):
+    return getattr(model, "mesh", None)
+
+
+def _under_mesh(model):
+    mesh = _mesh(model)
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+
+def _global(x, s):
+    """Host value x (the same on every process) as a global array of sharding s. On a mesh spanning several
+    processes each one builds its own shards from its own copy: jax.device_put would first check that the
+    processes agree (multihost_utils.assert_equal: a compile and an all-gather of x, on every call)."""
+    x = np.asarray(x)
+    if s.is_fully_addressable:
+        return jax.device_put(x, s)
+    return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
+
+
+def _put_rows(model, x):
+    """A per-row host array [B, ...] as a device array (split over data on a mesh)."""
+    mesh = _mesh(model)
+    if mesh is None:
+        return jnp.asarray(x)
+    x = np.asarray(x)
+    return _global(x, sharding.rows_sharding(mesh, x.shape[0], x.ndim))
+
+
+def _put(model, x):
+    """A host value every row shares (replicated on a mesh)."""
+    mesh = _mesh(model)
+    return jnp.asarray(x) if mesh is None else _global(x, sharding.replicated(mesh))
+
+
+def _new_state(model, fn, batch):
+    """fn() -> a zero state (tuple of layer states or one KVCache), created in its shardings on a mesh."""
+    mesh = _mesh(model)
+    if mesh is None:
+        return fn()
+    out = sharding.state_shardings(jax.eval_shape(fn), model.config, mesh, batch)
+    return jax.jit(fn, out_shardings=out)()
+
+
+def _host(x):
+    """A device array as numpy, on every process (gathered across processes when it spans several)."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    if x.is_fully_replicated:  # every process holds all of it: no collective
+        return np.asarray(x.addressable_data(0))
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 # ----------------------------------------------------------------------------------------------- jitted steps
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
 def _prefill_chunk(weights, cfg, tokens, state, pos, n_valid):
@@ -165,6 +225,7 @@ def _plain_decode(weights, cfg, state, first, first_logits, pos, eos, pad_id, ke
 
 
 _logits = jax.jit(lm_logits)
+_take_rows = jax.jit(lambda x, idx: x[jnp.arange(x.shape[0]), idx])  # x [B, T, ...], idx [B] -> x[b, idx[b]]
 _choose = jax.jit(choose, static_argnames=("s",))
 
 
@@ -188,16 +249,16 @@ def prefill(model, rows, cache_len: int, prefill_chunk: int = DEFAULT_PREFILL_CH
     tokens = np.zeros((B, n_chunks * C), np.int32)
     for b, r in enumerate(rows):
         tokens[b, :len(r)] = r
-    state = init_state(cfg, B, cache_len, weights.embed.dtype, kv_dtype)
+    state = _new_state(model, lambda: init_state(cfg, B, cache_len, weights.embed.dtype, kv_dtype), B)
     last = None
     hiddens = []
     for c in range(n_chunks):
         n_valid = np.clip(lens - c * C, 0, C).astype(np.int32)
-        hidden, state = _prefill_chunk(weights, cfg, jnp.asarray(tokens[:, c * C:(c + 1) * C]), state,
-                                       jnp.full((B,), c * C, jnp.int32), jnp.asarray(n_valid))
+        hidden, state = _prefill_chunk(weights, cfg, _put_rows(model, tokens[:, c * C:(c + 1) * C]), state,
+                                       _put_rows(model, np.full((B,), c * C, np.int32)), _put_rows(model, n_valid))
         idx = np.clip(lens - 1 - c * C, 0, C - 1)
-        here = jnp.asarray((lens - 1 >= c * C) & (lens - 1 < (c + 1) * C))
-        h_last = hidden[jnp.arange(B), jnp.asarray(idx)]
+        here = _put_rows(model, (lens - 1 >= c * C) & (lens - 1 < (c + 1) * C))
+        h_last = _take_rows(hidden, _put_rows(model, idx))
         last = h_last if last is None else jnp.where(here[:, None], h_last, last)
         if keep_hidden:
             hiddens.append(hidden)
@@ -216,18 +277,18 @@ def mtp_prefill(model, tokens, hidden, cache_len: int, prefill_chunk: int = DEFA
     C = _chunk_size(T, prefill_chunk)
     n_chunks = -(-T // C)
     pad = n_chunks * C - T
-    tokens = jnp.pad(jnp.asarray(tokens, jnp.int32), ((0, 0), (0, pad)))
+    tokens = _put_rows(model, np.pad(np.asarray(tokens, np.int32), ((0, 0), (0, pad))))
     hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
     window = spec.window if spec is not None else None
     sinks = spec.sinks if spec is not None else 0
     cache_dtype = weights.embed.dtype if kv_dtype is None else kv_dtype
-    cache = init_mtp_cache(cfg, B, max(cache_len, n_chunks * C), cache_dtype, window=window, sinks=sinks,
-                           k=spec.k if spec is not None else 0)
+    cache = _new_state(model, lambda: init_mtp_cache(cfg, B, max(cache_len, n_chunks * C), cache_dtype,
+                                                     window=window, sinks=sinks, k=spec.k if spec is not None else 0), B)
     outs = []
     for c in range(n_chunks):
         sl = slice(c * C, (c + 1) * C)
-        out, cache = _mtp_chunk(weights, cfg, tokens[:, sl], hidden[:, sl], cache, jnp.full((B,), c * C, jnp.int32),
-                                window, sinks)
+        out, cache = _mtp_chunk(weights, cfg, tokens[:, sl], hidden[:, sl], cache,
+                                _put_rows(model, np.full((B,), c * C, np.int32)), window, sinks)
         outs.append(out)
     return jnp.concatenate(outs, axis=1)[:, :T], cache
 
@@ -250,9 +311,10 @@ def prefill_logits(model, ids, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv
     kv_dtype = resolve_kv_dtype(kv_dtype, model.weights.embed.dtype)
     rows = _single_prompt(ids, model.config)
     T = len(rows[0])
-    _, _, hidden = prefill(model, rows, _round_up(T, _chunk_size(T, prefill_chunk)), prefill_chunk,
-                           keep_hidden=True, kv_dtype=kv_dtype)
-    return np.asarray(_logits(model.weights, hidden[0, :T]))
+    with _under_mesh(model):
+        _, _, hidden = prefill(model, rows, _round_up(T, _chunk_size(T, prefill_chunk)), prefill_chunk,
+                               keep_hidden=True, kv_dtype=kv_dtype)
+        return _host(_logits(model.weights, hidden))[0, :T]
 
 
 def mtp_logits(model, ids, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, window: int | None = None,
@@ -268,11 +330,11 @@ def mtp_logits(model, ids, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, window
     T = len(rows[0])
     if T < 2:
         raise ArgumentError("ids", "at least 2 tokens (row t needs ids[t+1])", f"{T} token")
-    _, _, hidden = prefill(model, rows, _round_up(T, _chunk_size(T, prefill_chunk)), prefill_chunk,
-                           keep_hidden=True, kv_dtype=kv_dtype)
-    out, _ = mtp_prefill(model, jnp.asarray(rows[0][None, 1:]), hidden[:, :T - 1], T, prefill_chunk, spec,
-                         kv_dtype)
-    return np.asarray(_logits(model.weights, out[0]))
+    with _under_mesh(model):
+        _, _, hidden = prefill(model, rows, _round_up(T, _chunk_size(T, prefill_chunk)), prefill_chunk,
+                               keep_hidden=True, kv_dtype=kv_dtype)
+        out, _ = mtp_prefill(model, rows[0][None, 1:], hidden[:, :T - 1], T, prefill_chunk, spec, kv_dtype)
+        return _host(_logits(model.weights, out))[0]
 
 
 def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None = None, temperature: float = 0.0,
@@ -322,46 +384,71 @@ def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None 
     k = spec.k if spec is not None else 0
     cap = _pow2_at_least(max(max_new, 16))
     cache_len = _round_up(max(_round_up(T, _chunk_size(T, prefill_chunk)), T + cap + k + 1), 128)
-    eos_arr = jnp.asarray(eos, jnp.int32).reshape(-1)
     key, first_key = jax.random.split(jax.random.PRNGKey(seed))
 
-    t0 = time.perf_counter()
-    state, last, hidden = prefill(model, rows, cache_len, prefill_chunk, keep_hidden=spec is not None,
-                                  kv_dtype=kv_dtype)
-    first_logits = _logits(model.weights, last)
-    first = _choose(first_key, first_logits, sampling)
-    if spec is not None:
-        # the head's KV for every prompt row, and the bridge draft's input: row L-1 = (first token, h_{L-1})
-        nxt = np.zeros((B, hidden.shape[1]), np.int32)
-        for b, r in enumerate(rows):
-            nxt[b, :len(r) - 1] = r[1:]
-        nxt = jnp.asarray(nxt).at[jnp.arange(B), jnp.asarray(lens - 1)].set(first)
-        mtp_out, mcache = mtp_prefill(model, nxt, hidden, cache_len, prefill_chunk, spec, kv_dtype)
-        bridge = mtp_out[jnp.arange(B), jnp.asarray(lens - 1)]
-    first.block_until_ready()
-    t1 = time.perf_counter()
-    if stream is not None:
-        stream([np.asarray(first)[b:b + 1] for b in range(B)])
-    hist = hits = None
-    streaming = stream is not None
-    with streaming_to(stream):
-        if spec is None:
-            out, n_out, logits = _plain_decode(model.weights, cfg, state, first, first_logits, jnp.asarray(lens),
-                                               eos_arr, jnp.int32(pad_id), key, jnp.int32(max_new), cap,
-                                               bool(return_logits), sampling, streaming)
-        else:
-            out, n_out, hist, hits = spec_decode(model.weights, cfg, state, mcache, first, bridge,
-                                                 jnp.asarray(lens), eos_arr, jnp.int32(pad_id), key,
-                                                 jnp.int32(max_new), cap, spec, sampling, streaming)
-            hist, hits = np.asarray(hist), np.asarray(hits)
-        out, n_out = np.asarray(out), np.asarray(n_out)
+    with _under_mesh(model):
+        out, n_out, logits, hist, hits, t0, t1 = _run(model, rows, lens, cache_len, prefill_chunk, spec, kv_dtype,
+                                                       sampling, first_key, key, eos, pad_id, max_new, cap,
+                                                       return_logits, stream)
     t2 = time.perf_counter()
     n = int(n_out.max())
     stats = GenerateStats(batch=B, prompt_tokens=int(lens.sum()), new_tokens=int(n_out.sum()),
                           prefill_s=t1 - t0, decode_s=t2 - t1, k=k,
                           rounds=int(hist.sum()) if hist is not None else 0, accept_hist=hist, position_hits=hits)
     return GenerateResult(tokens=out[:, :n], lengths=n_out, pad_id=int(pad_id), stats=stats,
-                          logits=np.asarray(logits)[:, :n] if return_logits else None)
+                          logits=logits[:, :n] if return_logits else None)
+
+
+def _run(model, rows, lens, cache_len, prefill_chunk, spec, kv_dtype, sampling, first_key, key, eos, pad_id,
+         max_new, cap, return_logits, stream):
+    """generate's device part: prefill, the first token, the head's prefill, the decode loop. Host results."""
+    cfg, B = model.config, len(rows)
+    first_key, key = _put(model, first_key), _put(model, key)
+    t0 = time.perf_counter()
+    state, last, hidden = prefill(model, rows, cache_len, prefill_chunk, keep_hidden=spec is not None,
+                                  kv_dtype=kv_dtype)
+    first_logits = _logits(model.weights, last)
+    first = _choose(first_key, first_logits, sampling)
+    first_host = _host(first)
+    if spec is not None:
+        # the head's KV for every prompt row, and the bridge draft's input: row L-1 = (first token, h_{L-1})
+        nxt = np.zeros((B, hidden.shape[1]), np.int32)
+        for b, r in enumerate(rows):
+            nxt[b, :len(r) - 1] = r[1:]
+        nxt[np.arange(B), lens - 1] = first_host
+        mtp_out, mcache = mtp_prefill(model, nxt, hidden, cache_len, prefill_chunk, spec, kv_dtype)
+        bridge = _take_rows(mtp_out, _put_rows(model, lens - 1))
+    t1 = time.perf_counter()
+    # per row, the ids stream has been handed on THIS process. The loops' callback (stream.emit) runs on the
+    # process that owns the program's first device only; on the others of a multi-process job, what it never
+    # delivered is handed over at the end, from the gathered result, so every process sees the same ids.
+    delivered = np.zeros(B, np.int64)
+
+    def counted(rows):
+        delivered[:] += [len(r) for r in rows]
+        stream(rows)
+
+    if stream is not None:
+        counted([first_host[b:b + 1] for b in range(B)])
+    hist = hits = logits = None
+    scalars = [_put(model, np.asarray(v, np.int32)) for v in (np.asarray(eos, np.int32).reshape(-1), pad_id, max_new)]
+    with streaming_to(counted if stream is not None else None):
+        if spec is None:
+            out, n_out, logits = _plain_decode(model.weights, cfg, state, first, first_logits,
+                                               _put_rows(model, lens), *scalars[:2], key, scalars[2], cap,
+                                               bool(return_logits), sampling, stream is not None)
+            logits = _host(logits) if return_logits else None
+        else:
+            out, n_out, hist, hits = spec_decode(model.weights, cfg, state, mcache, first, bridge,
+                                                 _put_rows(model, lens), *scalars[:2], key, scalars[2], cap, spec,
+                                                 sampling, stream is not None)
+            hist, hits = _host(hist), _host(hits)
+        out, n_out = _host(out), _host(n_out)
+    if stream is not None:
+        rest = [out[b, min(delivered[b], n_out[b]):n_out[b]] for b in range(B)]
+        if any(len(r) for r in rest):
+            counted(rest)
+    return out, n_out, logits, hist, hits, t0, t1
 
 
 def kv_cache_bytes(model, context: int, *, batch: int = 1, kv_dtype=None, spec: SpecConfig | None = None) -> dict:

@@ -32,6 +32,7 @@ from kernels_pallas import quant_layout as layout
 from kernels_pallas.masked_attention import precision_for
 from kernels_pallas.quant_matmul import quant_matmul
 
+from . import spmd
 from .errors import ArgumentError
 
 KINDS = layout.KINDS
@@ -46,6 +47,9 @@ class QuantArray:
     kind: str = struct.field(pytree_node=False)  # "int8" | "int4" | "fp8"
     shape: tuple = struct.field(pytree_node=False)  # logical (..., K, N)
     block: tuple = struct.field(pytree_node=False)  # (bk, bn): weights sharing one scale
+    # (K axis, N axis): the mesh axes the logical K and N dimensions are split on (sharding.shard_weights sets
+    # it; None: not sharded). linear runs the kernel per shard on them (spmd.py).
+    spec: tuple | None = struct.field(pytree_node=False, default=None)
 
     @property
     def ndim(self):
@@ -122,7 +126,8 @@ def linear(x, w: QuantArray, *, backend: str = "auto"):
     if w.ndim != 2:
         raise ValueError(f"linear takes a 2-D QuantArray, found shape {w.shape}")
     K, N = w.shape
-    y = quant_matmul(x.reshape(-1, K), w.q, w.scale, kind=w.kind, k=K, block=w.block, backend=backend)
+    call = lambda x, q, s, k, block: quant_matmul(x, q, s, kind=w.kind, k=k, block=block, backend=backend)
+    y = spmd.quant_linear(x.reshape(-1, K), w.q, w.scale, w.spec, K, w.block, call)
     return y.reshape(*x.shape[:-1], N)
 
 

@@ -1,0 +1,81 @@
+"""The Pallas kernels under a mesh: run each per shard (jax.shard_map) instead of handing it whole operands.
+
+XLA's partitioner splits every einsum, gather and scan of the model by the shardings of its inputs, but a
+Pallas kernel is a custom call it cannot look inside: given sharded operands it would gather them whole
+(a whole weight matrix, for the quantized matmul). So the two kernel call sites ask here first:
+  quant_linear  x [M, K] @ QuantArray [K, N] with N split (column parallel: local, no communication) or K
+                split (row parallel: local partial products, then one psum over `model`, in f32), rows of x
+                split over `data` where they divide;
+  windowed      the draft head's windowed attention, split over batch rows (`data`) and kv heads (`model`),
+                each shard attending over its own heads of its own rows: no communication.
+The mesh is the one `generate` runs under (jax.set_mesh(model.mesh)); with none, or nothing split, the kernel
+call is made as it is. Leaf module: the mesh-axis names and the batch rule live here, sharding.py builds on them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+AXES = ("data", "model")
+
+
+def active_mesh():
+    """The ('data', 'model') mesh set by jax.set_mesh for the program being traced, or None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or tuple(mesh.axis_names) != AXES:
+        return None
+    return mesh
+
+
+def batch_axis(mesh, batch: int):
+    """'data' if the data axis divides `batch` (and has size > 1), else None (rows replicated over data)."""
+    n = mesh.shape["data"]
+    return "data" if n > 1 and batch % n == 0 else None
+
+
+def heads_axis(mesh, kv_heads: int):
+    """'model' if the model axis divides the kv heads (and has size > 1), else None."""
+    n = mesh.shape["model"]
+    return "model" if n > 1 and kv_heads % n == 0 else None
+
+
+def quant_linear(x, q, scale, spec, k: int, block, call):
+    """x [M, K] @ (q, scale) -> [M, N] in x's dtype. call(x, q, scale, k, block) runs the kernel (or its
+    reference) on whole or local operands; spec = (K axis, N axis) of the QuantArray (QuantArray.spec)."""
+    mesh = active_mesh()
+    if mesh is None or spec is None:
+        return call(x, q, scale, k, block)
+    kax, nax = spec
+    dax = batch_axis(mesh, x.shape[0])
+    if kax is None and nax is None and dax is None:
+        return call(x, q, scale, k, block)
+    k_local = k // mesh.shape[kax] if kax else k
+    n_local = q.shape[-1] // mesh.shape[nax] if nax else q.shape[-1]
+    # a block wider than a split dimension covers all of each shard's part (a per-channel scale's one row)
+    local_block = (min(block[0], k_local) if kax else block[0], min(block[1], n_local) if nax else block[1])
+    s_spec = P(kax if scale.shape[0] > 1 else None, nax if scale.shape[1] > 1 else None)
+
+    def local(x, q, s):
+        y = call(x, q, s, k_local, local_block)
+        if kax:
+            y = jax.lax.psum(y.astype(jnp.float32), kax).astype(x.dtype)
+        return y
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(dax, kax), P(kax, nax), s_spec), out_specs=P(dax, nax),
+                         check_vma=False)(x, q, scale)
+
+
+def windowed(q, ring_k, ring_v, new_k, new_v, start, call):
+    """The draft head's windowed attention per (row, kv head) shard; call(q, ring_k, ring_v, new_k, new_v,
+    start) is the kernel dispatch (windowed_attend)."""
+    mesh = active_mesh()
+    args = (q, ring_k, ring_v, new_k, new_v, start)
+    if mesh is None:
+        return call(*args)
+    dax, hax = batch_axis(mesh, q.shape[0]), heads_axis(mesh, ring_k.shape[2])
+    if dax is None and hax is None:
+        return call(*args)
+    t = P(dax, None, hax, None)
+    return jax.shard_map(call, mesh=mesh, in_specs=(t, t, t, t, t, P(dax)), out_specs=t, check_vma=False)(*args)
