@@ -33,12 +33,14 @@ else all are dequantized. At the real shapes with r = 128 nothing is dequantized
   fused gate_up_proj splits at moe_intermediate_size: 512 (Qwen3.5-35B-A3B, Qwen3-Next-80B-A3B) and 1024
     (Qwen3.5-122B-A10B, 397B-A17B), multiples of 128 (tests/test_fp8_checkpoint.py checks these).
 Qwen3.5's own GDN projections are separate tensors (no split).
+
+Sharded loading (load_weights(..., mesh=...), qwen_mtp.load(path, mesh=...)): checkpoints/sliced_reads.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import os
 from pathlib import Path
 
 import jax
@@ -47,6 +49,9 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from checkpoints.sliced_reads import (_T, FP8_DTYPE, NP_DTYPES, Fp8Tensor, _Cast, _conv_taps, _dense, _Dequant,
+                                      _Fp8Leaf, _Lazy, _LazyFp8, _materialise, _Plain, _Quantized, _Rows, _Stack,
+                                      _Stored)
 from kernels_pallas import quant_layout as layout
 from qwen_mtp.config import CheckpointQuant, ModelConfig, load_quantization
 from qwen_mtp.errors import ArgumentError, CheckpointError
@@ -55,8 +60,6 @@ from qwen_mtp.weights import (AttnWeights, GDNWeights, LayerWeights, MLPWeights,
                               Weights)
 
 FLOAT_DTYPES = {"F32", "F16", "BF16"}
-FP8_DTYPE = "F8_E4M3"
-NP_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, FP8_DTYPE: ml_dtypes.float8_e4m3fn}
 IGNORED_PREFIXES = ("model.visual.",)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 INPUT_SCALE = "input_scale"
@@ -95,28 +98,7 @@ def _open(file: Path):
         raise CheckpointError(file, None, "a readable safetensors file", f"{type(e).__name__}: {e}") from None
 
 
-# ------------------------------------------------------------------------------------------ FP8 tensors
-@dataclasses.dataclass
-class Fp8Tensor:
-    """An FP8 weight as the checkpoint holds it, in HF's [..., out, in] orientation: e4m3 `values` and float32
-    `scale` [..., ceil(out / r), ceil(in / c)]; weight = value * the scale of its (r, c) = `block` block."""
-
-    values: np.ndarray
-    scale: np.ndarray
-    block: tuple
-    file: str
-    name: str
-
-    def dequantize(self) -> np.ndarray:
-        """float32 [..., out, in] (each product rounded once to float32, as QuantArray.dequantize does)."""
-        return layout.dequantize(self.values, self.scale, "fp8", self.values.shape[-2], self.block, np.float32, np)
-
-
-def _dense(t):
-    """A float array, FP8 tensors dequantized."""
-    return t.dequantize() if isinstance(t, Fp8Tensor) else t
-
-
+# ------------------------------------------------------------------------------------------ row gathers and stacks
 def rows_keep_blocks(idx, r: int) -> bool:
     """Whether gathering rows `idx` of a tensor with r rows per scale block leaves every block of r destination
     rows drawing on one source block (so the scales can move with the values)."""
@@ -128,6 +110,13 @@ def _rows(t, idx):
     """Rows `idx` (axis -2, HF's output dimension) of a float array or an Fp8Tensor; an Fp8Tensor stays FP8
     when rows_keep_blocks, else it is dequantized (float32)."""
     idx = np.asarray(idx)
+    if isinstance(t, _Lazy):
+        return _Rows(t, idx)
+    if isinstance(t, _LazyFp8):
+        if rows_keep_blocks(idx, t.block[0]):
+            return _LazyFp8(_Rows(t.values, idx), t.scale[..., idx[::t.block[0]] // t.block[0], :], t.block,
+                            t.file, t.name)
+        return _Rows(_Dequant(t), idx)
     if not isinstance(t, Fp8Tensor):
         return t[..., idx, :]
     if rows_keep_blocks(idx, t.block[0]):
@@ -138,6 +127,14 @@ def _rows(t, idx):
 
 def _stack(ts, name):
     """Per-expert tensors -> one [E, ...] tensor: FP8 when all are FP8 with one block, else float."""
+    if isinstance(ts[0], (_Lazy, _LazyFp8)):  # a lazy reader's tensors (load(mesh=...))
+        fp8 = [isinstance(t, _LazyFp8) for t in ts]
+        if all(fp8) and len({t.block for t in ts}) == 1:
+            return _LazyFp8(_Stack([t.values for t in ts]), np.stack([t.scale for t in ts]), ts[0].block,
+                            ts[0].file, name)
+        if any(fp8):
+            return _Stack([_Cast(_dense(t), np.float32) for t in ts])
+        return _Stack(ts)
     fp8 = [isinstance(t, Fp8Tensor) for t in ts]
     if all(fp8) and len({t.block for t in ts}) == 1:
         return Fp8Tensor(np.stack([t.values for t in ts]), np.stack([t.scale for t in ts]), ts[0].block,
@@ -167,9 +164,11 @@ def ba_rows(cfg: ModelConfig):
 # ------------------------------------------------------------------------------------------ the reader
 class _Reader:
     """Hands out validated tensors (numpy float arrays, or Fp8Tensor for an F8_E4M3 weight with its scale) and
-    records which names were used."""
+    records which names were used. lazy=True: lazy tensors instead (_Stored, _LazyFp8), validated alike; the
+    values are read when a slice is asked for (an FP8 weight's scales are read at once)."""
 
-    def __init__(self, folder: Path, quant: CheckpointQuant | None):
+    def __init__(self, folder: Path, quant: CheckpointQuant | None, lazy: bool = False):
+        self.lazy = lazy
         self.files = _shard_files(folder)
         self.handles = {f: _open(f) for f in set(self.files.values())}
         for f, h in self.handles.items():  # the index must not name tensors its shard lacks
@@ -214,6 +213,35 @@ class _Reader:
         sl = self.handles[file].get_slice(name)
         return file, sl.get_dtype(), list(sl.get_shape())
 
+    def _span(self, file, name, dtype, shape):
+        """(offset in the file, byte count) of a tensor's data, checked against its shape and the file size."""
+        try:
+            header, start = self._header(file)
+            begin, end = header[name]["data_offsets"]
+            n = int(np.prod(shape)) * np.dtype(NP_DTYPES[dtype]).itemsize
+            if end - begin != n:
+                raise ValueError(f"{end - begin} bytes for shape {list(shape)} of {dtype}")
+            size = os.path.getsize(file)
+            if start + end > size:
+                raise ValueError(f"{max(size - start - begin, 0)} of {n} bytes present")
+            return start + begin, n
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(file, name, "readable tensor data", f"{type(e).__name__}: {e}") from None
+
+    def _header(self, file):
+        if file not in self._headers:
+            with open(file, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                self._headers[file] = (json.loads(f.read(n)), 8 + n)
+        return self._headers[file]
+
+    def _data(self, file, name, dtype, shape, fp8=False):
+        """The tensor's data: numpy (_read), or a _Stored for a lazy reader."""
+        if not self.lazy:
+            return self._read(file, name, dtype, shape)
+        offset, _ = self._span(file, name, dtype, shape)
+        return _Stored(file, name, dtype, shape, offset, fp8)
+
     def _read(self, file, name, dtype, shape):
         """The tensor's data as numpy. F32 / F16 through safetensors; BF16 and F8_E4M3 (no numpy dtype) from the
         bytes the safetensors header points at (safe_open has validated header and file size already)."""
@@ -255,7 +283,7 @@ class _Reader:
         for s in self.scales_of(name):
             raise CheckpointError(self.files[s], s, f"a scale only beside an {FP8_DTYPE} weight",
                                   f"beside {name!r} of dtype {dtype}")
-        arr = self._read(file, name, dtype, found)
+        arr = self._data(file, name, dtype, found)
         self.used.add(name)
         return arr
 
@@ -288,8 +316,8 @@ class _Reader:
             want = " or ".join(str(list(s)) for s in allowed)
             raise CheckpointError(sfile, sname, f"shape {want} (scales of {name!r} of shape {shape})",
                                   f"shape {sshape}")
-        values = self._read(file, name, FP8_DTYPE, shape)
-        if np.any((values.view(np.uint8) & 0x7F) == 0x7F):
+        values = self._data(file, name, FP8_DTYPE, shape, fp8=True)
+        if not self.lazy and np.any((values.view(np.uint8) & 0x7F) == 0x7F):  # lazy: checked as slices are read
             raise CheckpointError(file, name, "finite e4m3 values", "NaN entries")
         scale = np.asarray(self._read(sfile, sname, sdtype, sshape), np.float32)
         if not np.all(np.isfinite(scale)):
@@ -298,7 +326,7 @@ class _Reader:
             scale = np.broadcast_to(scale.reshape(1, 1), (*shape[:-2], 1, 1))
         self.used.update([name, *self.scales_of(name)])
         self.n_fp8 += 1
-        return Fp8Tensor(values, scale, block, str(file), name)
+        return (_LazyFp8 if self.lazy else Fp8Tensor)(values, scale, block, str(file), name)
 
     def check_all_used(self, allowed_unused=()):
         for name, file in sorted(self.files.items()):
@@ -338,10 +366,10 @@ def _gdn(r, p, cfg, plain, lin, keep):
         z = r.get(p + "in_proj_z.weight", (vd, H))
         b = r.get(p + "in_proj_b.weight", (nv, H))
         a = r.get(p + "in_proj_a.weight", (nv, H))
-    conv = _dense(r.get(p + "conv1d.weight", (cfg.conv_dim, 1, cfg.conv_kernel)))
+    conv = _conv_taps(r.get(p + "conv1d.weight", (cfg.conv_dim, 1, cfg.conv_kernel)))
     return GDNWeights(
         in_proj_qkv=lin(qkv), in_proj_z=lin(z), in_proj_b=keep(b), in_proj_a=keep(a),
-        conv=plain(conv[:, 0, :].T), A_log=plain(r.get(p + "A_log", (nv,))),
+        conv=plain(conv), A_log=plain(r.get(p + "A_log", (nv,))),
         dt_bias=plain(r.get(p + "dt_bias", (nv,))), norm=plain(r.get(p + "norm.weight", (dv,))),
         out_proj=lin(r.get(p + "out_proj.weight", (H, vd))))
 
@@ -405,13 +433,24 @@ def checkpoint_policy(weights: Weights) -> QuantPolicy:
     return QuantPolicy("fp8", lm_head=is_q(weights.lm_head), mtp=mtp, source="checkpoint")
 
 
-def load_weights(folder, cfg: ModelConfig, dtype="float32", policy: QuantPolicy | None = None) -> Weights:
+def load_weights(folder, cfg: ModelConfig, dtype="float32", policy: QuantPolicy | None = None, mesh=None) -> Weights:
     """`policy` None: every tensor in `dtype`. Otherwise the matrices it names are quantized as they load
     (qwen_mtp/quant.py), each from its float32 values, so a bf16 load and an f32 load quantize alike.
 
     A checkpoint whose config.json has a quantization_config (FP8) loads its FP8 matrices as QuantArrays
     (module docstring); `policy` must then be None: re-quantizing an already quantized checkpoint is refused
-    (an ArgumentError naming `quant`), since it would round every weight twice."""
+    (an ArgumentError naming `quant`), since it would round every weight twice.
+
+    `mesh` (a checked ('data', 'model') jax.sharding.Mesh): the weights are built straight into the shardings
+    of qwen_mtp/sharding.py (weight_shardings of the tree's shapes), each with jax.make_array_from_callback:
+    every device's slice is read from the file when it is placed (a memory map of the tensor's byte range; our
+    [in, out] slice [k0:k1, n0:n1] reads HF's [n0:n1, k0:k1]; row gathers and per-expert stacks read only the
+    rows they need; slices a device shares with others, e.g. replicas over `data`, are read once per leaf), and
+    only the slices of this process's devices are read. So no host or device ever holds a whole model, only its
+    share. Quantizing as it loads (`policy`) needs whole columns for its scales: such a matrix is read whole on
+    the host, quantized there and its slices placed (peak host memory: one tensor, e.g. one layer's stacked
+    experts). A pre-quantized FP8 checkpoint's values are read slice by slice as stored, its scales whole. The
+    result is the same, bit for bit, as loading without a mesh and sharding.shard_weights."""
     if dtype not in DTYPES:
         raise CheckpointError(folder, None, f"dtype one of {sorted(DTYPES)}", repr(dtype))
     folder = Path(folder)
@@ -438,7 +477,26 @@ def load_weights(folder, cfg: ModelConfig, dtype="float32", policy: QuantPolicy 
 
     lin, keep, lin_mtp = matrix(True), matrix(False), matrix(policy is not None and policy.mtp)
 
-    r = _Reader(folder, ckq)
+    if mesh is not None:  # lazy leaves, built with their shardings at the end
+        def cast(x):
+            return _Plain(x, np_dtype)
+
+        def matrix(on):
+            def f(t):
+                if isinstance(t, _LazyFp8):
+                    return _Fp8Leaf(t)
+                return _Quantized(_T(t), policy.method, policy.group_size) if policy is not None and on \
+                    else cast(_T(t))
+            return f
+
+        lin, keep, lin_mtp = matrix(True), matrix(False), matrix(policy is not None and policy.mtp)
+
+    def quantize_tied(embed_raw):
+        if mesh is not None:
+            return _Quantized(_T(embed_raw), policy.method, policy.group_size)
+        return quantize(embed_raw.T, policy.method, policy.group_size)
+
+    r = _Reader(folder, ckq, lazy=mesh is not None)
     P, H, V = cfg.tensor_prefix, cfg.hidden_size, cfg.vocab_size
     if not r.has(P + "embed_tokens.weight"):
         other = "model." if P != "model." else "model.language_model."
@@ -451,8 +509,7 @@ def load_weights(folder, cfg: ModelConfig, dtype="float32", policy: QuantPolicy 
     final_norm = plain(r.get(P + "norm.weight", (H,)))
     if cfg.tie_word_embeddings:
         # a quantized copy of embed^T when the policy asks; the embedding stays as loaded
-        lm_head = quantize(embed_raw.T, policy.method, policy.group_size) if policy is not None and policy.lm_head \
-            else None
+        lm_head = quantize_tied(embed_raw) if policy is not None and policy.lm_head else None
     else:
         lm_head = matrix(policy is not None and policy.lm_head)(r.get("lm_head.weight", (V, H)))
     mtp = None
@@ -466,4 +523,5 @@ def load_weights(folder, cfg: ModelConfig, dtype="float32", policy: QuantPolicy 
     if ckq is not None and r.n_fp8 == 0:
         raise CheckpointError(folder, None, f"F8_E4M3 weights with their scales (config.json declares "
                               f"quant_method {ckq.method!r})", "no quantized tensor")
-    return Weights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head, mtp=mtp)
+    weights = Weights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head, mtp=mtp)
+    return weights if mesh is None else _materialise(weights, cfg, mesh)

@@ -18,7 +18,10 @@ A saved folder holds
 Restoring builds the target tree from config.json (weights.weight_shapes) and the per-leaf metadata, checks the
 two agree before orbax reads anything (a config that does not match the arrays is a CheckpointError naming
 config.json), reads the arrays and checks their CRC-32. Every failure is a CheckpointError naming the folder or
-file, never an orbax traceback.
+file, never an orbax traceback. `restore(folder, mesh=mesh)` (`qwen_mtp.load(folder, mesh=mesh)`) restores into
+the target shardings of qwen_mtp/sharding.py instead (ShapeDtypeStructs carrying their NamedShardings, orbax's
+ArrayRestoreArgs), each process reading only the slices its devices hold; `restore` says what its CRC-32 check
+covers then.
 
 Writes are atomic: everything is written into a hidden sibling folder ".<name>.tmp-<pid>-<random>", fsynced,
 then renamed into place; the metadata file is written last, so even a leftover temporary folder of a killed
@@ -108,6 +111,37 @@ def _crcs(arrays: dict) -> dict:
         return dict(zip(names, ex.map(lambda n: _crc(arrays[n]), names)))
 
 
+def _whole(a: jax.Array):
+    """The whole of a (sharded) jax.Array as numpy when this process can see it: all of it when it is fully
+    addressable (gathered from its shards), else a local shard that holds all of it (a replicated array);
+    None when it is split over devices of other processes."""
+    if a.is_fully_addressable:
+        return np.asarray(a)
+    for shard in a.addressable_shards:
+        if shard.data.shape == a.shape:
+            return np.asarray(shard.data)
+    return None
+
+
+def _sharded_crcs(arrays: dict) -> dict:
+    """{name: CRC-32} of the restored jax.Arrays this process can see whole (`_whole`; one array on the host at
+    a time per thread); arrays split over other processes' devices are left out (their CRC covers bytes no
+    process holds whole)."""
+    def one(n):
+        w = _whole(arrays[n])
+        return None if w is None else _crc(w)
+
+    names = list(arrays)
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as ex:
+        return {n: c for n, c in zip(names, ex.map(one, names)) if c is not None}
+
+
+def _cast_shards(a: jax.Array, dtype) -> jax.Array:
+    """`a` in `dtype`, shard by shard on the host (numpy's rounding, as the unsharded restore casts; no compile)."""
+    shards = [jax.device_put(np.asarray(s.data).astype(dtype), s.device) for s in a.addressable_shards]
+    return jax.make_array_from_single_device_arrays(a.shape, a.sharding, shards)
+
+
 def _checkpointer():
     import orbax.checkpoint as ocp
 
@@ -138,12 +172,19 @@ def _quiet_closed_loop_callbacks() -> None:
     sys.unraisablehook = hook
 
 
-def _read_arrays(path: Path, target: dict) -> dict:
-    """{name: numpy array} restored from the orbax checkpoint at `path`, every array of `target`'s shape/dtype."""
+def _read_arrays(path: Path, target: dict, shardings: dict | None = None) -> dict:
+    """{name: numpy array} restored from the orbax checkpoint at `path`, every array of `target`'s shape/dtype.
+    `shardings` ({name: NamedSharding}): {name: jax.Array} placed with them instead, each process reading only
+    the slices its devices hold."""
     import orbax.checkpoint as ocp
 
     _quiet_closed_loop_callbacks()
-    args = {k: ocp.RestoreArgs(restore_type=np.ndarray, dtype=s.dtype) for k, s in target.items()}
+    if shardings is None:
+        args = {k: ocp.RestoreArgs(restore_type=np.ndarray, dtype=s.dtype) for k, s in target.items()}
+    else:
+        target = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k]) for k, s in target.items()}
+        args = {k: ocp.ArrayRestoreArgs(restore_type=jax.Array, sharding=shardings[k], global_shape=s.shape,
+                                        dtype=s.dtype) for k, s in target.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return _checkpointer().restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=args))
@@ -210,6 +251,11 @@ def save(model, folder, *, overwrite: bool = False) -> Path:
     if not (source / "config.json").is_file():
         raise ArgumentError("model", "a Model whose path holds its config.json (it is copied beside the weights)",
                             f"path {source} without config.json")
+    spread = [x for x in jax.tree.leaves(model.weights) if not getattr(x, "is_fully_addressable", True)]
+    if spread:  # a multi-process job: no process holds the whole model to write
+        raise ArgumentError("model", "weights this process holds whole (save from a single-process job, e.g. "
+                            "load the checkpoint without a mesh or on this host's devices only)",
+                            f"{len(spread)} arrays spread over {jax.process_count()} processes")
     _replaceable(folder, overwrite)  # refuse early, before any work
     folder.parent.mkdir(parents=True, exist_ok=True)
     arrays, quantized = _flatten(model.weights)
@@ -356,21 +402,41 @@ def _target(folder: Path, cfg, meta: dict):
     return tree, flat
 
 
-def restore(folder, dtype: str | None = None):
+def restore(folder, dtype: str | None = None, mesh=None):
     """(config, weights, dtype, policy) of a folder `save` wrote. dtype None: as saved; else the plain floating
-    arrays are cast to it (QuantArrays are stored values and stay as they are)."""
+    arrays are cast to it (QuantArrays are stored values and stay as they are).
+
+    `mesh` (a ('data', 'model') jax.sharding.Mesh): every array is restored straight into its sharding of
+    qwen_mtp/sharding.py (weight_shardings of the target tree; QuantArrays get their `spec`), orbax reading on
+    each process only the slices its devices hold, so no device ever holds a whole model. The CRC-32 of an array
+    is checked where this process can see the array whole: every array of a single-process restore (gathered to
+    the host one array at a time per thread), and on a multi-process restore the arrays replicated on its
+    devices (norms, and any dimension the mesh does not split); arrays split over several processes are not
+    CRC-checked there (orbax / tensorstore still check their shapes and sizes). A cast to `dtype` is done shard
+    by shard on the host, numpy's rounding, bit for bit what the unsharded restore gives."""
     folder = Path(folder)
     meta = read_meta(folder)
     cfg = load_config(folder)
     tree, target = _target(folder, cfg, meta)
     wdir = folder / WEIGHTS
+    shardings = flat_sh = None
+    if mesh is not None:
+        from qwen_mtp.sharding import check_mesh, weight_shardings
+
+        shardings = weight_shardings(tree, cfg, check_mesh(mesh))
+        flat_sh = {}
+        for path, leaf in jax.tree_util.tree_flatten_with_path(shardings, is_leaf=_is_quant)[0]:
+            if isinstance(leaf, QuantArray):
+                flat_sh[_name(path) + ".q"], flat_sh[_name(path) + ".scale"] = leaf.q, leaf.scale
+            else:
+                flat_sh[_name(path)] = leaf
     try:
-        arrays = _read_arrays(wdir.absolute(), target)
+        arrays = _read_arrays(wdir.absolute(), target, flat_sh)
     except Exception as e:  # noqa: BLE001 - orbax / tensorstore raise ValueError, FileNotFoundError, Exception
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         raise CheckpointError(wdir, None, f"a complete orbax checkpoint of the {len(target)} arrays in {META}",
                               f"{type(e).__name__}: {first}") from None
-    for name, crc in _crcs(arrays).items():
+    for name, crc in (_crcs(arrays) if mesh is None else _sharded_crcs(arrays)).items():
         if crc != meta["arrays"][name]["crc32"]:
             raise CheckpointError(wdir, name, f"bytes with CRC-32 {meta['arrays'][name]['crc32']:#010x} (as saved)",
                                   f"CRC-32 {crc:#010x} (corrupted)")
@@ -386,7 +452,18 @@ def restore(folder, dtype: str | None = None):
         a = arrays[name]
         return jax.device_put(a.astype(cast) if a.dtype != cast and a.dtype in FLOATS else a)
 
-    weights = jax.tree_util.tree_map_with_path(build, tree, is_leaf=_is_quant)
+    def build_sharded(path, leaf, sh):
+        name = _name(path)
+        if isinstance(leaf, QuantArray):
+            return QuantArray(q=arrays[name + ".q"], scale=arrays[name + ".scale"], kind=leaf.kind, shape=leaf.shape,
+                              block=leaf.block, spec=sh.spec)
+        a = arrays[name]
+        return _cast_shards(a, cast) if a.dtype != cast and a.dtype in FLOATS else a
+
+    if mesh is None:
+        weights = jax.tree_util.tree_map_with_path(build, tree, is_leaf=_is_quant)
+    else:
+        weights = jax.tree_util.tree_map_with_path(build_sharded, tree, shardings, is_leaf=_is_quant)
     return cfg, weights, out_dtype, meta["policy"]
 
 

@@ -25,6 +25,7 @@ class Model:
     path: str
     dtype: str
     quant: QuantPolicy | None = None  # what load(quant=...) quantized; None: nothing
+    mesh: object = None  # the jax.sharding.Mesh the weights are sharded over (qwen_mtp.shard); None: one device
 
     @property
     def has_mtp(self) -> bool:
@@ -34,6 +35,13 @@ class Model:
         """{'total', 'quantized', 'plain'}: bytes of the weights as held in memory."""
         return weight_bytes(self.weights)
 
+    def describe_sharding(self) -> str:
+        """The mesh, per-device weight bytes and each dimension left replicated with its reason."""
+        if self.mesh is None:
+            return "not sharded (one device)"
+        from .sharding import describe
+        return describe(self.weights, self.config, self.mesh)
+
     def describe_quant(self) -> str:
         """One paragraph: the quantization policy and the formats of the matrices actually held."""
         held = ", ".join(f"{n} x {k}" for k, n in sorted(formats(self.weights).items()))
@@ -42,7 +50,7 @@ class Model:
 
 
 def load(path, *, dtype: str = "float32", quant: str | None = None, group_size: int = 128,
-         quant_lm_head: bool = False, quant_mtp: bool = True) -> Model:
+         quant_lm_head: bool = False, quant_mtp: bool = True, mesh=None) -> Model:
     """Load a Hugging Face checkpoint folder (config.json + safetensors, single or sharded).
 
     quant: None (every tensor in `dtype`), "int8" (symmetric per output channel), "int4" (symmetric, groups of
@@ -58,11 +66,24 @@ def load(path, *, dtype: str = "float32", quant: str | None = None, group_size: 
 
     A folder `save` wrote (checkpoints/orbax_io.py) is restored as saved: its QuantArrays as stored, its plain
     arrays cast to `dtype`; quant=None takes its policy, a quant= naming another policy than the saved one is
-    an ArgumentError."""
+    an ArgumentError.
+
+    mesh: None (every weight on the default device) or a jax.sharding.Mesh with axes ('data', 'model'), e.g.
+    qwen_mtp.sharding.make_mesh(data=1, model=4): the weights load straight into the shardings of
+    qwen_mtp/sharding.py, each process reading from the files only the slices its devices hold (every weight is
+    built with jax.make_array_from_callback from a memory map of its bytes; an orbax folder restores into the
+    shardings, orbax reading the slices), so a model larger than one device's memory loads. The result equals,
+    bit for bit and sharding for sharding, `shard(load(path, ...), mesh)`, and generate / prefill_logits /
+    mtp_logits run under the mesh. Quantizing as it loads (quant=...) reads each matrix whole on the host, since
+    a scale spans whole columns, quantizes it there and places its slices: peak host memory one tensor (e.g.
+    one layer's stacked experts). A pre-quantized FP8 checkpoint's values are read slice by slice as stored."""
     from checkpoints import orbax_io
 
+    if mesh is not None:
+        from .sharding import check_mesh
+        mesh = check_mesh(mesh)
     if orbax_io.is_orbax_folder(path):
-        return _load_orbax(path, dtype, quant, group_size, quant_lm_head, quant_mtp)
+        return _load_orbax(path, dtype, quant, group_size, quant_lm_head, quant_mtp, mesh)
     from checkpoints.hf_safetensors import DTYPES, checkpoint_policy, load_weights
 
     if not isinstance(dtype, str) or dtype not in DTYPES:
@@ -73,19 +94,34 @@ def load(path, *, dtype: str = "float32", quant: str | None = None, group_size: 
             raise ArgumentError(name, "True or False", repr(flag))
     policy = None if quant is None else QuantPolicy(quant, int(group_size), quant_lm_head, quant_mtp)
     cfg = load_config(path)
-    weights = load_weights(path, cfg, dtype, policy)
+    weights = load_weights(path, cfg, dtype, policy, mesh=mesh)
     if load_quantization(path) is not None:  # a pre-quantized FP8 checkpoint: what it held in FP8
         policy = checkpoint_policy(weights)
-    return Model(config=cfg, weights=weights, path=str(Path(path)), dtype=dtype, quant=policy)
+    return Model(config=cfg, weights=weights, path=str(Path(path)), dtype=dtype, quant=policy, mesh=mesh)
 
 
-def _load_orbax(path, dtype, quant, group_size, quant_lm_head, quant_mtp) -> Model:
+def shard(model: Model, mesh) -> Model:
+    """`model` with its weights placed on `mesh` (a jax.sharding.Mesh with axes 'data' and 'model', e.g.
+    qwen_mtp.sharding.make_mesh(data=1, model=4)) by the rule table of qwen_mtp/sharding.py: tensor parallel over
+    `model` (heads, kv heads, GDN heads, MLP and expert columns, vocabulary), data parallel over `data` (batch
+    rows, at generate time). A dimension the axis does not divide stays replicated (model.describe_sharding()
+    says which and why). generate / prefill_logits / mtp_logits then run under the mesh."""
+    from . import sharding
+
+    if not isinstance(model, Model):
+        raise ArgumentError("model", "a qwen_mtp.Model (from qwen_mtp.load)", type(model).__name__)
+    mesh = sharding.check_mesh(mesh)
+    weights = sharding.shard_weights(model.weights, model.config, mesh)
+    return dataclasses.replace(model, weights=weights, mesh=mesh)
+
+
+def _load_orbax(path, dtype, quant, group_size, quant_lm_head, quant_mtp, mesh=None) -> Model:
     from checkpoints import orbax_io
 
     if not isinstance(dtype, str) or dtype not in orbax_io.DTYPES:
         raise ArgumentError("dtype", f"one of {sorted(orbax_io.DTYPES)}", repr(dtype))
     check_method(quant, group_size)
-    cfg, weights, dtype, saved = orbax_io.restore(path, dtype)
+    cfg, weights, dtype, saved = orbax_io.restore(path, dtype, mesh=mesh)
     if quant is not None:
         asked = QuantPolicy(quant, int(group_size), quant_lm_head, quant_mtp)
         if saved is None or dataclasses.replace(saved, source="load") != asked:
@@ -93,7 +129,7 @@ def _load_orbax(path, dtype, quant, group_size, quant_lm_head, quant_mtp) -> Mod
             raise ArgumentError("quant", f"None (restore {path} as saved: {held}) or the saved policy",
                                 f"{quant!r}, group_size={group_size}, quant_lm_head={quant_lm_head}, "
                                 f"quant_mtp={quant_mtp}")
-    return Model(config=cfg, weights=weights, path=str(Path(path)), dtype=dtype, quant=saved)
+    return Model(config=cfg, weights=weights, path=str(Path(path)), dtype=dtype, quant=saved, mesh=mesh)
 
 
 def save(model: Model, folder, *, overwrite: bool = False) -> Path:
@@ -108,5 +144,5 @@ def save(model: Model, folder, *, overwrite: bool = False) -> Path:
     return orbax_io.save(model, folder, overwrite=overwrite)
 
 
-__all__ = ["load", "save", "prefill_logits", "mtp_logits", "generate", "SpecConfig", "Sampling", "Model", "ModelConfig", "QuantArray", "QuantPolicy", "GenerateResult", "GenerateStats",
+__all__ = ["load", "save", "shard", "prefill_logits", "mtp_logits", "generate", "SpecConfig", "Sampling", "Model", "ModelConfig", "QuantArray", "QuantPolicy", "GenerateResult", "GenerateStats",
            "QwenMTPError", "ConfigError", "CheckpointError", "ArgumentError", "MissingMTPHeadError"]

@@ -1,0 +1,32 @@
+"""load(path, mesh=...) reads each device's slices straight into the shardings of qwen_mtp/sharding.py, and an
+orbax folder restores straight into them: on 8 virtual CPU devices (a subprocess: XLA_FLAGS must be set before jax
+is imported; tests/sharded_load_worker.py), for the shipped bf16 model and a tiny MoE checkpoint with an MTP head
+(per-expert trunk experts, fused MTP experts), unquantized and int4 (groups of 32), on meshes 1x4 and 2x2:
+  - every array equal, bit for bit and sharding for sharding (QuantArray `spec` included), to load(path) followed
+    by qwen_mtp.shard(model, mesh);
+  - the reads from the safetensors file are slices: a tensor split over `model` is read as `model` slices, one per
+    device column, and an unquantized load reads each element of the file exactly once (replicas share a read);
+  - orbax folders written by qwen_mtp.save restore with mesh= equal to restore + shard (as saved, cast to bf16,
+    int4), the CRC-32 check still runs (a wrong CRC is refused), and prefill_logits of a restored sharded int4
+    MoE model matches the unsharded one.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_sharded_load_reads_slices_into_the_shardings(ckpt, tmp_path, report):
+    moe = ckpt("moe_mtp")[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "sharded_load_worker.py"),
+                          str(ROOT / "checkpoints" / "qwen3_5_small"), str(moe), str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    report("sharded load (8 virtual CPU devices): " + ", ".join(f"{k} {v}" for k, v in figures.items()))
