@@ -3,6 +3,7 @@ machine, with the ratios against bf16.
 
     python benchmarks/bench_quant.py [--model PATH | --shape Qwen3.5-0.8B --layers 4] [--new 64] [--repeats 3]
                                      [--formats bf16,int8,int4,fp8] [--group-size 128] [--no-quant-lm-head]
+                                     [--mesh data=D,model=M]
 
 Default: the shipped model, then a model of the Qwen3.5-0.8B shape (hidden 1024, vocab 248320, tied) cut to
 --layers layers with random bf16 weights, where a decode step reads hundreds of MB of weights. Compute in bf16
@@ -13,6 +14,8 @@ a decode step reads (every matrix; the embedding only where it serves as the tie
 On a CPU the quantized matmul is XLA's dequantize-then-dot (kernels_pallas/quant_matmul.py's reference): each
 step converts the weights it reads, so expect it to be slower than bf16 here; the Pallas kernel that reads the
 packed tiles runs on a GPU (benchmarks/gpu_check.py times it against the same reference and a bf16 dot).
+--mesh shards each loaded model over a device mesh (qwen_mtp.shard; the CLI's --mesh syntax); "weights MB" and
+"read/token" stay the whole model's bytes, the sharding report prints each model's bytes per device.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def read_per_token(model) -> int:
     return b
 
 
-def bench(path, formats, new, repeats, group_size, quant_lm_head):
+def bench(path, formats, new, repeats, group_size, quant_lm_head, mesh=None):
     import qwen_mtp
 
     rows = []
@@ -73,6 +76,9 @@ def bench(path, formats, new, repeats, group_size, quant_lm_head):
         quant = None if fmt == "bf16" else fmt
         t0 = time.perf_counter()
         m = qwen_mtp.load(path, dtype="bfloat16", quant=quant, group_size=group_size, quant_lm_head=quant_lm_head)
+        if mesh is not None:
+            m = qwen_mtp.shard(m, mesh)
+            print(f"{fmt}: {m.describe_sharding()}", flush=True)
         t_load = time.perf_counter() - t0
         qwen_mtp.generate(m, ids, new, eos_token_id=[])  # compiles
         runs = [qwen_mtp.generate(m, ids, new, eos_token_id=[]) for _ in range(repeats)]
@@ -114,13 +120,22 @@ def main(argv=None):
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--no-quant-lm-head", action="store_true")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard each model over this mesh "
+                    "after loading (load s then includes the placement)")
     args = ap.parse_args(argv)
     formats = args.formats.split(",")
     if formats[0] != "bf16":
         ap.error("--formats must start with bf16 (the reference of the ratios)")
+    from qwen_mtp.errors import ArgumentError
+    from qwen_mtp.sharding import parse_mesh
+
+    try:
+        mesh = None if args.mesh is None else parse_mesh(args.mesh)
+    except ArgumentError as e:
+        ap.error(str(e))
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; batch 1, 32-token prompt, {args.new} new tokens, "
           f"best of {args.repeats}; lm_head {'kept in bf16' if args.no_quant_lm_head else 'quantized'}; "
-          f"int4 groups of {args.group_size}")
+          f"int4 groups of {args.group_size}" + ("" if mesh is None else f"; mesh {args.mesh}"))
     targets = [("checkpoint " + args.model, Path(args.model))] if args.model else [
         (f"shipped model {default_model_path()}", default_model_path()), None]
     results = {}
@@ -129,7 +144,7 @@ def main(argv=None):
             tmp = Path(tempfile.mkdtemp(prefix="bench_quant_"))
             t = (f"random {args.shape} shape, {args.layers} layers", random_checkpoint(args.shape, args.layers, tmp))
         title, path = t
-        rows = bench(path, formats, args.new, args.repeats, args.group_size, not args.no_quant_lm_head)
+        rows = bench(path, formats, args.new, args.repeats, args.group_size, not args.no_quant_lm_head, mesh)
         results[title] = rows
         print(table(title, rows, args.new), flush=True)
     if args.json:

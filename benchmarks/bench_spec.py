@@ -5,6 +5,9 @@ Default: the shipped trained model (checkpoints/qwen3_5_small) on prompts cut fr
 Prints decode tokens/s, AL and the ratio to plain for batch 1.
 
     python benchmarks/bench_spec.py [--model PATH | --random] [--prompt 128] [--new 128] [--repeats 2]
+                                    [--mesh data=D,model=M]
+
+--mesh shards the model over a device mesh after loading (qwen_mtp.shard; the CLI's --mesh syntax).
 """
 
 from __future__ import annotations
@@ -26,8 +29,15 @@ def main():
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard the model over this mesh")
     args = ap.parse_args()
     import qwen_mtp
+    from qwen_mtp.sharding import parse_mesh
+
+    try:
+        mesh = None if args.mesh is None else parse_mesh(args.mesh)
+    except qwen_mtp.ArgumentError as e:
+        ap.error(str(e))
 
     folder = args.model
     ids = None
@@ -45,6 +55,9 @@ def main():
         m.save_pretrained(folder)
         hf_tiny.add_mtp(folder, 8, passthrough=3.0)
     model = qwen_mtp.load(folder)
+    if mesh is not None:
+        model = qwen_mtp.shard(model, mesh)
+        print(model.describe_sharding())
     if ids is None:
         ids = np.random.RandomState(0).randint(0, model.config.vocab_size, size=args.prompt)
 

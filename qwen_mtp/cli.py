@@ -6,6 +6,7 @@ With no --model it uses the small trained model shipped in checkpoints/qwen3_5_s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -92,6 +93,16 @@ def _discard(rows):
     pass
 
 
+class _Discard:
+    """A text stream that drops what is written (the output of processes other than process 0)."""
+
+    def write(self, text):
+        return len(text)
+
+    def flush(self):
+        pass
+
+
 def pick_k(model, ids, max_new, sampling_kw, make_spec, candidates=K_AUTO_CANDIDATES, log=sys.stderr):
     """Measure decode time for plain decoding and each k on this prompt and machine; return the fastest
     (None = plain). Each candidate runs twice (the first run compiles); the second is timed."""
@@ -114,13 +125,65 @@ def k_was_not_timed(args) -> bool:
     return args.no_spec or args.k != "auto"
 
 
+def start_distributed():
+    """--distributed: jax.distributed.initialize(), before any other jax call. jax 0.10.2 finds the processes
+    itself under SLURM, Open MPI (mpirun), on Cloud TPU VMs and in Kubernetes (with the `kubernetes` package),
+    and reads JAX_COORDINATOR_ADDRESS (also JAX_COORDINATOR_PORT, JAX_LOCAL_DEVICE_IDS) from the environment,
+    but not a process count or id: for a launch by hand those come from JAX_NUM_PROCESSES and JAX_PROCESS_ID,
+    read here."""
+    import jax
+
+    kw = {}
+    for name, var in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID")):
+        if os.environ.get(var, "") != "":
+            try:
+                kw[name] = int(os.environ[var])
+            except ValueError:
+                raise ArgumentError(var, "an integer", repr(os.environ[var])) from None
+    if jax.distributed.is_initialized():
+        return
+    try:
+        jax.distributed.initialize(**kw)
+    except (ValueError, RuntimeError) as e:  # no cluster found and the environment does not say (coordinator,
+        # count, id); jax already started in this process; the coordinator unreachable
+        raise ArgumentError("--distributed", "a multi-process job jax detects (SLURM, Open MPI, Cloud TPU, "
+                            "Kubernetes) or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID set",
+                            str(e).splitlines()[0]) from None
+
+
+def _same_on_every_process(value: int) -> int:
+    """Process 0's `value` on every process (a choice made from timings, which differ between processes, must
+    be one choice: every process runs the same programs)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+
 def cmd_generate(args) -> int:
+    if args.distributed:
+        start_distributed()
+    import jax
+
     from . import load
     from .generate import generate
+    from .sharding import parse_mesh
     from .speculative import SpecConfig
 
+    lead = jax.process_index() == 0  # with several processes, only process 0 prints
+    stdout, stderr = (sys.stdout, sys.stderr) if lead else (_Discard(), _Discard())
+    mesh_text = args.mesh
+    if mesh_text is None and jax.process_count() > 1:
+        mesh_text = "model=-1"  # one job over every device of every process: tensor parallel
+    mesh = None if mesh_text is None else parse_mesh(mesh_text)  # a bad --mesh fails before anything loads
     path = Path(args.model) if args.model else default_model_path()
-    model = load(path, quant=args.quant, group_size=args.group_size)
+    model = load(path, quant=args.quant, group_size=args.group_size, mesh=mesh)  # each process reads its slices
+    if mesh is not None:
+        print("\n".join(("[mesh] " if i == 0 else "       ") + line
+                        for i, line in enumerate(model.describe_sharding().splitlines())), file=stderr, flush=True)
     tok = load_tokenizer(path)
     ids = np.asarray(tok.encode(args.prompt).ids, np.int32)
     if ids.size == 0:
@@ -136,15 +199,16 @@ def cmd_generate(args) -> int:
                                 f"{path} without mtp.*")
         k = args.k
         if k == "auto":
-            k = pick_k(model, ids, args.max_new_tokens, sampling_kw, make_spec)
+            k = pick_k(model, ids, args.max_new_tokens, sampling_kw, make_spec, log=stderr)
+            k = _same_on_every_process(k or 0) or None
         spec = None if k is None else make_spec(k)
     warm = 0.0
     if not args.no_warmup and k_was_not_timed(args):
         t = time.perf_counter()  # compile (and run once) the exact program of the real run, output discarded
         generate(model, ids, args.max_new_tokens, spec=spec, stream=_discard, **sampling_kw)
         warm = time.perf_counter() - t
-    sys.stdout.write(args.prompt)
-    out = TextStream(tok)
+    stdout.write(args.prompt)
+    out = TextStream(tok, stdout)
     t0 = time.perf_counter()
     r = generate(model, ids, args.max_new_tokens, spec=spec, stream=out, **sampling_kw)
     wall = time.perf_counter() - t0
@@ -154,13 +218,16 @@ def cmd_generate(args) -> int:
             f"decode {s.decode_tokens_per_s:.1f} tok/s, TPOT {1e3 * s.tpot_s:.2f} ms")
     if warm:
         line += f" (compile + warm-up {warm:.1f}s not counted)"
+    if mesh is not None:
+        line += (f", mesh data={mesh.shape['data']} model={mesh.shape['model']}"
+                 + (f" over {jax.process_count()} processes" if jax.process_count() > 1 else ""))
     if spec is None:
         line += ", plain decoding"
     else:
         alphas = " ".join(f"{a:.2f}" for a in s.alpha)
         win = "native" if spec.window is None else f"window {spec.window} sinks {spec.sinks}"
         line += f", k={spec.k} ({win}), AL {s.acceptance_length:.2f}, alpha_j [{alphas}]"
-    print(line, file=sys.stderr if args.stats_to_stderr else sys.stdout)
+    print(line, file=stderr if args.stats_to_stderr else stdout, flush=True)
     return 0
 
 
@@ -274,6 +341,14 @@ def build_parser():
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=_nonneg_int, default=0, help="0 = off")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard the model over a device mesh: "
+                   "tensor parallel over M devices, batch rows over D (the first D x M devices; an axis left out "
+                   "has size 1, model=-1 takes the devices left). Default: one device, or model=-1 with several "
+                   "processes")
+    g.add_argument("--distributed", action="store_true", help="multi-process job (one process per host): "
+                   "jax.distributed.initialize() first, the cluster found from SLURM / Open MPI / Cloud TPU or "
+                   "from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; run the same command on every "
+                   "process, process 0 prints")
     g.add_argument("--stats-to-stderr", action="store_true", help="print the stats line on stderr")
     g.add_argument("--no-warmup", action="store_true", help="time the first call too (it includes compiling); "
                    "by default a discarded run compiles first, so tok/s is the steady-state speed")
