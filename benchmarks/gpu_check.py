@@ -17,7 +17,16 @@
    timed beside the reference (XLA dequantize-then-dot), a plain bf16 dot of the same shape and qwix
    (qwix.quantize + qwix.dot, where qwix expresses the format: int8 per channel, int4 groups along K and fp8
    128 x 128 tiles when the tiles divide K and N), with achieved GB/s (bytes of q, scale, x and the output, each
-   moved once) against the device's bandwidth. `--quant-only` runs just this part.
+   moved once) against the device's bandwidth. `--quant-only` runs just this part;
+6. tensor parallel over every visible GPU (mesh data=1, model=n, qwen_mtp.shard), when more than one is
+   visible: a Qwen3.5-27B slice (real layer dimensions, 4 layers = one 3 GDN : 1 attention period, and the MTP
+   head) with random int4 weights (groups of 128, lm_head included: the quantized-matmul kernel runs per shard)
+   gives the same greedy tokens on n GPUs as on one, plain and speculative (windowed draft, its kernel per
+   shard), with f32 activations (bf16's rounding would part near-tied random logits); then the decode step time
+   (TPOT) of plain and speculative greedy decode in bf16 on 1 GPU and on n, and their ratio. With one GPU it
+   prints that it is skipped; on CPU with several (virtual) devices it runs a small config instead
+   (`XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/gpu_check.py --interpret --tp-only`).
+   `--tp-only` runs just this part.
 Exits non-zero if any check fails.
 
 On the lent H200 run it from the repository root as it is, with the image's python3 (its jax, the CUDA 13
@@ -329,15 +338,149 @@ def check_quant(cases, interpret, timings):
     return failures
 
 
+# tensor parallel (item 6): the model on one device and on a mesh (data=1, model=n) over every visible device
+TP_SPECS = {"plain": None, "windowed k3 W64 S4": {"k": 3, "window": 64, "sinks": 4}}
+# on CPU (virtual devices) a small config instead of the 27B slice; every kind of split still happens at model=2
+TP_SMALL = {"model_type": "qwen3_5_text", "num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "linear_key_head_dim": 32, "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4,
+            "intermediate_size": 256, "vocab_size": 1024, "full_attention_interval": 4, "rms_norm_eps": 1e-6,
+            "mtp_num_hidden_layers": 1, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25}}
+
+
+def _hash_bits(shape, seed):
+    """Pseudo-random uint32 per element, a counter hash (lowbias32) of the element index and `seed`: made on the
+    device like jax.random, but elementwise integer ops compile in milliseconds where each jax.random call costs
+    a second or more of XLA compile on a CPU."""
+    size = int(np.prod(shape))
+    h = jax.lax.iota(jnp.uint32, size) * jnp.uint32(0x9E3779B1) + jnp.uint32((seed * 0x85EBCA77 + 1) % 2**32)
+    for shift, mul in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, None)):
+        h = h ^ (h >> shift)
+        if mul is not None:
+            h = h * jnp.uint32(mul)
+    return h.reshape(shape)
+
+
+def _random_tp_model(cfg, name, seed=0):
+    """A qwen_mtp.Model of `cfg` with random weights made on the default device: every matrix int4 (groups of
+    128, lm_head and the MTP head's included) as random packed values with scales that keep activations O(1),
+    the rest (embedding, norms, conv taps, GDN b / a, A_log, dt_bias) f32, uniform with std 0.02 (embedding),
+    1 / sqrt(fan-in) (other matrices) or 0.1 (vectors)."""
+    import qwen_mtp
+    from qwen_mtp import quant
+    from qwen_mtp.weights import weight_shapes
+
+    policy = quant.QuantPolicy("int4", 128, lm_head=True, mtp=True)
+    shapes = quant.abstract(weight_shapes(cfg, "float32"), policy, tied=cfg.tie_word_embeddings)
+    is_q = lambda x: isinstance(x, quant.QuantArray)
+    leaves, tree = jax.tree.flatten(shapes, is_leaf=is_q)
+    uniform = lambda shape, i: (_hash_bits(shape, i) >> 8).astype(jnp.float32) * 2.0 ** -24  # [0, 1)
+
+    @jax.jit
+    def make():
+        out = []
+        for i, s in enumerate(leaves, start=1000 * seed):
+            if is_q(s):  # uniform bytes: int4 values of std ~4.6 in both nibbles
+                q = (_hash_bits(s.q.shape, 2 * i) >> 24).astype(jnp.uint8)
+                scale = (0.5 + uniform(s.scale.shape, 2 * i + 1)) / (4.6 * np.sqrt(s.shape[-2]))
+                out.append(s.replace(q=q, scale=scale))
+                continue
+            std = 0.1 if len(s.shape) < 2 else 0.02 if s.shape[0] == cfg.vocab_size else 1 / np.sqrt(s.shape[-2])
+            out.append(std * np.sqrt(12) * (uniform(s.shape, 2 * i) - 0.5))
+        return out
+
+    weights = jax.tree.unflatten(tree, make())
+    return qwen_mtp.Model(config=cfg, weights=weights, path=f"<random {name}>", dtype="float32", quant=policy)
+
+
+def _as_bf16(model):
+    """The same model with its unquantized arrays in bf16 (activations follow them); QuantArrays as they are."""
+    import dataclasses
+
+    from qwen_mtp import quant
+
+    cast = lambda x: x if isinstance(x, quant.QuantArray) else x.astype(jnp.bfloat16)
+    weights = jax.tree.map(cast, model.weights, is_leaf=lambda x: isinstance(x, quant.QuantArray))
+    return dataclasses.replace(model, weights=weights, dtype="bfloat16")
+
+
+def check_tensor_parallel(max_new):
+    """Item 6: tokens on n devices = tokens on one; decode step time 1 device vs n. 0 failures when skipped."""
+    import qwen_mtp
+    from qwen_mtp import real_shapes
+    from qwen_mtp.config import parse_config
+    from qwen_mtp.sharding import make_mesh
+
+    devices, backend = jax.devices(), jax.default_backend()
+    n = len(devices)
+    if n < 2:
+        why = ("1 GPU visible; it needs 2 or more" if backend == "gpu" else
+               f"no GPU and 1 {backend} device; it needs 2 or more devices (on CPU, "
+               "XLA_FLAGS=--xla_force_host_platform_device_count=2 runs it on a small config)")
+        print(f"tensor parallel: skipped, {why}", flush=True)
+        return 0
+    on_gpu = backend == "gpu"
+    if on_gpu:
+        name, cfg = "Qwen3.5-27B slice, 4 layers", real_shapes.config("Qwen3.5-27B", layers=4)
+    else:
+        name, cfg = "small config", parse_config(TP_SMALL, "<gpu_check small config>")
+    t = time.perf_counter()
+    one = _random_tp_model(cfg, name)
+    mesh = make_mesh(data=1, model=n)
+    sharded = qwen_mtp.shard(one, mesh)
+    jax.block_until_ready((one.weights, sharded.weights))
+    print(f"tensor parallel, {name}, int4 g128 weights (lm_head and MTP head too), over {n} {backend} devices "
+          f"(built in {time.perf_counter() - t:.1f} s):", flush=True)
+    print("  " + sharded.describe_sharding().replace("\n", "\n  "), flush=True)
+    ids = np.random.default_rng(0).integers(1, cfg.vocab_size, 64)
+    specs = {label: None if kw is None else qwen_mtp.SpecConfig(**kw) for label, kw in TP_SPECS.items()}
+    failures = 0
+
+    def run(model, spec, timed):
+        r = qwen_mtp.generate(model, ids, max_new, spec=spec, eos_token_id=[])
+        if timed:  # the first call compiled
+            r = qwen_mtp.generate(model, ids, max_new, spec=spec, eos_token_id=[])
+        return r
+
+    with jax.default_matmul_precision("highest"):  # f32 dots in f32 (not TF32): only the summation order differs
+        base = run(one, None, False).tokens[0]
+        for label, spec in specs.items():
+            got = {"1 device": base if spec is None else run(one, spec, False).tokens[0],
+                   f"{n} devices": run(sharded, spec, False).tokens[0]}
+            for where, tokens in got.items():
+                same = int(np.sum(tokens == base))
+                ok = np.array_equal(tokens, base)
+                failures += not ok
+                print(f"  f32 {label:20s} on {where:10s}: {same}/{len(base)} tokens = 1-device plain greedy "
+                      f"{'OK' if ok else 'FAIL'}", flush=True)
+    one_b = _as_bf16(one)
+    del one, sharded  # the f32 copies
+    sharded_b = qwen_mtp.shard(one_b, mesh)
+    for label, spec in specs.items():
+        r1, rn = run(one_b, spec, True), run(sharded_b, spec, True)
+        same = int(np.sum(r1.tokens[0] == rn.tokens[0]))
+        al = f", AL {r1.stats.acceptance_length:.2f} / {rn.stats.acceptance_length:.2f}" if spec else ""
+        print(f"  bf16 {label:20s} TPOT 1 device {1e3 * r1.stats.tpot_s:.2f} ms, {n} devices "
+              f"{1e3 * rn.stats.tpot_s:.2f} ms: 1 device / {n} = {r1.stats.tpot_s / rn.stats.tpot_s:.2f}x "
+              f"({same}/{len(r1.tokens[0])} tokens equal, not checked in bf16{al})", flush=True)
+    return failures
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--interpret", action="store_true", help="kernels in interpret mode (CPU smoke test)")
     ap.add_argument("--max-new", type=int, default=128, help="new tokens per end-to-end run")
     ap.add_argument("--quant-only", action="store_true", help="only the quantized-matmul checks (item 5)")
+    ap.add_argument("--tp-only", action="store_true", help="only the tensor-parallel check (item 6)")
     args = ap.parse_args(argv)
     print("backend:", jax.default_backend(), jax.devices(), "jax", jax.__version__, flush=True)
     t0 = time.perf_counter()
     failures = 0
+    if args.tp_only:
+        failures += check_tensor_parallel(args.max_new)
+        print(f"{'OK' if not failures else f'FAIL ({failures})'} in {time.perf_counter() - t0:.0f} s", flush=True)
+        return 1 if failures else 0
     if not args.quant_only:
         # interpret mode (the CPU smoke form) runs the first and the fp8-ring case: the kernel tests cover the rest
         failures += check_kernels([SMALL[0], SMALL[-1]] if args.interpret else SMALL, args.interpret, timings=False)
@@ -348,6 +491,7 @@ def main(argv=None):
         failures += check_quant(QUANT_REAL, False, timings=True)
     if not args.quant_only:
         failures += check_end_to_end(args.max_new, thorough=not args.interpret)
+        failures += check_tensor_parallel(args.max_new)
     print(f"{'OK' if not failures else f'FAIL ({failures})'} in {time.perf_counter() - t0:.0f} s", flush=True)
     return 1 if failures else 0
 
