@@ -281,7 +281,13 @@ def shard_weights(weights, cfg: ModelConfig, mesh):
     shardings = weight_shardings(weights, cfg, mesh)
     is_q = lambda x: isinstance(x, QuantArray)
     no_spec = lambda t: jax.tree.map(lambda x: dataclasses.replace(x, spec=None) if is_q(x) else x, t, is_leaf=is_q)
-    placed = jax.jit(lambda w: w, out_shardings=no_spec(shardings))(no_spec(weights))
+    if mesh.is_multi_process:  # each process builds its own shards from its own (host) copy: no weight crosses hosts
+        def place(a, sh):
+            h = np.asarray(a)
+            return jax.make_array_from_callback(h.shape, sh, lambda index: h[index])
+        placed = jax.tree.map(place, no_spec(weights), no_spec(shardings))
+    else:
+        placed = jax.jit(lambda w: w, out_shardings=no_spec(shardings))(no_spec(weights))
     return jax.tree.map(lambda w, s: dataclasses.replace(w, spec=s.spec) if is_q(w) else w, placed, shardings,
                         is_leaf=lambda x: is_q(x) or x is None)
 
