@@ -1,6 +1,6 @@
 """Sharded against single-device runs on virtual CPU devices; run in a subprocess by tests/test_sharding.py.
 
-    python tests/mesh_worker.py OUT.json [--full]
+    python tests/mesh_worker.py OUT.json [--full [dense] [moe] [next]]
 
 XLA_FLAGS=--xla_force_host_platform_device_count=8 is set here, before jax is imported. For each tiny checkpoint
 (dense, MoE, Qwen3-Next; every tensor randomised, MTP head added, built with transformers as the tests build
@@ -159,10 +159,10 @@ def measured_bytes(model):
     return out
 
 
-def main(out, full):
+def main(out, full, only=None):
     report = {}
     with tempfile.TemporaryDirectory() as root:
-        for name in MODELS:
+        for name in (only or MODELS):
             base_model = build(name, root)
             t = time.perf_counter()
             which = RUNS if full else SHORT_RUNS[name]
@@ -191,9 +191,12 @@ def main(out, full):
                     ops, gathered = spec_loop_collectives(m)
                     report[name]["meshes"][f"{data}x{mp}"].update(spec_loop_collectives=ops,
                                                                   spec_loop_max_all_gather_bytes=gathered)
+                Path(out).write_text(json.dumps(report, indent=1))  # as it goes: a long sweep keeps what it ran
                 print(name, data, mp, f"{time.perf_counter() - t:.1f} s", flush=True)
     Path(out).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "--full" in sys.argv[2:])
+    # --full [MODEL ...]: the whole sweep, or only the models named
+    names = [a for a in sys.argv[2:] if a in MODELS]
+    main(sys.argv[1], "--full" in sys.argv[2:], names or None)

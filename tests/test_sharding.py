@@ -93,7 +93,12 @@ def test_plan_at_real_shapes(report):
         specs, _ = sharding.weight_plan(shapes, cfg, mesh)
         assert tuple(specs.layers[0].mixer.in_proj_qkv) == (None, "model")  # GDN
         assert tuple(specs.layers[3].mixer.o_proj) == ("model", None)  # attention, row parallel
-        assert tuple(specs.layers[0].mlp.down) == ("model", None)
+        mlp = specs.layers[0].mlp
+        if cfg.has_moe:  # every expert split alike along its own columns: [E, H, I] / [E, I, H]
+            assert tuple(mlp.gate) == (None, None, "model") and tuple(mlp.down) == (None, "model", None)
+            assert tuple(mlp.shared.down) == ("model", None) and tuple(mlp.router) == (None, None)
+        else:
+            assert tuple(mlp.gate) == (None, "model") and tuple(mlp.down) == ("model", None)
 
 
 def test_plan_quantized_blocks():
