@@ -11,8 +11,10 @@ them) and each mesh (data, model), it records against the same model on one devi
   - per-device parameter bytes against the whole,
   - the compiled plain decode step's collectives: all-reduces per decoder layer, the largest all-gather
     against the smallest sharded weight matrix.
-The short form (CI) runs every model on one mesh, each kind of run on one model at least; --full runs the
-issue's sweep: every model, every run, on (1,2), (1,4), (2,1), (2,2), (2,4).
+The short form (CI) runs every model on one mesh (dense 2x4, MoE 1x4, Qwen3-Next 2x2: prefill logits, bytes and
+the decode step's collectives) with generate runs kept to dense plain, windowed and sampled speculative (whose
+whole while_loop is inspected too) and MoE plain; --full runs the issue's sweep: every model, every run, on
+(1,2), (1,4), (2,1), (2,2), (2,4).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+# -O0: LLVM's optimisation level only (compiles ~25% faster; both sides of every comparison run the same way)
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+                           " --xla_backend_optimization_level=0")
 
 import json
 import math
@@ -51,9 +55,9 @@ gen_mod = sys.modules["qwen_mtp.generate"]  # (qwen_mtp.generate the function sh
 MODELS = {"dense": ("dense", 8, {"tie_word_embeddings": True, "embed_std": 0.6}, 3.0),
           "moe": ("moe", 9, {}, 2.0),
           "next": ("next", 6, {}, 2.0)}
-# the short form (CI): every model, every kind of run somewhere, each compile paid once
+# the short form (CI): every model, a few runs, each compile paid once
 SHORT = {"dense": [(2, 4)], "moe": [(1, 4)], "next": [(2, 2)]}
-SHORT_RUNS = {"dense": ("plain", "spec", "windowed", "sampled_spec"), "moe": ("plain",), "next": ("plain",)}
+SHORT_RUNS = {"dense": ("plain", "windowed", "sampled_spec"), "moe": ("plain",), "next": ()}
 RUNS = ("plain", "spec", "windowed", "sampled", "sampled_spec")
 FULL = [(1, 2), (1, 4), (2, 1), (2, 2), (2, 4)]
 PROMPTS = [np.arange(3, 20) % 96, (np.arange(5, 14) * 7) % 96]
@@ -107,8 +111,9 @@ def spec_loop_collectives(model):
         return orig(*args, **kwargs)
 
     gen_mod.spec_decode = capture
-    try:
-        qwen_mtp.generate(model, PROMPTS, NEW, eos_token_id=[], spec=qwen_mtp.SpecConfig(k=2))
+    try:  # the sampled speculative run of `runs` (its program is compiled already)
+        qwen_mtp.generate(model, PROMPTS, NEW, eos_token_id=[], spec=qwen_mtp.SpecConfig(k=2), temperature=0.8,
+                          seed=3)
     finally:
         gen_mod.spec_decode = orig
     with jax.set_mesh(model.mesh):
@@ -117,16 +122,26 @@ def spec_loop_collectives(model):
 
 
 def count_collectives(txt):
-    ops, gather_bytes = Counter(), [0]
+    """({collective: count}, largest all-gather in bytes, [shape of every all-gather result])."""
+    ops, gather_bytes, shapes = Counter(), [0], []
     for line in txt.splitlines():
         m = re.search(r"= (\w+)\[([\d,]*)\]\S* (all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)"
                       r"(-start)?\(", line)
         if m:
             ops[m.group(3)] += 1
             if m.group(3) == "all-gather":
-                n = math.prod(int(d) for d in m.group(2).split(",") if d)
+                dims = [int(d) for d in m.group(2).split(",") if d]
+                shapes.append(dims)
+                n = math.prod(dims)
                 gather_bytes[0] = max(gather_bytes[0], n * HLO_BYTES.get(m.group(1), 8))
-    return dict(ops), gather_bytes[0]
+    return dict(ops), gather_bytes[0], shapes
+
+
+def sharded_weight_shapes(model):
+    """The whole shapes of the weight arrays split on `model` (a gather of one would produce that shape)."""
+    _, plan = sharding.weight_plan(model.weights, model.config, model.mesh)
+    flat = {".".join(sharding.path_names(p)): w for p, w in jax.tree_util.tree_leaves_with_path(model.weights)}
+    return sorted({tuple(flat[n].shape) for n, s in plan.specs.items() if "model" in tuple(s)})  # 1-D ones too
 
 
 def smallest_sharded_matrix(model):
@@ -176,21 +191,23 @@ def main(out, full, only=None):
                 max_rel, max_abs = hf_tiny.rel_err(got["logits"], base["logits"])
                 per = sharding.device_bytes(m.weights)
                 total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(base_model.weights))
-                ops, gathered = collectives(m, m.mesh)
+                ops, gathered, gather_shapes = collectives(m, m.mesh)
                 _, plan = sharding.weight_plan(m.weights, m.config, m.mesh)
                 report[name]["meshes"][f"{data}x{mp}"] = {
                     "max_abs": max_abs, "max_rel": max_rel,
                     "runs": {k: got[k] == base[k] for k in which},
-                    "plain_tokens": got["plain"],
+                    "plain_tokens": got.get("plain"),
                     "device_bytes_max": max(per.values()), "total_bytes": total, **measured_bytes(m),
                     "layer_types": list(m.config.layer_types),
                     "collectives": ops, "all_reduce_per_layer": ops.get("all-reduce", 0) / m.config.num_layers,
                     "max_all_gather_bytes": gathered, "smallest_sharded_matrix": smallest_sharded_matrix(m),
+                    "all_gather_shapes": gather_shapes, "sharded_weight_shapes": sharded_weight_shapes(m),
                     "replicated": plan.replicated, "seconds": time.perf_counter() - t}
                 if name == "dense":
-                    ops, gathered = spec_loop_collectives(m)
+                    ops, gathered, gather_shapes = spec_loop_collectives(m)
                     report[name]["meshes"][f"{data}x{mp}"].update(spec_loop_collectives=ops,
-                                                                  spec_loop_max_all_gather_bytes=gathered)
+                                                                  spec_loop_max_all_gather_bytes=gathered,
+                                                                  spec_loop_all_gather_shapes=gather_shapes)
                 Path(out).write_text(json.dumps(report, indent=1))  # as it goes: a long sweep keeps what it ran
                 print(name, data, mp, f"{time.perf_counter() - t:.1f} s", flush=True)
     Path(out).write_text(json.dumps(report, indent=1))

@@ -182,15 +182,6 @@ def main(small, moe, tmp):
 
     figures["cpu s: + orbax"] = round(time.process_time(), 1)
 
-    # end to end: the restored model, sharded over data and model, computes what the unsharded one does
-    ids = np.array([1, 17, 230, 5, 96, 4000, 12, 7, 3, 64])
-    t = time.perf_counter()
-    a, b = qwen_mtp.prefill_logits(small_model, ids), qwen_mtp.prefill_logits(restored["small", "2x2"], ids)
-    figures["prefill pair s"] = round(time.perf_counter() - t, 3)
-    err = float(np.max(np.abs(a - b)) / np.max(np.abs(a)))
-    assert err < 1e-4 and np.array_equal(a.argmax(-1), b.argmax(-1)), err  # f32, other summation orders
-    figures["prefill max rel err"] = err
-    figures["cpu s: + prefill"] = round(time.process_time(), 1)
     print(json.dumps(figures))
 
 

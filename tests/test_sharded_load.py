@@ -7,8 +7,8 @@ is imported; tests/sharded_load_worker.py), for the shipped bf16 model and a tin
   - the reads from the safetensors file are slices: a tensor split over `model` is read as `model` slices, one per
     device column, and an unquantized load reads each element of the file exactly once (replicas share a read);
   - orbax folders written by qwen_mtp.save restore with mesh= equal to restore + shard (as saved, cast to bf16,
-    int4), the CRC-32 check still runs (a wrong CRC is refused), and prefill_logits of a restored sharded int4
-    MoE model matches the unsharded one.
+    int4) and the CRC-32 check still runs (a wrong CRC is refused). (Bitwise equality to shard(load(...)) makes
+    the numerics those of tests/test_sharding.py, which runs sharded models end to end.)
 """
 
 import json
