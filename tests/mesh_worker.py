@@ -10,7 +10,8 @@ them) and each mesh (data, model), it records against the same model on one devi
     batch of two prompts, and sampled tokens (temperature 0.8, a seed) plain and speculative,
   - per-device parameter bytes against the whole,
   - the compiled plain decode step's collectives: all-reduces per decoder layer, the largest all-gather
-    against the smallest sharded weight matrix.
+    against the smallest sharded weight matrix; for dense, those of the speculative loops as XLA compiled them
+    for generate (their optimized HLO dumped with --xla_dump_to while compiling, no second compile).
 The short form (CI) runs every model on one mesh (dense 2x4, MoE 1x4, Qwen3-Next 2x2: prefill logits, bytes and
 the decode step's collectives) with generate runs kept to dense plain, windowed and sampled speculative (whose
 whole while_loop is inspected too) and MoE plain; --full runs the issue's sweep: every model, every run, on
@@ -23,8 +24,11 @@ import os
 import sys
 
 # -O0: LLVM's optimisation level only (compiles ~25% faster; both sides of every comparison run the same way)
+# the speculative loops' optimized HLO is dumped as XLA compiles them for generate (read by spec_loop_collectives)
+HLO_DUMP = __import__("tempfile").mkdtemp(prefix="qwen_mtp_mesh_hlo_")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0")
+                           " --xla_backend_optimization_level=0"
+                           f" --xla_dump_to={HLO_DUMP} --xla_dump_hlo_module_re=.*spec_decode.* --xla_dump_hlo_as_text")
 
 import json
 import math
@@ -47,8 +51,6 @@ import qwen_mtp
 from qwen_mtp import sharding
 from qwen_mtp.model import forward, lm_logits
 from qwen_mtp.state import init_state
-
-gen_mod = sys.modules["qwen_mtp.generate"]  # (qwen_mtp.generate the function shadows the module)
 
 # vocab 96 (not the tests' 97) so the vocabulary splits over 2 and 4 devices; 4 heads, 2 kv heads (replicated on
 # model=4: the issue's "2 KV heads on 4 devices"), 4 GDN value heads
@@ -100,25 +102,21 @@ def collectives(model, mesh):
     return count_collectives(txt)
 
 
-def spec_loop_collectives(model):
-    """Collectives of the whole compiled speculative loop (draft, verify, accept, rollback, refill) as
-    generate runs it on the sharded model: its arguments are captured from a real call."""
-    captured = {}
-    orig = gen_mod.spec_decode
-
-    def capture(*args, **kwargs):
-        captured.update(args=args, kwargs=kwargs)
-        return orig(*args, **kwargs)
-
-    gen_mod.spec_decode = capture
-    try:  # the sampled speculative run of `runs` (its program is compiled already)
-        qwen_mtp.generate(model, PROMPTS, NEW, eos_token_id=[], spec=qwen_mtp.SpecConfig(k=2), temperature=0.8,
-                          seed=3)
-    finally:
-        gen_mod.spec_decode = orig
-    with jax.set_mesh(model.mesh):
-        txt = orig.lower(*captured["args"], **captured["kwargs"]).compile().as_text()
-    return count_collectives(txt)
+def spec_loop_collectives(model, seen=set()):  # noqa: B006 (the dumps already read, across calls)
+    """Collectives of the whole speculative loops (draft, verify, accept, rollback, refill) exactly as XLA
+    compiled them for this sharded model's generate runs (their optimized HLO, dumped while compiling): counts
+    and largest gather of the busiest, every gather's shape."""
+    found = []
+    for f in sorted(Path(HLO_DUMP).glob("*spec_decode*after_optimizations.txt")):
+        txt = f.read_text()
+        if f in seen or f"num_partitions={model.mesh.size}" not in txt.split("\n", 1)[0]:
+            continue
+        seen.add(f)
+        found.append(count_collectives(txt))
+    if not found:
+        raise RuntimeError(f"no sharded speculative loop compiled into {HLO_DUMP}")
+    ops, _, _ = max(found, key=lambda c: sum(c[0].values()))
+    return ops, max(c[1] for c in found), [s for c in found for s in c[2]]
 
 
 def count_collectives(txt):
@@ -216,4 +214,7 @@ def main(out, full, only=None):
 if __name__ == "__main__":
     # --full [MODEL ...]: the whole sweep, or only the models named
     names = [a for a in sys.argv[2:] if a in MODELS]
-    main(sys.argv[1], "--full" in sys.argv[2:], names or None)
+    try:
+        main(sys.argv[1], "--full" in sys.argv[2:], names or None)
+    finally:
+        __import__("shutil").rmtree(HLO_DUMP, ignore_errors=True)
