@@ -86,17 +86,24 @@ def _name(path) -> str:
     return jax.tree_util.keystr(path, simple=True, separator=".")
 
 
+def _by_name(tree) -> dict:
+    """{array name: leaf} of a Weights-shaped pytree (a QuantArray gives '<name>.q' and '<name>.scale'), the names
+    the checkpoint stores its arrays under."""
+    flat = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_quant)[0]:
+        if isinstance(leaf, QuantArray):
+            flat[_name(path) + ".q"], flat[_name(path) + ".scale"] = leaf.q, leaf.scale
+        else:
+            flat[_name(path)] = leaf
+    return flat
+
+
 def _flatten(weights):
     """(arrays {name: numpy array}, quantized {leaf name: {kind, shape, block}}) of a Weights pytree."""
-    arrays, quantized = {}, {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(weights, is_leaf=_is_quant)[0]:
-        name = _name(path)
-        if isinstance(leaf, QuantArray):
-            arrays[name + ".q"] = np.asarray(leaf.q)
-            arrays[name + ".scale"] = np.asarray(leaf.scale)
-            quantized[name] = {"kind": leaf.kind, "shape": list(leaf.shape), "block": list(leaf.block)}
-        else:
-            arrays[name] = np.asarray(leaf)
+    arrays = {name: np.asarray(x) for name, x in _by_name(weights).items()}
+    quantized = {_name(path): {"kind": leaf.kind, "shape": list(leaf.shape), "block": list(leaf.block)}
+                 for path, leaf in jax.tree_util.tree_flatten_with_path(weights, is_leaf=_is_quant)[0]
+                 if isinstance(leaf, QuantArray)}
     return arrays, quantized
 
 
@@ -393,13 +400,7 @@ def _target(folder: Path, cfg, meta: dict):
         raise CheckpointError(cfg_file, name, "only quantized leaves the config accounts for", "an unexpected leaf")
     for name in sorted(set(arrays) - used):
         raise CheckpointError(cfg_file, name, "only arrays the config accounts for", "an unexpected array")
-    flat = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_quant)[0]:
-        if isinstance(leaf, QuantArray):
-            flat[_name(path) + ".q"], flat[_name(path) + ".scale"] = leaf.q, leaf.scale
-        else:
-            flat[_name(path)] = leaf
-    return tree, flat
+    return tree, _by_name(tree)
 
 
 def restore(folder, dtype: str | None = None, mesh=None):
@@ -424,12 +425,7 @@ def restore(folder, dtype: str | None = None, mesh=None):
         from qwen_mtp.sharding import check_mesh, weight_shardings
 
         shardings = weight_shardings(tree, cfg, check_mesh(mesh))
-        flat_sh = {}
-        for path, leaf in jax.tree_util.tree_flatten_with_path(shardings, is_leaf=_is_quant)[0]:
-            if isinstance(leaf, QuantArray):
-                flat_sh[_name(path) + ".q"], flat_sh[_name(path) + ".scale"] = leaf.q, leaf.scale
-            else:
-                flat_sh[_name(path)] = leaf
+        flat_sh = _by_name(shardings)
     try:
         arrays = _read_arrays(wdir.absolute(), target, flat_sh)
     except Exception as e:  # noqa: BLE001 - orbax / tensorstore raise ValueError, FileNotFoundError, Exception
