@@ -8,6 +8,8 @@ from .attention import attention_layer
 from .config import ModelConfig
 from .gdn import gdn_layer
 from .mlp import feed_forward
+from kernels_pallas.masked_attention import precision_for
+
 from .ops import linear, rmsnorm_1pw
 from .weights import Weights
 
@@ -40,6 +42,11 @@ def forward(weights: Weights, cfg: ModelConfig, tokens, state: tuple, pos, n_val
 
 
 def lm_logits(weights: Weights, hidden):
-    """Post-norm hidden [..., H] -> logits [..., V] in f32 (lm_head, or the tied embedding)."""
-    w = weights.embed.T if weights.lm_head is None else weights.lm_head
-    return linear(hidden, w).astype(jnp.float32)
+    """Post-norm hidden [..., H] -> logits [..., V] in f32 (lm_head, or the tied embedding). The tied product
+    contracts the embedding [V, H] along H as it is stored: `linear(hidden, embed.T)` made XLA on CPU copy the
+    whole transposed embedding at every call (a quarter of a plain step of the shipped model)."""
+    if weights.lm_head is None:
+        e = weights.embed
+        return jnp.einsum("...h,vh->...v", hidden, e.astype(hidden.dtype),
+                          precision=precision_for(hidden.dtype)).astype(jnp.float32)
+    return linear(hidden, weights.lm_head).astype(jnp.float32)
