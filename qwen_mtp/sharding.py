@@ -106,7 +106,7 @@ _MOE = {"router": ("hidden", None), "gate": (None, "hidden", "expert_mlp"), "up"
         "down": (None, "expert_mlp", "hidden"), "shared_gate": ("hidden", None)}
 _TOP = {"embed": ("vocab", "hidden"), "lm_head": ("hidden", "vocab"), "final_norm": (None,), "fc": ("fc_in", "hidden"),
         "pre_fc_norm_embedding": (None,), "pre_fc_norm_hidden": (None,), "norm": (None,),
-        "input_norm": (None,), "post_norm": (None,)}
+        "input_norm": (None,), "post_norm": (None,), "ids": (None,)}  # ids: draft_vocab.ids (its lm_head: vocab)
 
 
 def logical_axes(names: tuple, ndim: int) -> tuple:

@@ -72,6 +72,9 @@ class Weights:
     final_norm: jax.Array  # [H]
     lm_head: Any  # [H, V], or None when tied to embed
     mtp: Any = None  # MTPWeights | None
+    # draft_vocab.DraftVocab | None: the draft head's reduced vocabulary (ids and their lm_head columns); derived
+    # at load time, never read from or saved to a checkpoint
+    draft_vocab: Any = None
 
 
 def weight_shapes(cfg, dtype="bfloat16", *, mtp: bool = True) -> Weights:
