@@ -2,10 +2,11 @@
 
 Default: the shipped trained model (checkpoints/qwen3_5_small) on prompts cut from its held-out stdlib files.
 --random builds instead the tiny randomised checkpoint of the lossless tests (acceptance meaningless there).
-Prints decode tokens/s, AL and the ratio to plain for batch 1.
+Prints, for each batch size, decode tokens/s (all rows), AL and the ratio to plain, and the choice `--k auto`
+makes there (the fastest, plain included). Every program is compiled ahead of time (qwen_mtp.precompile).
 
     python benchmarks/bench_spec.py [--model PATH | --random] [--prompt 128] [--new 128] [--repeats 2]
-                                    [--mesh data=D,model=M]
+                                    [--batch 1,4,16] [--k 1,2,3,4,5,6] [--mesh data=D,model=M]
 
 --mesh shards the model over a device mesh after loading (qwen_mtp.shard; the CLI's --mesh syntax).
 """
@@ -29,6 +30,8 @@ def main():
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--batch", default="1", help="comma list of batch sizes (rows cut from the same text)")
+    ap.add_argument("--k", default="1,2,3,4,5,6", help="comma list of k")
     ap.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard the model over this mesh")
     args = ap.parse_args()
     import qwen_mtp
@@ -40,14 +43,14 @@ def main():
         ap.error(str(e))
 
     folder = args.model
-    ids = None
+    text_ids = None
     if folder is None and not args.random:
         from checkpoints.train_small import HELD_OUT, stdlib_root
         from qwen_mtp.cli import default_model_path, load_tokenizer
 
         folder = str(default_model_path())
         text = (stdlib_root() / HELD_OUT[3]).read_text(encoding="utf-8")
-        ids = np.asarray(load_tokenizer(folder).encode(text).ids[200:200 + args.prompt])
+        text_ids = np.asarray(load_tokenizer(folder).encode(text).ids)
     elif folder is None:
         import hf_tiny
         folder = tempfile.mkdtemp(prefix="bench_spec_")
@@ -58,27 +61,32 @@ def main():
     if mesh is not None:
         model = qwen_mtp.shard(model, mesh)
         print(model.describe_sharding())
-    if ids is None:
-        ids = np.random.RandomState(0).randint(0, model.config.vocab_size, size=args.prompt)
+    if text_ids is None:
+        text_ids = np.random.RandomState(0).randint(0, model.config.vocab_size, size=200 + 64 * 16 + args.prompt)
+    ks = [int(x) for x in args.k.split(",")]
 
-    def run(spec):
-        qwen_mtp.generate(model, ids, args.new, eos_token_id=[], spec=spec)  # compile
-        rs = [qwen_mtp.generate(model, ids, args.new, eos_token_id=[], spec=spec) for _ in range(args.repeats)]
+    def run(rows, spec):
+        qwen_mtp.precompile(model, rows, args.new, eos_token_id=[], spec=spec)
+        rs = [qwen_mtp.generate(model, rows, args.new, eos_token_id=[], spec=spec) for _ in range(args.repeats)]
         return max(rs, key=lambda r: r.stats.decode_tokens_per_s)
 
-    base = run(None)
-    print(f"model {folder}; prompt {args.prompt}, new {args.new}")
-    print(f"{'':8s}{'decode tok/s':>14s}{'ratio':>8s}{'AL':>7s}  alpha_j")
-    print(f"{'plain':8s}{base.stats.decode_tokens_per_s:14.1f}{1.0:8.2f}{1.0:7.2f}")
-    best = (0.0, None)
-    for k in range(1, 7):
-        r = run(qwen_mtp.SpecConfig(k=k))
-        assert (r.tokens == base.tokens).all(), "speculative output differs from plain greedy"
-        ratio = r.stats.decode_tokens_per_s / base.stats.decode_tokens_per_s
-        best = max(best, (ratio, k))
-        print(f"{'k=' + str(k):8s}{r.stats.decode_tokens_per_s:14.1f}{ratio:8.2f}{r.stats.acceptance_length:7.2f}  "
-              + " ".join(f"{a:.2f}" for a in r.stats.alpha))
-    print(f"best speculative/plain ratio {best[0]:.2f} at k={best[1]}")
+    print(f"model {folder}; prompt {args.prompt}, new {args.new}, greedy; decode tok/s over all rows")
+    for batch in [int(x) for x in args.batch.split(",")]:
+        rows = [text_ids[200 + 64 * b:200 + 64 * b + args.prompt] for b in range(batch)]
+        base = run(rows, None)
+        print(f"batch {batch}")
+        print(f"  {'':8s}{'decode tok/s':>14s}{'ratio':>8s}{'AL':>7s}  alpha_j")
+        print(f"  {'plain':8s}{base.stats.decode_tokens_per_s:14.1f}{1.0:8.2f}{1.0:7.2f}")
+        best = (1.0, None)
+        for k in ks:
+            r = run(rows, qwen_mtp.SpecConfig(k=k))
+            assert (r.tokens == base.tokens).all(), "speculative output differs from plain greedy"
+            ratio = r.stats.decode_tokens_per_s / base.stats.decode_tokens_per_s
+            best = max(best, (ratio, k), key=lambda x: x[0])
+            print(f"  {'k=' + str(k):8s}{r.stats.decode_tokens_per_s:14.1f}{ratio:8.2f}"
+                  f"{r.stats.acceptance_length:7.2f}  " + " ".join(f"{a:.2f}" for a in r.stats.alpha))
+        choice = "plain (no speculation)" if best[1] is None else f"k={best[1]} ({best[0]:.2f}x plain)"
+        print(f"  batch {batch}: best {choice}: what --k auto picks when these timings repeat")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,19 @@
    (TPOT) of plain and speculative greedy decode in bf16 on 1 GPU and on n, and their ratio. With one GPU it
    prints that it is skipped; on CPU with several (virtual) devices it runs a small config instead
    (`XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/gpu_check.py --interpret --tp-only`).
-   `--tp-only` runs just this part.
+   `--tp-only` runs just this part;
+7. end to end on a Qwen3.5-27B-shaped slice (the same 4 real layers and MTP head as item 6, `--e2e27b-layers`
+   to change the depth) with random bf16 weights, not quantized, on one device: plain, speculative native k3 and
+   speculative windowed k3 (W 4032, S 64) greedy generate, each compiled by a first call and timed on a second,
+   with TPOT, tokens/s and achieved GB/s of the weights read against the device's bandwidth. Bytes read per
+   plain step = every trunk layer's arrays + the final norm + lm_head (the embedding rows gathered are
+   negligible and not counted). Per speculative round (speculative.spec_decode as it is): the verify reads the
+   trunk and lm_head once (its k + 1 rows in one pass), the k drafts read lm_head k times and the MTP head
+   k - 1 times (the first draft reuses the refill's output), the refill reads the head once (no lm_head):
+   trunk + (k + 1) lm_head + k head. Round time = decode time / rounds. Random weights accept at random, so the
+   speculative figure is a cost per round, printed as round time / plain step time, not a speedup. On CPU the
+   `--interpret` smoke form skips it (CI time; it prints why); `--e2e27b-only` runs just this part, on CPU at
+   a small config of the same layer pattern.
 Exits non-zero if any check fails.
 
 On the lent H200 run it from the repository root as it is, with the image's python3 (its jax, the CUDA 13
@@ -362,18 +374,21 @@ def _hash_bits(shape, seed):
     return h.reshape(shape)
 
 
-def _random_tp_model(cfg, name, seed=0):
-    """A qwen_mtp.Model of `cfg` with random weights made on the default device: every matrix int4 (groups of
-    128, lm_head and the MTP head's included) as random packed values with scales that keep activations O(1),
-    the rest (embedding, norms, conv taps, GDN b / a, A_log, dt_bias) f32, uniform with std 0.02 (embedding),
+def _random_model(cfg, name, seed=0, quant="int4", dtype="float32"):
+    """A qwen_mtp.Model of `cfg` with random weights made on the default device in one jit. quant "int4": every
+    matrix int4 (groups of 128, lm_head and the MTP head's included) as random packed values with scales that
+    keep activations O(1), the rest (embedding, norms, conv taps, GDN b / a, A_log, dt_bias) in `dtype`. quant
+    None: every array in `dtype`, nothing quantized. Unquantized values are uniform with std 0.02 (embedding),
     1 / sqrt(fan-in) (other matrices) or 0.1 (vectors)."""
     import qwen_mtp
-    from qwen_mtp import quant
+    from qwen_mtp import quant as quant_mod
     from qwen_mtp.weights import weight_shapes
 
-    policy = quant.QuantPolicy("int4", 128, lm_head=True, mtp=True)
-    shapes = quant.abstract(weight_shapes(cfg, "float32"), policy, tied=cfg.tie_word_embeddings)
-    is_q = lambda x: isinstance(x, quant.QuantArray)
+    policy = None if quant is None else quant_mod.QuantPolicy(quant, 128, lm_head=True, mtp=True)
+    shapes = weight_shapes(cfg, dtype)
+    if policy is not None:
+        shapes = quant_mod.abstract(shapes, policy, tied=cfg.tie_word_embeddings)
+    is_q = lambda x: isinstance(x, quant_mod.QuantArray)
     leaves, tree = jax.tree.flatten(shapes, is_leaf=is_q)
     uniform = lambda shape, i: (_hash_bits(shape, i) >> 8).astype(jnp.float32) * 2.0 ** -24  # [0, 1)
 
@@ -387,11 +402,12 @@ def _random_tp_model(cfg, name, seed=0):
                 out.append(s.replace(q=q, scale=scale))
                 continue
             std = 0.1 if len(s.shape) < 2 else 0.02 if s.shape[0] == cfg.vocab_size else 1 / np.sqrt(s.shape[-2])
-            out.append(std * np.sqrt(12) * (uniform(s.shape, 2 * i) - 0.5))
+            out.append((std * np.sqrt(12) * (uniform(s.shape, 2 * i) - 0.5)).astype(s.dtype))
         return out
 
     weights = jax.tree.unflatten(tree, make())
-    return qwen_mtp.Model(config=cfg, weights=weights, path=f"<random {name}>", dtype="float32", quant=policy)
+    return qwen_mtp.Model(config=cfg, weights=weights, path=f"<random {name}>", dtype=str(jnp.dtype(dtype)),
+                          quant=policy)
 
 
 def _as_bf16(model):
@@ -426,7 +442,7 @@ def check_tensor_parallel(max_new):
     else:
         name, cfg = "small config", parse_config(TP_SMALL, "<gpu_check small config>")
     t = time.perf_counter()
-    one = _random_tp_model(cfg, name)
+    one = _random_model(cfg, name)
     mesh = make_mesh(data=1, model=n)
     sharded = qwen_mtp.shard(one, mesh)
     jax.block_until_ready((one.weights, sharded.weights))
@@ -467,18 +483,101 @@ def check_tensor_parallel(max_new):
     return failures
 
 
+# end to end on a Qwen3.5-27B-shaped slice (item 7): greedy generate of each, bf16 random weights, one device
+E2E_SPECS = {"plain": None, "native k3": {"k": 3},
+             "windowed k3 W4032 S64": {"k": 3, "window": 4032, "sinks": 64}}
+
+
+def _weight_read_bytes(weights):
+    """(trunk, lm_head, head): bytes of the weights a decode reads. trunk: every layer's arrays and the final
+    norm; lm_head: the output matrix (embed when tied); head: the MTP head (fc, its norms, its layer). The
+    embedding rows a step gathers are negligible and not counted."""
+    size = lambda tree: sum(int(x.nbytes) for x in jax.tree.leaves(tree))
+    lm = weights.embed if weights.lm_head is None else weights.lm_head
+    return size((weights.layers, weights.final_norm)), size(lm), size(weights.mtp)
+
+
+def _round_bytes(trunk, lm_head, head, k):
+    """Weight bytes of one speculative round of k drafts (speculative.spec_decode as it is): verify = trunk +
+    lm_head once; drafts = lm_head k times + head k - 1 times (draft 1 reuses the refill's output); refill =
+    head once, no lm_head."""
+    return trunk + (k + 1) * lm_head + k * head
+
+
+def check_end_to_end_27b(max_new, layers=4):
+    """Item 7: TPOT, tokens/s and achieved GB/s of plain and speculative greedy decode on a Qwen3.5-27B slice
+    of `layers` real layers (on CPU: TP_SMALL, the same layer pattern at a small width). Timing only: 0
+    failures unless a run raises."""
+    import qwen_mtp
+    from qwen_mtp import real_shapes
+    from qwen_mtp.config import parse_config
+
+    on_gpu = jax.default_backend() == "gpu"
+    if on_gpu:
+        name, cfg = f"Qwen3.5-27B slice, {layers} layers", real_shapes.config("Qwen3.5-27B", layers=layers)
+    else:
+        name, cfg = "small config", parse_config(TP_SMALL, "<gpu_check small config>")
+    kind, bw = _bandwidth()
+    t = time.perf_counter()
+    model = _random_model(cfg, name, quant=None, dtype="bfloat16")
+    jax.block_until_ready(model.weights)
+    trunk, lm_head, head = _weight_read_bytes(model.weights)
+    print(f"end to end, {name}, bf16 random weights (not quantized), 1 {jax.default_backend()} device (built in "
+          f"{time.perf_counter() - t:.1f} s): per plain step {(trunk + lm_head) / 1e9:.3f} GB read (trunk "
+          f"{trunk / 1e9:.3f} + lm_head {lm_head / 1e9:.3f}), MTP head {head / 1e9:.3f} GB", flush=True)
+    frac = lambda gbs: f" = {100 * gbs * 1e9 / bw:.0f}% of {kind}'s {bw / 1e12:.2f} TB/s" if bw else ""
+    ids = np.random.default_rng(0).integers(1, cfg.vocab_size, 64)
+    step_s = None
+    failures = 0
+    for label, kw in E2E_SPECS.items():
+        spec = None if kw is None else qwen_mtp.SpecConfig(**kw)
+        try:
+            qwen_mtp.generate(model, ids, max_new, spec=spec, eos_token_id=[])  # compiles
+            st = qwen_mtp.generate(model, ids, max_new, spec=spec, eos_token_id=[]).stats
+        except Exception as e:  # one run that does not compile or run must not hide the others
+            print(f"  {label}: FAIL {type(e).__name__}: {e}", flush=True)
+            failures += 1
+            continue
+        line = f"  {label:22s} TPOT {1e3 * st.tpot_s:7.3f} ms, {st.decode_tokens_per_s:8.1f} tokens/s"
+        if spec is None:
+            step_s = st.tpot_s
+            gbs = (trunk + lm_head) / step_s / 1e9
+            line += f", {gbs:.0f} GB/s of weights{frac(gbs)}"
+        elif st.rounds == 0:
+            line += "; no round ran (max_new 1)"
+        else:
+            round_s = st.decode_s / (st.rounds / st.batch)
+            nbytes = _round_bytes(trunk, lm_head, head, spec.k)
+            gbs = nbytes / round_s / 1e9
+            vs = f" = {round_s / step_s:.2f} plain steps" if step_s else ""
+            line += (f"; round {1e3 * round_s:.3f} ms{vs}, {nbytes / 1e9:.3f} GB of weights per round, "
+                     f"{gbs:.0f} GB/s{frac(gbs)} (AL {st.acceptance_length:.2f}: random weights, a cost per round, "
+                     f"not a speedup)")
+        print(line, flush=True)
+    return failures
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--interpret", action="store_true", help="kernels in interpret mode (CPU smoke test)")
     ap.add_argument("--max-new", type=int, default=128, help="new tokens per end-to-end run")
     ap.add_argument("--quant-only", action="store_true", help="only the quantized-matmul checks (item 5)")
     ap.add_argument("--tp-only", action="store_true", help="only the tensor-parallel check (item 6)")
+    ap.add_argument("--e2e27b-only", action="store_true",
+                    help="only the end-to-end timing on the Qwen3.5-27B slice (item 7; on CPU a small config)")
+    ap.add_argument("--e2e27b-layers", type=int, default=4,
+                    help="layers of the item 7 slice on a GPU (default 4, one 3 GDN : 1 attention period)")
     args = ap.parse_args(argv)
+    if args.e2e27b_layers < 1:
+        ap.error(f"--e2e27b-layers: expected an integer >= 1, found {args.e2e27b_layers}")
     print("backend:", jax.default_backend(), jax.devices(), "jax", jax.__version__, flush=True)
     t0 = time.perf_counter()
     failures = 0
-    if args.tp_only:
-        failures += check_tensor_parallel(args.max_new)
+    if args.tp_only or args.e2e27b_only:
+        if args.tp_only:
+            failures += check_tensor_parallel(args.max_new)
+        if args.e2e27b_only:
+            failures += check_end_to_end_27b(args.max_new, args.e2e27b_layers)
         print(f"{'OK' if not failures else f'FAIL ({failures})'} in {time.perf_counter() - t0:.0f} s", flush=True)
         return 1 if failures else 0
     if not args.quant_only:
@@ -492,6 +591,11 @@ def main(argv=None):
     if not args.quant_only:
         failures += check_end_to_end(args.max_new, thorough=not args.interpret)
         failures += check_tensor_parallel(args.max_new)
+        if args.interpret:
+            print("end to end 27B slice: skipped in the --interpret smoke form (its compiles would cost CI "
+                  "seconds; `--e2e27b-only` runs it, on CPU at a small config)", flush=True)
+        else:
+            failures += check_end_to_end_27b(args.max_new, args.e2e27b_layers)
     print(f"{'OK' if not failures else f'FAIL ({failures})'} in {time.perf_counter() - t0:.0f} s", flush=True)
     return 1 if failures else 0
 

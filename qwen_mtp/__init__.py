@@ -11,7 +11,8 @@ from pathlib import Path
 from .config import ModelConfig, load_config, load_quantization
 from .errors import ArgumentError, CheckpointError, ConfigError, MissingMTPHeadError, QwenMTPError
 from .quant import QuantArray, QuantPolicy, check_method, formats, weight_bytes
-from .generate import GenerateResult, generate, mtp_logits, prefill_logits
+from .compile_cache import disable_compile_cache, enable_compile_cache
+from .generate import GenerateResult, generate, mtp_logits, precompile, prefill_logits
 from .sampling import Sampling
 from .speculative import SpecConfig
 from .stats import GenerateStats
@@ -50,7 +51,7 @@ class Model:
 
 
 def load(path, *, dtype: str = "float32", quant: str | None = None, group_size: int = 128,
-         quant_lm_head: bool = False, quant_mtp: bool = True, mesh=None) -> Model:
+         quant_lm_head: bool = False, quant_mtp: bool = True, mesh=None, draft_vocab: int | None = None) -> Model:
     """Load a Hugging Face checkpoint folder (config.json + safetensors, single or sharded).
 
     quant: None (every tensor in `dtype`), "int8" (symmetric per output channel), "int4" (symmetric, groups of
@@ -76,8 +77,22 @@ def load(path, *, dtype: str = "float32", quant: str | None = None, group_size: 
     bit for bit and sharding for sharding, `shard(load(path, ...), mesh)`, and generate / prefill_logits /
     mtp_logits run under the mesh. Quantizing as it loads (quant=...) reads each matrix whole on the host, since
     a scale spans whole columns, quantizes it there and places its slices: peak host memory one tensor (e.g.
-    one layer's stacked experts). A pre-quantized FP8 checkpoint's values are read slice by slice as stored."""
+    one layer's stacked experts). A pre-quantized FP8 checkpoint's values are read slice by slice as stored.
+
+    draft_vocab: None (the MTP head drafts over the whole vocabulary) or N: it drafts over the N most frequent
+    ids of the token counts stored in the folder (draft_vocab.COUNTS_FILE; an ArgumentError when missing), every
+    EOS id included; the verify keeps the full vocabulary, so the output is unchanged (qwen_mtp/draft_vocab.py,
+    with_draft_vocab)."""
     from checkpoints import orbax_io
+
+    if draft_vocab is not None:  # size and counts file checked before the weights are read
+        from .draft_vocab import check_size, load_counts
+        vocab = load_config(path).vocab_size
+        check_size(draft_vocab, vocab)
+        load_counts(path, vocab)
+        model = load(path, dtype=dtype, quant=quant, group_size=group_size, quant_lm_head=quant_lm_head,
+                     quant_mtp=quant_mtp, mesh=mesh)
+        return with_draft_vocab(model, draft_vocab)
 
     if mesh is not None:
         from .sharding import check_mesh
@@ -100,6 +115,17 @@ def load(path, *, dtype: str = "float32", quant: str | None = None, group_size: 
     return Model(config=cfg, weights=weights, path=str(Path(path)), dtype=dtype, quant=policy, mesh=mesh)
 
 
+def with_draft_vocab(model: Model, size: int | None, counts=None) -> Model:
+    """`model` whose MTP head drafts over the `size` most frequent token ids of `counts` (int [V]; None: the
+    draft_vocab.COUNTS_FILE of model.path, an ArgumentError when missing), every EOS id included; size None
+    removes a draft vocabulary. Output is unchanged (the verify uses the full vocabulary); see draft_vocab.py."""
+    from . import draft_vocab
+
+    if not isinstance(model, Model):
+        raise ArgumentError("model", "a qwen_mtp.Model (from qwen_mtp.load)", type(model).__name__)
+    return draft_vocab.with_draft_vocab(model, size, counts)
+
+
 def shard(model: Model, mesh) -> Model:
     """`model` with its weights placed on `mesh` (a jax.sharding.Mesh with axes 'data' and 'model', e.g.
     qwen_mtp.sharding.make_mesh(data=1, model=4)) by the rule table of qwen_mtp/sharding.py: tensor parallel over
@@ -111,7 +137,7 @@ def shard(model: Model, mesh) -> Model:
     if not isinstance(model, Model):
         raise ArgumentError("model", "a qwen_mtp.Model (from qwen_mtp.load)", type(model).__name__)
     mesh = sharding.check_mesh(mesh)
-    weights = sharding.shard_weights(model.weights, model.config, mesh)
+    weights = sharding.shard_weights(model.weights, model.config, mesh)  # a draft vocabulary: split like lm_head
     return dataclasses.replace(model, weights=weights, mesh=mesh)
 
 
@@ -141,8 +167,12 @@ def save(model: Model, folder, *, overwrite: bool = False) -> Path:
 
     if not isinstance(model, Model):
         raise ArgumentError("model", "a qwen_mtp.Model (from qwen_mtp.load)", type(model).__name__)
+    if model.weights.draft_vocab is not None:  # derived data: not saved (load(..., draft_vocab=N) rebuilds it)
+        model = dataclasses.replace(model, weights=model.weights.replace(draft_vocab=None))
     return orbax_io.save(model, folder, overwrite=overwrite)
 
 
-__all__ = ["load", "save", "shard", "prefill_logits", "mtp_logits", "generate", "SpecConfig", "Sampling", "Model", "ModelConfig", "QuantArray", "QuantPolicy", "GenerateResult", "GenerateStats",
+__all__ = ["load", "save", "shard", "with_draft_vocab", "prefill_logits", "mtp_logits", "generate", "precompile",
+           "enable_compile_cache", "disable_compile_cache", "SpecConfig", "Sampling", "Model", "ModelConfig",
+           "QuantArray", "QuantPolicy", "GenerateResult", "GenerateStats",
            "QwenMTPError", "ConfigError", "CheckpointError", "ArgumentError", "MissingMTPHeadError"]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import compile_cache
 from .errors import ArgumentError, QwenMTPError
 from .state import KV_DTYPE_NAMES
 
@@ -104,16 +105,18 @@ class _Discard:
 
 
 def pick_k(model, ids, max_new, sampling_kw, make_spec, candidates=K_AUTO_CANDIDATES, log=sys.stderr):
-    """Measure decode time for plain decoding and each k on this prompt and machine; return the fastest
-    (None = plain). Each candidate runs twice (the first run compiles); the second is timed."""
-    from .generate import generate
+    """Measure decode time for plain decoding and each k on these prompts (one prompt, or a batch: speculation
+    that wins at batch 1 can lose at a larger batch) and this machine; return the fastest (None = plain). Each
+    candidate is compiled ahead of time, then run once, timed: decode seconds per token decoded (every row's
+    tokens after its first, which prefill chose)."""
+    from .generate import generate, precompile
 
     timings = {}
     for k in (None, *candidates):
         spec = None if k is None else make_spec(k)
-        for _ in range(2):  # streaming on, as in the real run, so its compiled program is the one timed
-            r = generate(model, ids, max_new, spec=spec, stream=_discard, **sampling_kw)
-        timings[k] = r.stats.decode_s / max(int(r.lengths[0]) - 1, 1)
+        precompile(model, ids, max_new, spec=spec, **sampling_kw)
+        r = generate(model, ids, max_new, spec=spec, stream=_discard, **sampling_kw)
+        timings[k] = r.stats.decode_s / max(int(r.lengths.sum()) - len(r.lengths), 1)
     best = min(timings, key=timings.get)
     row = "  ".join(f"{'plain' if k is None else f'k={k}'}: {1e3 * t:.2f}" for k, t in timings.items())
     print(f"[auto k] TPOT ms  {row}  -> {'plain' if best is None else f'k={best}'}", file=log)
@@ -169,7 +172,7 @@ def cmd_generate(args) -> int:
     import jax
 
     from . import load
-    from .generate import generate
+    from .generate import generate, precompile
     from .sharding import parse_mesh
     from .speculative import SpecConfig
 
@@ -204,9 +207,9 @@ def cmd_generate(args) -> int:
         spec = None if k is None else make_spec(k)
     warm = 0.0
     if not args.no_warmup and k_was_not_timed(args):
-        t = time.perf_counter()  # compile (and run once) the exact program of the real run, output discarded
-        generate(model, ids, args.max_new_tokens, spec=spec, stream=_discard, **sampling_kw)
-        warm = time.perf_counter() - t
+        # compile ahead of time every program the real run needs, running nothing (read back from the persistent
+        # compilation cache when an earlier process compiled them)
+        warm = precompile(model, ids, args.max_new_tokens, spec=spec, **sampling_kw)
     stdout.write(args.prompt)
     out = TextStream(tok, stdout)
     t0 = time.perf_counter()
@@ -217,7 +220,7 @@ def cmd_generate(args) -> int:
     line = (f"[{path.name}] {s.new_tokens} new tokens in {wall:.2f}s: {s.new_tokens / wall:.1f} tok/s end to end, "
             f"decode {s.decode_tokens_per_s:.1f} tok/s, TPOT {1e3 * s.tpot_s:.2f} ms")
     if warm:
-        line += f" (compile + warm-up {warm:.1f}s not counted)"
+        line += f" (compile {warm:.1f}s not counted)"
     if mesh is not None:
         line += (f", mesh data={mesh.shape['data']} model={mesh.shape['model']}"
                  + (f" over {jax.process_count()} processes" if jax.process_count() > 1 else ""))
@@ -351,7 +354,11 @@ def build_parser():
                    "process, process 0 prints")
     g.add_argument("--stats-to-stderr", action="store_true", help="print the stats line on stderr")
     g.add_argument("--no-warmup", action="store_true", help="time the first call too (it includes compiling); "
-                   "by default a discarded run compiles first, so tok/s is the steady-state speed")
+                   "by default every program is compiled ahead of time, running nothing, so tok/s is the "
+                   "steady-state speed")
+    g.add_argument("--compile-cache", default=None, metavar="DIR|off", help="jax's persistent compilation cache "
+                   f"folder, so a second run compiles nothing (default: ${compile_cache.ENV}, else "
+                   "~/.cache/qwen_mtp/jax; 'off' disables it)")
     g.set_defaults(func=cmd_generate)
 
     a = sub.add_parser("analyze-window", help="Wind-MTP: dose-response over draft windows, alpha_j with Wilson "
@@ -367,6 +374,7 @@ def build_parser():
     a.add_argument("--prompt-file", default=None, help="text to cut prompts from (default: the held-out stdlib "
                    "files the shipped model never saw)")
     a.add_argument("--plot", default=None, help="save a PNG of AL/TPOT and alpha_j per window here")
+    a.add_argument("--compile-cache", default=None, metavar="DIR|off", help="as for generate")
     a.set_defaults(func=cmd_analyze_window)
 
     c = sub.add_parser("convert", help="quantize a checkpoint (Hugging Face, or one convert wrote) into an orbax "
@@ -394,6 +402,8 @@ def main(argv=None) -> int:
     if args.command == "generate" and args.sinks and args.window is None:
         ap.error("--sinks needs --window")
     try:
+        if args.command in ("generate", "analyze-window"):  # on by default: the second run compiles nothing
+            compile_cache.enable_compile_cache(args.compile_cache)
         return args.func(args)
     except QwenMTPError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,11 +27,11 @@ from .config import ModelConfig
 from .errors import ArgumentError
 from .model import forward, lm_logits
 from .mtp import init_mtp_cache, mtp_forward, require_mtp
+from .ops import DECODE_COMPILER_OPTIONS, FEW_ROWS
 from .sampling import Sampling, choose
-from .speculative import SpecConfig, spec_decode
+from .speculative import SpecConfig, spec_decode, spec_decode_few_rows, spec_start
 from .state import init_state, kv_bytes, resolve_kv_dtype
 from .stats import GenerateStats
-from .stream import emit, streaming_to
 
 DEFAULT_PREFILL_CHUNK = 256
 
@@ -145,28 +147,23 @@ def _global(x, s):
     return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
 
 
+def _rows_sharding(model, x):
+    mesh = _mesh(model)
+    return None if mesh is None else sharding.rows_sharding(mesh, x.shape[0], x.ndim)
+
+
 def _put_rows(model, x):
     """A per-row host array [B, ...] as a device array (split over data on a mesh)."""
-    mesh = _mesh(model)
-    if mesh is None:
-        return jnp.asarray(x)
+    if _mesh(model) is None:
+        return jax.device_put(np.asarray(x))  # (jnp.asarray would compile a small program per shape)
     x = np.asarray(x)
-    return _global(x, sharding.rows_sharding(mesh, x.shape[0], x.ndim))
+    return _global(x, _rows_sharding(model, x))
 
 
 def _put(model, x):
     """A host value every row shares (replicated on a mesh)."""
     mesh = _mesh(model)
-    return jnp.asarray(x) if mesh is None else _global(x, sharding.replicated(mesh))
-
-
-def _new_state(model, fn, batch):
-    """fn() -> a zero state (tuple of layer states or one KVCache), created in its shardings on a mesh."""
-    mesh = _mesh(model)
-    if mesh is None:
-        return fn()
-    out = sharding.state_shardings(jax.eval_shape(fn), model.config, mesh, batch)
-    return jax.jit(fn, out_shardings=out)()
+    return jax.device_put(np.asarray(x)) if mesh is None else _global(x, sharding.replicated(mesh))
 
 
 def _host(x):
@@ -179,10 +176,90 @@ def _host(x):
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+@functools.lru_cache(maxsize=128)
+def _state_program(cfg, batch, length, dtype, kv_dtype, head: bool, window, sinks, k, mesh):
+    """A jitted program making a zero state: the trunk's (head=False) or the MTP head's cache, created in its
+    shardings on a mesh. One program per shape, so a later call compiles nothing."""
+    if head:
+        fn = partial(init_mtp_cache, cfg, batch, length, kv_dtype, window=window, sinks=sinks, k=k)
+    else:
+        fn = partial(init_state, cfg, batch, length, dtype, kv_dtype)
+    out = None if mesh is None else sharding.state_shardings(jax.eval_shape(fn), cfg, mesh, batch)
+    return jax.jit(fn, out_shardings=out)
+
+
+class _Runner:
+    """How the drivers below run their programs: this one runs them. Every device computation of prefill,
+    mtp_prefill and the decode loops goes through `call` (a jitted program) and every read back through `host`,
+    so _Compiler can compile exactly what a call would run without running it."""
+    compile_only = False
+
+    def __init__(self, model):
+        self.model = model
+
+    def call(self, fn, *args, **static):
+        return fn(*args, **static)
+
+    def host(self, x):
+        return _host(x)
+
+    def rows(self, x):
+        return _put_rows(self.model, x)
+
+    def shared(self, x):
+        return _put(self.model, x)
+
+
+class _Compiler(_Runner):
+    """Compiles each program a call would run (jitted.lower(...).compile(), once per signature), without
+    running anything: values are ShapeDtypeStructs with the shardings the run gives them, host reads are zeros.
+    jax keeps the executables, so the real call that follows compiles nothing."""
+    compile_only = True
+
+    def __init__(self, model):
+        super().__init__(model)
+        self._done = {}
+
+    def _abstract(self, x, sharding_=None):
+        mesh = _mesh(self.model)
+        s = (sharding_ or getattr(x, "sharding", None)) if mesh is not None else None
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+    def call(self, fn, *args, **static):
+        sig = jax.tree.map(lambda a: (a.shape, str(a.dtype), str(getattr(a, "sharding", None)))
+                           if hasattr(a, "shape") else repr(a), args)
+        key = (fn, repr(sig), tuple(sorted((k, repr(v)) for k, v in static.items())))
+        if key not in self._done:
+            self._done[key] = fn.lower(*args, **static).compile().out_info
+        return jax.tree.map(self._abstract, self._done[key])
+
+    def host(self, x):
+        return np.zeros(x.shape, x.dtype)
+
+    def rows(self, x):
+        x = np.asarray(x)
+        return self._abstract(x, _rows_sharding(self.model, x))
+
+    def shared(self, x):
+        x = np.asarray(x)
+        mesh = _mesh(self.model)
+        return self._abstract(x, None if mesh is None else sharding.replicated(mesh))
+
+
 # ----------------------------------------------------------------------------------------------- jitted steps
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
 def _prefill_chunk(weights, cfg, tokens, state, pos, n_valid):
     return forward(weights, cfg, tokens, state, pos, n_valid, gdn_mode="chunk")
+
+
+@partial(jax.jit, donate_argnames=("last",))
+def _keep_last(hidden, last, lens, start):
+    """last [B, H]: each row's hidden at position lens-1, taken from the chunk hidden [B, C, H] at `start` when
+    that position lies in it."""
+    C = hidden.shape[1]
+    idx = jnp.clip(lens - 1 - start, 0, C - 1)
+    here = (lens - 1 >= start) & (lens - 1 < start + C)
+    return jnp.where(here[:, None], hidden[jnp.arange(hidden.shape[0]), idx], last)
 
 
 @partial(jax.jit, static_argnames=("cfg", "window", "sinks"), donate_argnames=("cache",))
@@ -191,42 +268,84 @@ def _mtp_chunk(weights, cfg, tokens, hidden, cache, slot, window=None, sinks=0):
     return out, cache
 
 
-@partial(jax.jit, static_argnames=("cfg", "cap", "keep_logits", "sampling", "streaming"))
-def _plain_decode(weights, cfg, state, first, first_logits, pos, eos, pad_id, key, max_new, cap, keep_logits,
-                  sampling, streaming=False):
-    """first [B]: the token chosen from prefill's logits, at positions pos [B]. Emits up to max_new (traced,
-    <= the static buffer size cap) tokens per row; with keep_logits also returns the logits each token was
-    chosen from [B, cap, V]. streaming: hand each step's tokens to the host (stream.emit) as they are made."""
+@partial(jax.jit, static_argnames=("length",))
+def _pad_time(x, length):
+    """x [B, T, ...] -> [B, length, ...] with zero rows past T."""
+    return jnp.pad(x, [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
+@partial(jax.jit, static_argnames=("size",))
+def _time_slice(x, start, size):
+    """x [B, T, ...] -> x[:, start:start+size] (start + size <= T)."""
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+
+
+@partial(jax.jit, static_argnames=("length",))
+def _concat_time(parts, length):
+    return jnp.concatenate(parts, axis=1)[:, :length]
+
+
+@partial(jax.jit, static_argnames=("sampling",))
+def _first_token(weights, last, key, sampling):
+    """The logits [B, V] after the prompt and the token chosen from them."""
+    logits = lm_logits(weights, last)
+    return logits, choose(key, logits, sampling)
+
+
+class PlainCarry(NamedTuple):
+    """The plain loop's progress between calls of _plain_decode (everything but the trunk's state)."""
+    tok: jax.Array  # [B] last chosen token, not yet run through the trunk
+    pos: jax.Array  # [B] its position
+    out: jax.Array  # [B, cap] chosen tokens (pad_id after a row's EOS)
+    logits: jax.Array  # [B, cap or 1, V] the logits each token was chosen from (keep_logits)
+    n_out: jax.Array  # [B]
+    done: jax.Array  # [B]
+    key: jax.Array
+    i: jax.Array  # () tokens per row so far (the next column of out)
+
+
+@partial(jax.jit, static_argnames=("cap", "keep_logits"))
+def _plain_start(first, first_logits, pos, key, eos, pad_id, cap, keep_logits) -> PlainCarry:
     B, V = first_logits.shape
-    is_eos = lambda t: jnp.any(t[:, None] == eos[None, :], axis=-1)
     out = jnp.full((B, cap), pad_id, jnp.int32).at[:, 0].set(first)
-    logits_buf = jnp.zeros((B, cap if keep_logits else 1, V), jnp.float32).at[:, 0].set(first_logits)
-    carry = (state, first, pos, out, logits_buf, jnp.ones((B,), jnp.int32), is_eos(first), key, jnp.int32(1))
+    logits = jnp.zeros((B, cap if keep_logits else 1, V), jnp.float32).at[:, 0].set(first_logits)
+    done = jnp.any(first[:, None] == eos[None, :], axis=-1)
+    return PlainCarry(first, pos, out, logits, jnp.ones((B,), jnp.int32), done, key, jnp.int32(1))
+
+
+@partial(jax.jit, static_argnames=("cfg", "keep_logits", "sampling"), donate_argnames=("state", "carry"))
+def _plain_decode(weights, cfg, state, carry: PlainCarry, eos, pad_id, max_new, until, keep_logits, sampling):
+    """Plain decode steps until every row is done, max_new (traced, <= the buffer size cap) tokens per row, or
+    `until` tokens per row in all (a streaming caller calls again with a larger one). Returns (state, carry)."""
+    B = carry.tok.shape[0]
+    is_eos = lambda t: jnp.any(t[:, None] == eos[None, :], axis=-1)
 
     def cond(c):
-        return (c[-1] < max_new) & ~jnp.all(c[6])
+        i = c[1].i
+        return (i < max_new) & (i < until) & ~jnp.all(c[1].done)
 
     def body(c):
-        state, tok, pos, out, logits_buf, n_out, done, key, i = c
+        state, (tok, pos, out, logits_buf, n_out, done, key, i) = c
         hidden, state = forward(weights, cfg, tok[:, None], state, pos, jnp.ones((B,), jnp.int32), gdn_mode="step")
         logits = lm_logits(weights, hidden[:, 0])
         key, sub = jax.random.split(key)
         nxt = choose(sub, logits, sampling)
         out = out.at[:, i].set(jnp.where(done, pad_id, nxt))
-        if streaming:
-            emit(nxt[:, None], (~done).astype(jnp.int32))
         if keep_logits:
             logits_buf = logits_buf.at[:, i].set(logits)
         n_out = n_out + (~done).astype(jnp.int32)
-        return state, nxt, pos + 1, out, logits_buf, n_out, done | is_eos(nxt), key, i + 1
+        return state, PlainCarry(nxt, pos + 1, out, logits_buf, n_out, done | is_eos(nxt), key, i + 1)
 
-    c = jax.lax.while_loop(cond, body, carry)
-    return c[3], c[5], c[4]
+    return jax.lax.while_loop(cond, body, (state, carry))
+
+
+# the same program compiled for few rows (ops.FEW_ROWS): generate picks it at a small batch
+_plain_decode_few_rows = jax.jit(_plain_decode.__wrapped__, static_argnames=("cfg", "keep_logits", "sampling"),
+                                 donate_argnames=("state", "carry"), compiler_options=DECODE_COMPILER_OPTIONS)
 
 
 _logits = jax.jit(lm_logits)
 _take_rows = jax.jit(lambda x, idx: x[jnp.arange(x.shape[0]), idx])  # x [B, T, ...], idx [B] -> x[b, idx[b]]
-_choose = jax.jit(choose, static_argnames=("s",))
 
 
 # ----------------------------------------------------------------------------------------------- drivers
@@ -235,11 +354,12 @@ def _chunk_size(T, prefill_chunk):
 
 
 def prefill(model, rows, cache_len: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, keep_hidden=False,
-            kv_dtype=None):
+            kv_dtype=None, runner=None):
     """Chunked prefill of right-padded rows. Returns (state, last post-norm hidden [B, H], per-position hidden
     [B, T, H] or None). Feeding a prompt in pieces equals one pass (the GDN state carries over exactly).
     kv_dtype: the attention caches' dtype (None: the compute dtype; validated by the public callers)."""
     cfg, weights = model.config, model.weights
+    ex = runner or _Runner(model)
     lens = np.array([len(r) for r in rows], np.int32)
     B, T = len(rows), int(lens.max())
     C = _chunk_size(T, prefill_chunk)
@@ -249,48 +369,50 @@ def prefill(model, rows, cache_len: int, prefill_chunk: int = DEFAULT_PREFILL_CH
     tokens = np.zeros((B, n_chunks * C), np.int32)
     for b, r in enumerate(rows):
         tokens[b, :len(r)] = r
-    state = _new_state(model, lambda: init_state(cfg, B, cache_len, weights.embed.dtype, kv_dtype), B)
-    last = None
+    dtype = weights.embed.dtype
+    state = ex.call(_state_program(cfg, B, cache_len, dtype, kv_dtype, False, None, 0, 0, _mesh(model)))
+    last = ex.rows(np.zeros((B, cfg.hidden_size), dtype))
+    lens_dev = ex.rows(lens)
     hiddens = []
     for c in range(n_chunks):
         n_valid = np.clip(lens - c * C, 0, C).astype(np.int32)
-        hidden, state = _prefill_chunk(weights, cfg, _put_rows(model, tokens[:, c * C:(c + 1) * C]), state,
-                                       _put_rows(model, np.full((B,), c * C, np.int32)), _put_rows(model, n_valid))
-        idx = np.clip(lens - 1 - c * C, 0, C - 1)
-        here = _put_rows(model, (lens - 1 >= c * C) & (lens - 1 < (c + 1) * C))
-        h_last = _take_rows(hidden, _put_rows(model, idx))
-        last = h_last if last is None else jnp.where(here[:, None], h_last, last)
+        start = ex.rows(np.full((B,), c * C, np.int32))
+        hidden, state = ex.call(_prefill_chunk, weights, cfg, ex.rows(tokens[:, c * C:(c + 1) * C]), state, start,
+                                ex.rows(n_valid))
+        last = ex.call(_keep_last, hidden, last, lens_dev, start)
         if keep_hidden:
             hiddens.append(hidden)
-    all_hidden = jnp.concatenate(hiddens, axis=1) if keep_hidden else None
+    all_hidden = ex.call(_concat_time, hiddens, length=n_chunks * C) if keep_hidden else None
     return state, last, all_hidden
 
 
 def mtp_prefill(model, tokens, hidden, cache_len: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                spec: SpecConfig | None = None, kv_dtype=None):
+                spec: SpecConfig | None = None, kv_dtype=None, runner=None):
     """Fill the MTP head's KV from the trunk: row t gets (tokens[:, t], hidden[:, t]).
-    tokens [B, T] (the token AFTER each hidden's position), hidden [B, T, H]. Returns (out [B, T, H], cache).
+    tokens [B, T] (the token AFTER each hidden's position), hidden [B, >= T, H]. Returns (out [B, T, H], cache).
     With spec.window set, the head attends Wind-MTP style and the cache is its ring (draft_ring.py).
     kv_dtype: the head cache's dtype (None: the compute dtype)."""
     cfg, weights = model.config, model.weights
+    ex = runner or _Runner(model)
     B, T = tokens.shape
     C = _chunk_size(T, prefill_chunk)
     n_chunks = -(-T // C)
-    pad = n_chunks * C - T
-    tokens = _put_rows(model, np.pad(np.asarray(tokens, np.int32), ((0, 0), (0, pad))))
-    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    tokens = np.pad(np.asarray(tokens, np.int32), ((0, 0), (0, n_chunks * C - T)))
     window = spec.window if spec is not None else None
     sinks = spec.sinks if spec is not None else 0
     cache_dtype = weights.embed.dtype if kv_dtype is None else kv_dtype
-    cache = _new_state(model, lambda: init_mtp_cache(cfg, B, max(cache_len, n_chunks * C), cache_dtype,
-                                                     window=window, sinks=sinks, k=spec.k if spec is not None else 0), B)
+    cache = ex.call(_state_program(cfg, B, max(cache_len, n_chunks * C), None, cache_dtype, True, window, sinks,
+                                   spec.k if spec is not None else 0, _mesh(model)))
+    if hidden.shape[1] < n_chunks * C:
+        hidden = ex.call(_pad_time, hidden, length=n_chunks * C)
     outs = []
     for c in range(n_chunks):
-        sl = slice(c * C, (c + 1) * C)
-        out, cache = _mtp_chunk(weights, cfg, tokens[:, sl], hidden[:, sl], cache,
-                                _put_rows(model, np.full((B,), c * C, np.int32)), window, sinks)
+        start = ex.rows(np.full((B,), c * C, np.int32))
+        out, cache = ex.call(_mtp_chunk, weights, cfg, ex.rows(tokens[:, c * C:(c + 1) * C]),
+                             ex.call(_time_slice, hidden, ex.shared(np.int32(c * C)), size=C), cache, start,
+                             window, sinks)
         outs.append(out)
-    return jnp.concatenate(outs, axis=1)[:, :T], cache
+    return ex.call(_concat_time, outs, length=T), cache
 
 
 def _check_chunk(prefill_chunk):
@@ -337,28 +459,26 @@ def mtp_logits(model, ids, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, window
         return _host(_logits(model.weights, out))[0]
 
 
-def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None = None, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id=None,
-             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, return_logits: bool = False, stream=None,
-             kv_dtype=None) -> GenerateResult:
-    """Generate up to max_new_tokens per row.
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """A validated generate call: what the drivers need."""
+    rows: list
+    lens: np.ndarray
+    max_new: int
+    cap: int
+    cache_len: int
+    prefill_chunk: int
+    spec: SpecConfig | None
+    sampling: Sampling
+    kv_dtype: object
+    eos: tuple
+    pad_id: int
+    seed: int
+    return_logits: bool
 
-    prompt_ids: 1-D ids (B = 1), or a batch (a list of 1-D sequences of any lengths, or a 2-D array).
-    spec: None for plain decoding, or SpecConfig(k=...) to draft k tokens per round with the checkpoint's MTP
-    head and verify them in one trunk forward (lossless: greedy output is plain greedy output; sampled output
-    has plain sampling's distribution). temperature 0 is greedy; otherwise top_k / top_p / seed apply.
-    A row stops at an id of eos_token_id (default: the config's; [] disables) or after max_new_tokens.
-    return_logits (plain decoding only) also returns the logits each token was chosen from.
-    stream: a callable given, as tokens are committed, a list with each row's new ids (a numpy array, possibly
-    empty); the first call carries the token chosen from prefill. Results are the same with or without it.
-    kv_dtype: the dtype of every attention KV cache, the trunk's and the MTP head's (native or the Wind-MTP
-    ring): None (the compute dtype), "float8_e4m3fn" (half of bf16; values saturated to +-448, no scale, read
-    back upcast to the compute dtype), or a compute dtype name ("bfloat16", "float32"). Every row attention
-    reads, a step's own new rows included, is its stored rounded value, so with spec greedy output is still
-    exactly plain greedy output under the same kv_dtype (and sampled output keeps its distribution); against a
-    compute-dtype cache, fp8 perturbs the logits slightly (tests/test_kv_fp8.py states the bound).
-    Programs are compiled per power-of-two bucket of max_new_tokens, so nearby lengths reuse one compile.
-    """
+
+def _request(model, prompt_ids, max_new_tokens, spec, temperature, top_k, top_p, seed, eos_token_id,
+             prefill_chunk, return_logits, kv_dtype) -> _Request:
     cfg = model.config
     max_new = _check_positive_int("max_new_tokens", max_new_tokens)
     prefill_chunk = _check_chunk(prefill_chunk)
@@ -373,81 +493,142 @@ def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None 
         if return_logits:
             raise ArgumentError("return_logits", "False with spec (drafts and verify have no per-token logits)",
                                 "True")
-    if stream is not None and not callable(stream):
-        raise ArgumentError("stream", "None or a callable taking a list of per-row id arrays", repr(stream))
     rows = _as_rows(prompt_ids)
     _check_ids(rows, cfg, max_new)
     eos = _eos_ids(cfg, eos_token_id)
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
     lens = np.array([len(r) for r in rows], np.int32)
-    B, T = len(rows), int(lens.max())
+    T = int(lens.max())
     k = spec.k if spec is not None else 0
     cap = _pow2_at_least(max(max_new, 16))
     cache_len = _round_up(max(_round_up(T, _chunk_size(T, prefill_chunk)), T + cap + k + 1), 128)
-    key, first_key = jax.random.split(jax.random.PRNGKey(seed))
+    return _Request(rows, lens, max_new, cap, cache_len, prefill_chunk, spec, sampling, kv_dtype, eos, int(pad_id),
+                    int(seed), bool(return_logits))
 
+
+def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None = None, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id=None,
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, return_logits: bool = False, stream=None,
+             kv_dtype=None) -> GenerateResult:
+    """Generate up to max_new_tokens per row.
+
+    prompt_ids: 1-D ids (B = 1), or a batch (a list of 1-D sequences of any lengths, or a 2-D array).
+    spec: None for plain decoding, or SpecConfig(k=...) to draft k tokens per round with the checkpoint's MTP
+    head and verify them in one trunk forward (lossless: greedy output is plain greedy output; sampled output
+    has plain sampling's distribution). temperature 0 is greedy; otherwise top_k / top_p / seed apply.
+    A row stops at an id of eos_token_id (default: the config's; [] disables) or after max_new_tokens.
+    return_logits (plain decoding only) also returns the logits each token was chosen from.
+    stream: a callable given, as tokens are committed, a list with each row's new ids (a numpy array, possibly
+    empty); the first call carries the token chosen from prefill. Results are the same with or without it: the
+    decode loop runs in segments (1, 2, 4, ... steps or rounds, at most STREAM_SEGMENT) and the new ids are
+    handed over between them; without stream it runs in one call. Either way the program is the same, with no
+    host callback in it, so it can be kept in jax's persistent compilation cache (compile_cache.py).
+    kv_dtype: the dtype of every attention KV cache, the trunk's and the MTP head's (native or the Wind-MTP
+    ring): None (the compute dtype), "float8_e4m3fn" (half of bf16; values saturated to +-448, no scale, read
+    back upcast to the compute dtype), or a compute dtype name ("bfloat16", "float32"). Every row attention
+    reads, a step's own new rows included, is its stored rounded value, so with spec greedy output is still
+    exactly plain greedy output under the same kv_dtype (and sampled output keeps its distribution); against a
+    compute-dtype cache, fp8 perturbs the logits slightly (tests/test_kv_fp8.py states the bound).
+    Programs are compiled per power-of-two bucket of max_new_tokens, so nearby lengths reuse one compile;
+    `precompile` compiles them ahead of time without running anything.
+    """
+    req = _request(model, prompt_ids, max_new_tokens, spec, temperature, top_k, top_p, seed, eos_token_id,
+                   prefill_chunk, return_logits, kv_dtype)
+    if stream is not None and not callable(stream):
+        raise ArgumentError("stream", "None or a callable taking a list of per-row id arrays", repr(stream))
     with _under_mesh(model):
-        out, n_out, logits, hist, hits, t0, t1 = _run(model, rows, lens, cache_len, prefill_chunk, spec, kv_dtype,
-                                                       sampling, first_key, key, eos, pad_id, max_new, cap,
-                                                       return_logits, stream)
+        out, n_out, logits, hist, hits, t0, t1 = _run(_Runner(model), model, req, stream)
     t2 = time.perf_counter()
     n = int(n_out.max())
-    stats = GenerateStats(batch=B, prompt_tokens=int(lens.sum()), new_tokens=int(n_out.sum()),
-                          prefill_s=t1 - t0, decode_s=t2 - t1, k=k,
+    lens = req.lens
+    stats = GenerateStats(batch=len(lens), prompt_tokens=int(lens.sum()), new_tokens=int(n_out.sum()),
+                          prefill_s=t1 - t0, decode_s=t2 - t1, k=spec.k if spec is not None else 0,
                           rounds=int(hist.sum()) if hist is not None else 0, accept_hist=hist, position_hits=hits)
-    return GenerateResult(tokens=out[:, :n], lengths=n_out, pad_id=int(pad_id), stats=stats,
+    return GenerateResult(tokens=out[:, :n], lengths=n_out, pad_id=req.pad_id, stats=stats,
                           logits=logits[:, :n] if return_logits else None)
 
 
-def _run(model, rows, lens, cache_len, prefill_chunk, spec, kv_dtype, sampling, first_key, key, eos, pad_id,
-         max_new, cap, return_logits, stream):
-    """generate's device part: prefill, the first token, the head's prefill, the decode loop. Host results."""
-    cfg, B = model.config, len(rows)
-    first_key, key = _put(model, first_key), _put(model, key)
+def precompile(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None = None, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id=None,
+               prefill_chunk: int = DEFAULT_PREFILL_CHUNK, return_logits: bool = False, kv_dtype=None) -> float:
+    """Compile ahead of time (jitted.lower(...).compile()) every program `generate` would run with these
+    arguments, running nothing; the generate call that follows compiles nothing (streamed or not). What decides
+    the programs: the batch size, the longest prompt's length, the power-of-two bucket of max_new_tokens, spec,
+    how many EOS ids there are, the sampling flags, kv_dtype, prefill_chunk and return_logits. Returns the seconds
+    it took (with jax's persistent compilation cache on, compile_cache.py, a second process reads them back)."""
+    req = _request(model, prompt_ids, max_new_tokens, spec, temperature, top_k, top_p, seed, eos_token_id,
+                   prefill_chunk, return_logits, kv_dtype)
+    t = time.perf_counter()
+    with _under_mesh(model):
+        _run(_Compiler(model), model, req, None)
+    return time.perf_counter() - t
+
+
+STREAM_SEGMENT = 16  # the most decode steps (plain) or rounds (speculative) between two stream calls
+_ALL = np.int32(2 ** 30)  # `until` of a call that runs the loop to its end
+
+
+def _run(ex, model, req: _Request, stream):
+    """generate's device part: prefill, the first token, the head's prefill, the decode loop (in segments when
+    streaming). Host results; with a _Compiler, only compiles (returns None)."""
+    cfg, weights, rows, lens, spec = model.config, model.weights, req.rows, req.lens, req.spec
+    B = len(rows)
+    key, first_key = jax.random.split(jax.random.PRNGKey(req.seed))
+    first_key, key = ex.shared(np.asarray(first_key)), ex.shared(np.asarray(key))
     t0 = time.perf_counter()
-    state, last, hidden = prefill(model, rows, cache_len, prefill_chunk, keep_hidden=spec is not None,
-                                  kv_dtype=kv_dtype)
-    first_logits = _logits(model.weights, last)
-    first = _choose(first_key, first_logits, sampling)
-    first_host = _host(first)
+    state, last, hidden = prefill(model, rows, req.cache_len, req.prefill_chunk, keep_hidden=spec is not None,
+                                  kv_dtype=req.kv_dtype, runner=ex)
+    first_logits, first = ex.call(_first_token, weights, last, first_key, sampling=req.sampling)
+    first_host = ex.host(first)
     if spec is not None:
         # the head's KV for every prompt row, and the bridge draft's input: row L-1 = (first token, h_{L-1})
         nxt = np.zeros((B, hidden.shape[1]), np.int32)
         for b, r in enumerate(rows):
             nxt[b, :len(r) - 1] = r[1:]
         nxt[np.arange(B), lens - 1] = first_host
-        mtp_out, mcache = mtp_prefill(model, nxt, hidden, cache_len, prefill_chunk, spec, kv_dtype)
-        bridge = _take_rows(mtp_out, _put_rows(model, lens - 1))
+        mtp_out, mcache = mtp_prefill(model, nxt, hidden, req.cache_len, req.prefill_chunk, spec, req.kv_dtype,
+                                      runner=ex)
+        bridge = ex.call(_take_rows, mtp_out, ex.rows(lens - 1))
     t1 = time.perf_counter()
-    # per row, the ids stream has been handed on THIS process. The loops' callback (stream.emit) runs on the
-    # process that owns the program's first device only; on the others of a multi-process job, what it never
-    # delivered is handed over at the end, from the gathered result, so every process sees the same ids.
-    delivered = np.zeros(B, np.int64)
-
-    def counted(rows):
-        delivered[:] += [len(r) for r in rows]
-        stream(rows)
-
+    delivered = np.ones(B, np.int64)  # per row, the ids handed to stream so far
     if stream is not None:
-        counted([first_host[b:b + 1] for b in range(B)])
-    hist = hits = logits = None
-    scalars = [_put(model, np.asarray(v, np.int32)) for v in (np.asarray(eos, np.int32).reshape(-1), pad_id, max_new)]
-    with streaming_to(counted if stream is not None else None):
+        stream([first_host[b:b + 1] for b in range(B)])
+    eos = ex.shared(np.asarray(req.eos, np.int32).reshape(-1))
+    pad_id, max_new = ex.shared(np.int32(req.pad_id)), ex.shared(np.int32(req.max_new))
+    pos = ex.rows(lens)
+    if spec is None:
+        carry = ex.call(_plain_start, first, first_logits, pos, key, eos, pad_id, cap=req.cap,
+                        keep_logits=req.return_logits)
+    else:
+        carry = ex.call(spec_start, first, bridge, pos, key, eos, pad_id, max_new, cap=req.cap, spec=spec)
+    few = B * (1 if spec is None else spec.k + 1) <= FEW_ROWS
+    plain_loop, spec_loop = (_plain_decode_few_rows, spec_decode_few_rows) if few else (_plain_decode, spec_decode)
+    until, segment = (1, 1) if stream is not None else (int(_ALL), 0)
+    while True:
+        until = min(until + segment, int(_ALL))
         if spec is None:
-            out, n_out, logits = _plain_decode(model.weights, cfg, state, first, first_logits,
-                                               _put_rows(model, lens), *scalars[:2], key, scalars[2], cap,
-                                               bool(return_logits), sampling, stream is not None)
-            logits = _host(logits) if return_logits else None
+            state, carry = ex.call(plain_loop, weights, cfg, state, carry, eos, pad_id, max_new,
+                                   ex.shared(np.int32(until)), keep_logits=req.return_logits, sampling=req.sampling)
         else:
-            out, n_out, hist, hits = spec_decode(model.weights, cfg, state, mcache, first, bridge,
-                                                 _put_rows(model, lens), *scalars[:2], key, scalars[2], cap, spec,
-                                                 sampling, stream is not None)
-            hist, hits = _host(hist), _host(hits)
-        out, n_out = _host(out), _host(n_out)
-    if stream is not None:
-        rest = [out[b, min(delivered[b], n_out[b]):n_out[b]] for b in range(B)]
-        if any(len(r) for r in rest):
-            counted(rest)
+            state, mcache, carry = ex.call(spec_loop, weights, cfg, state, mcache, carry, eos, max_new,
+                                           ex.shared(np.int32(until)), spec=spec, sampling=req.sampling)
+        if ex.compile_only:
+            return None
+        if stream is None:
+            break
+        out, n_out, done = ex.host(carry.out), ex.host(carry.n_out), ex.host(carry.done)
+        new = [out[b, delivered[b]:n_out[b]] for b in range(B)]
+        if any(len(r) for r in new):
+            stream(new)
+        delivered[:] = n_out
+        if done.all() or (spec is None and int(ex.host(carry.i)) >= req.max_new):
+            break
+        segment = min(2 * segment, STREAM_SEGMENT)
+    out, n_out = ex.host(carry.out)[:, :req.cap], ex.host(carry.n_out)
+    logits = ex.host(carry.logits) if spec is None and req.return_logits else None
+    hist = hits = None
+    if spec is not None:
+        hist, hits = ex.host(carry.hist), ex.host(carry.hits)
     return out, n_out, logits, hist, hits, t0, t1
 
 

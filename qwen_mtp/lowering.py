@@ -12,8 +12,7 @@ XLA takes over, and shows which Pallas kernels it contains.
 
 Args may be jax.ShapeDtypeStruct, so real model shapes (qwen_mtp.real_shapes, weights.weight_shapes) lower
 without allocating anything. Export is used here as a lowering check, not to serialize: the Triton custom call
-and the host callback of streaming carry no cross-version compatibility guarantee, so those safety checks are
-disabled. One platform at a time: lowered for ("cpu", "cuda") together, jax lowers every branch of
+carries no cross-version compatibility guarantee, so that safety check is disabled. One platform at a time: lowered for ("cpu", "cuda") together, jax lowers every branch of
 platform_dependent for every platform, and the Pallas kernel refuses the cpu lowering.
 
 Sharded export (`mesh=`): the abstract weights, states and per-row inputs carry the NamedShardings of
@@ -38,6 +37,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -82,12 +82,14 @@ def with_shardings(tree, shardings):
     return jax.tree.map(one, tree, shardings, is_leaf=is_q)
 
 
-def spec_decode_args(cfg, dtype, spec, *, batch: int, cache_len: int, weights=None, kv_dtype=None, mesh=None):
-    """The abstract arguments of speculative.spec_decode (weights, trunk state, the head's cache, first, bridge,
-    pos, eos, pad_id, key, max_new), nothing allocated. With `mesh`, each carries the sharding generate gives it
-    on that mesh: weights by the rule table, states and per-row arrays split over data (and heads over model),
-    the rest replicated."""
+def spec_decode_args(cfg, dtype, spec, *, batch: int, cache_len: int, cap: int, weights=None, kv_dtype=None,
+                     mesh=None):
+    """The abstract arguments of speculative.spec_decode (weights, trunk state, the head's cache, the loop's
+    SpecCarry as speculative.spec_start makes it for a buffer of `cap` tokens, eos, max_new, until), nothing
+    allocated. With `mesh`, each carries the sharding generate gives it on that mesh: weights by the rule table,
+    states and per-row arrays split over data (and heads over model), the rest replicated."""
     from . import sharding
+    from .speculative import spec_start
 
     SDS, i32 = jax.ShapeDtypeStruct, jnp.int32
     state = jax.eval_shape(lambda: init_state(cfg, batch, cache_len, dtype, kv_dtype))
@@ -104,25 +106,32 @@ def spec_decode_args(cfg, dtype, spec, *, batch: int, cache_len: int, weights=No
         head = with_shardings(head, sharding.state_shardings(head, cfg, mesh, batch))
         rows = lambda shape, dt: SDS(shape, dt, sharding=sharding.rows_sharding(mesh, batch, len(shape)))
         rep = lambda shape, dt: SDS(shape, dt, sharding=sharding.replicated(mesh))
-    return (weights, state, head, rows((batch,), i32), rows((batch, cfg.hidden_size), dtype), rows((batch,), i32),
-            rep((1,), i32), rep((), i32), rep(key.shape, key.dtype), rep((), i32))
+    eos, scalar = rep((1,), i32), rep((), i32)
+    carry = jax.eval_shape(partial(spec_start, cap=cap, spec=spec), rows((batch,), i32),
+                           rows((batch, cfg.hidden_size), dtype), rows((batch,), i32), rep(key.shape, key.dtype),
+                           eos, scalar, scalar)
+    # per-row fields split over data like the rows they come from; the key, histograms and counter replicated
+    per_row = ("pos", "x", "m1", "out", "n_out", "done")
+    carry = carry._replace(**{f: (rows if f in per_row else rep)(getattr(carry, f).shape, getattr(carry, f).dtype)
+                              for f in carry._fields})
+    return (weights, state, head, carry, eos, scalar, scalar)
 
 
-def export_spec_decode(cfg, dtype, spec, sampling, *, batch: int, cache_len: int, cap: int, streaming=False,
+def export_spec_decode(cfg, dtype, spec, sampling, *, batch: int, cache_len: int, cap: int,
                        platform: str = "cuda", weights=None, kv_dtype=None, mesh=None):
-    """The speculative loop (speculative.spec_decode) exported at abstract shapes: weights, trunk state and
-    the draft head's cache of `cfg` in `dtype`, nothing allocated. `weights`: an abstract Weights pytree to use
-    instead of weight_shapes(cfg, dtype) (e.g. quant.abstract(...) for a quantized model); `kv_dtype`: the KV
-    caches' dtype (generate's kv_dtype; None: dtype). `mesh`: a ('data', 'model') jax.sharding.Mesh (e.g.
-    sharding.make_mesh(2, 4) over 8 virtual CPU devices): the program generate runs on a model sharded over it,
-    its arguments' shardings recorded in the export, the kernels per shard (see the module docstring)."""
+    """The speculative loop (speculative.spec_decode, the program generate runs for each segment of rounds)
+    exported at abstract shapes: weights, trunk state and the draft head's cache of `cfg` in `dtype`, nothing
+    allocated. `weights`: an abstract Weights pytree to use instead of weight_shapes(cfg, dtype) (e.g.
+    quant.abstract(...) for a quantized model); `kv_dtype`: the KV caches' dtype (generate's kv_dtype; None:
+    dtype). `mesh`: a ('data', 'model') jax.sharding.Mesh (e.g. sharding.make_mesh(2, 4) over 8 virtual CPU
+    devices): the program generate runs on a model sharded over it, its arguments' shardings recorded in the
+    export, the kernels per shard (see the module docstring)."""
     from . import sharding
 
-    args = spec_decode_args(cfg, dtype, spec, batch=batch, cache_len=cache_len, weights=weights, kv_dtype=kv_dtype,
-                            mesh=mesh)
+    args = spec_decode_args(cfg, dtype, spec, batch=batch, cache_len=cache_len, cap=cap, weights=weights,
+                            kv_dtype=kv_dtype, mesh=mesh)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(sharding.check_mesh(mesh)):
-        return export_for(spec_decode, args[0], cfg, *args[1:], platform=platform, cap=cap, spec=spec,
-                          sampling=sampling, streaming=streaming)
+        return export_for(spec_decode, args[0], cfg, *args[1:], platform=platform, spec=spec, sampling=sampling)
 
 
 COLLECTIVES = ("stablehlo.all_gather", "stablehlo.all_reduce", "stablehlo.reduce_scatter", "stablehlo.all_to_all",

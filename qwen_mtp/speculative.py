@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from . import draft_vocab
 from .errors import ArgumentError
 from .model import forward, lm_logits
 from .mtp import mtp_forward
+from .ops import DECODE_COMPILER_OPTIONS
 from .rollback import select_states
 from .sampling import Sampling, draw, probs
-from .stream import emit
 
 
 def _is_int(x):
@@ -60,6 +62,8 @@ def _draft(weights, cfg, mcache, m1, pos, spec, sampling, key):
     """Returns drafts D [B, k], their draft distributions Q [B, k, V] (None when greedy), the head cache."""
 
     def pick(m, key):
+        if weights.draft_vocab is not None:  # a reduced draft vocabulary (draft_vocab.py): q zero outside it
+            return draft_vocab.pick(weights.draft_vocab, m, sampling, key, cfg.vocab_size)
         logits = lm_logits(weights, m)
         if sampling.greedy:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
@@ -112,61 +116,93 @@ def _accept(D, Q, logits, sampling, key):
     return n, draw(k_res, residual), passed
 
 
-@partial(jax.jit, static_argnames=("cfg", "cap", "spec", "sampling", "streaming"))
-def spec_decode(weights, cfg, state, mcache, first, bridge, pos, eos, pad_id, key, max_new, cap, spec: SpecConfig,
-                sampling: Sampling, streaming=False):
-    """first [B]: first new token (at positions pos [B]); bridge [B, H]: the head's output for it.
-    max_new (traced) <= cap (static buffer size). streaming: hand each round's committed tokens to the host.
-    Returns (tokens [B, cap], counts [B], accept histogram [k+1], per-position test passes [k])."""
-    B = first.shape[0]
+class SpecCarry(NamedTuple):
+    """The speculative loop's progress between calls of spec_decode (everything but the model's caches)."""
+    pos: jax.Array  # [B] position of x
+    x: jax.Array  # [B] last committed token, not yet run through the trunk
+    m1: jax.Array  # [B, H] the head's bridge output for x
+    out: jax.Array  # [B, cap + k + 1] committed tokens (pad_id after a row's count)
+    n_out: jax.Array  # [B] committed tokens per row
+    done: jax.Array  # [B] row finished (EOS or max_new)
+    key: jax.Array  # PRNG key
+    hist: jax.Array  # [k + 1] accepted-draft histogram H[n] over active rows
+    hits: jax.Array  # [k] per draft position, how often its own test passed
+    rounds: jax.Array  # () rounds run so far
+
+
+@partial(jax.jit, static_argnames=("cap", "spec"))
+def spec_start(first, bridge, pos, key, eos, pad_id, max_new, cap, spec: SpecConfig) -> SpecCarry:
+    """first [B]: the first new token (at positions pos [B]); bridge [B, H]: the head's output for it.
+    max_new (traced) <= cap (static buffer size)."""
+    B, k = first.shape[0], spec.k
+    out = jnp.full((B, cap + k + 1), pad_id, jnp.int32).at[:, 0].set(first)
+    done = jnp.any(first[:, None] == eos, axis=-1) | (max_new <= 1)
+    return SpecCarry(pos, first, bridge, out, jnp.ones((B,), jnp.int32), done, key, jnp.zeros((k + 1,), jnp.int32),
+                     jnp.zeros((k,), jnp.int32), jnp.int32(0))
+
+
+@partial(jax.jit, static_argnames=("cfg", "spec", "sampling"), donate_argnames=("state", "mcache", "carry"))
+def spec_decode(weights, cfg, state, mcache, carry: SpecCarry, eos, max_new, until, spec: SpecConfig,
+                sampling: Sampling):
+    """Speculative rounds until every row is done or `until` rounds have run in all (carry.rounds), in one
+    lax.while_loop. A caller streaming tokens calls it again with a larger `until` after reading carry.out;
+    otherwise one call with until >= cap runs to the end. Returns (state, mcache, carry);
+    carry.out[:, :cap] and carry.n_out are the tokens and counts."""
+    B = carry.x.shape[0]
     k = spec.k
     rows = jnp.arange(B)
     idx = jnp.arange(k + 1)
     is_eos = lambda t: jnp.any(t[..., None] == eos, axis=-1)
-    out = jnp.full((B, cap + k + 1), pad_id, jnp.int32).at[:, 0].set(first)
-    done = is_eos(first) | (max_new <= 1)
-    carry = (state, mcache, pos, first, bridge, out, jnp.ones((B,), jnp.int32), done, key,
-             jnp.zeros((k + 1,), jnp.int32), jnp.zeros((k,), jnp.int32))
 
     def body(c):
-        state, mcache, pos, x, m1, out, n_out, done, key, hist, hits = c
+        state, mcache, cr = c
+        pos, x, m1, out, n_out, done, key, hist, hits, rounds = cr
         key, k_draft, k_acc = jax.random.split(key, 3)
-        D, Q, mcache = _draft(weights, cfg, mcache, m1, pos, spec, sampling, k_draft)
+        with jax.named_scope("draft"):
+            D, Q, mcache = _draft(weights, cfg, mcache, m1, pos, spec, sampling, k_draft)
 
-        tokens = jnp.concatenate([x[:, None], D], axis=1)  # [B, k+1]
-        hidden, state_all = forward(weights, cfg, tokens, state, pos, jnp.full((B,), k + 1, jnp.int32),
-                                    gdn_mode="step_all")
-        n, bonus, passed = _accept(D, Q, lm_logits(weights, hidden), sampling, k_acc)
+        with jax.named_scope("verify"):
+            tokens = jnp.concatenate([x[:, None], D], axis=1)  # [B, k+1]
+            hidden, state_all = forward(weights, cfg, tokens, state, pos, jnp.full((B,), k + 1, jnp.int32),
+                                        gdn_mode="step_all")
+            logits = lm_logits(weights, hidden)
+        with jax.named_scope("accept"):
+            n, bonus, passed = _accept(D, Q, logits, sampling, k_acc)
 
-        # emitted this round: d_1..d_n, bonus; cut at the first EOS and at max_new
-        emitted = jnp.where(idx[None] < n[:, None], jnp.pad(D, ((0, 0), (0, 1))), bonus[:, None])
-        cnt = n + 1
-        eos_at = jnp.where(is_eos(emitted) & (idx[None] < cnt[:, None]), idx[None], k + 1).min(axis=1)
-        hit_eos = eos_at <= k
-        cnt = jnp.minimum(jnp.where(hit_eos, eos_at + 1, cnt), max_new - n_out)
-        cnt = jnp.where(done, 0, cnt)
-        write = jax.vmap(lambda o, e, s, c_: jax.lax.dynamic_update_slice(
-            o, jnp.where(idx < c_, e, jax.lax.dynamic_slice(o, (s,), (k + 1,))), (s,)))
-        out = write(out, emitted, n_out, cnt)
-        if streaming:
-            emit(emitted, cnt)
-
-        active = ~done
-        hist = hist + jnp.zeros((k + 1,), jnp.int32).at[n].add(active.astype(jnp.int32))
-        hits = hits + jnp.sum(passed & active[:, None], axis=0).astype(jnp.int32)
+        with jax.named_scope("commit"):
+            # emitted this round: d_1..d_n, bonus; cut at the first EOS and at max_new
+            emitted = jnp.where(idx[None] < n[:, None], jnp.pad(D, ((0, 0), (0, 1))), bonus[:, None])
+            cnt = n + 1
+            eos_at = jnp.where(is_eos(emitted) & (idx[None] < cnt[:, None]), idx[None], k + 1).min(axis=1)
+            hit_eos = eos_at <= k
+            cnt = jnp.minimum(jnp.where(hit_eos, eos_at + 1, cnt), max_new - n_out)
+            cnt = jnp.where(done, 0, cnt)
+            write = jax.vmap(lambda o, e, s, c_: jax.lax.dynamic_update_slice(
+                o, jnp.where(idx < c_, e, jax.lax.dynamic_slice(o, (s,), (k + 1,))), (s,)))
+            out = write(out, emitted, n_out, cnt)
+            active = ~done
+            hist = hist + jnp.zeros((k + 1,), jnp.int32).at[n].add(active.astype(jnp.int32))
+            hits = hits + jnp.sum(passed & active[:, None], axis=0).astype(jnp.int32)
 
         # roll back the GDN states to the accepted count; refill the head's KV from the trunk's hiddens
-        state = select_states(state_all, n)
-        fill = jnp.where(idx[None] < n[:, None], jnp.pad(D, ((0, 0), (0, 1))), bonus[:, None])
-        m_all, mcache, _ = mtp_forward(weights, cfg, fill, hidden, mcache, pos, window=spec.window,
-                                       sinks=spec.sinks)
-        m1 = m_all[rows, n]
+        with jax.named_scope("rollback"):
+            state = select_states(state_all, n)
+        with jax.named_scope("refill"):
+            fill = jnp.where(idx[None] < n[:, None], jnp.pad(D, ((0, 0), (0, 1))), bonus[:, None])
+            m_all, mcache, _ = mtp_forward(weights, cfg, fill, hidden, mcache, pos, window=spec.window,
+                                           sinks=spec.sinks)
+            m1 = m_all[rows, n]
 
         n_out = n_out + cnt
         new_done = done | (hit_eos & active) | (n_out >= max_new)
         pos = jnp.where(done, pos, pos + n + 1)
         x = jnp.where(done, x, bonus)
-        return state, mcache, pos, x, m1, out, n_out, new_done, key, hist, hits
+        return state, mcache, SpecCarry(pos, x, m1, out, n_out, new_done, key, hist, hits, rounds + 1)
 
-    c = jax.lax.while_loop(lambda c: ~jnp.all(c[7]), body, carry)
-    return c[5][:, :cap], c[6], c[9], c[10]
+    cond = lambda c: ~jnp.all(c[2].done) & (c[2].rounds < until)
+    return jax.lax.while_loop(cond, body, (state, mcache, carry))
+
+
+# the same program compiled for few rows (ops.FEW_ROWS): generate picks it when batch x (k + 1) is small
+spec_decode_few_rows = jax.jit(spec_decode.__wrapped__, static_argnames=("cfg", "spec", "sampling"),
+                               donate_argnames=("state", "mcache", "carry"), compiler_options=DECODE_COMPILER_OPTIONS)

@@ -1,5 +1,17 @@
-import jax
-import pytest
+import os
+import tempfile
+
+# One persistent compilation cache for the whole run, this process and every process it starts (CLI runs,
+# notebook kernels, mesh and multi-process workers), in a fresh folder: a program compiled once is read back
+# by the next process that needs it. Set before jax is imported (jax reads these at import).
+_CACHE = tempfile.mkdtemp(prefix="qwen_mtp_test_jax_cache_")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "1")
+os.environ.setdefault("QWEN_MTP_COMPILE_CACHE", os.environ["JAX_COMPILATION_CACHE_DIR"])
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

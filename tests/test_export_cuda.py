@@ -6,13 +6,12 @@ Real shapes come from qwen_mtp/real_shapes.py as jax.ShapeDtypeStructs: nothing 
 real layer dimensions with one full period of layers (3 GDN : 1 attention; lowering does not depend on depth),
 and one full-depth 27B program. The kernel's Triton IR is then read out of the program and compiled to sm_90
 machine code with the `triton` package (test_kernels_compile_for_sm90), a close proxy for XLA's own Triton
-compile, which only a GPU runs (benchmarks/gpu_check.py). Not provable here: the host callback of streaming
-(jax registers it with a live CUDA client at lowering time; see test_streaming_callback_needs_a_live_cuda_client).
+compile, which only a GPU runs (benchmarks/gpu_check.py). Streaming needs nothing of its own: generate runs the
+same decode programs in segments and reads the tokens between them (no host callback in any program).
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import warnings
 from pathlib import Path
@@ -26,7 +25,8 @@ from kernels_pallas import quant_matmul as qmm
 from kernels_pallas.windowed_attention import unsupported_reason, windowed_attend, windowed_attend_pallas
 from qwen_mtp import quant, real_shapes
 from qwen_mtp.config import load_config
-from qwen_mtp.generate import _choose, _logits, _mtp_chunk, _plain_decode, _prefill_chunk
+from qwen_mtp.generate import (_first_token, _keep_last, _logits, _mtp_chunk, _plain_decode, _plain_start,
+                               _prefill_chunk)
 from qwen_mtp.lowering import (SM90_SHARED_LIMIT, compile_sm90, export_for, export_spec_decode, kernel_calls,
                                triton_kernels)
 from qwen_mtp.mtp import init_mtp_cache
@@ -135,23 +135,16 @@ def _kernels_expected(spec):
     return [KERNEL] * (1 + (spec.k > 1)) if spec.window is not None else []
 
 
-def _spec_program(cfg, dtype, spec, sampling, streaming, platform="cuda"):
-    return export_spec_decode(cfg, dtype, spec, sampling, batch=B, cache_len=CACHE, cap=CAP, streaming=streaming,
-                              platform=platform)
+def _spec_program(cfg, dtype, spec, sampling, platform="cuda"):
+    return export_spec_decode(cfg, dtype, spec, sampling, batch=B, cache_len=CACHE, cap=CAP, platform=platform)
 
 
-def _plain_program(cfg, dtype, sampling, streaming, cap=CAP):
+def _plain_program(cfg, dtype, sampling, cap=CAP, keep_logits=False):
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-    return export_for(_plain_decode, weight_shapes(cfg, dtype), cfg, _state(cfg, dtype), i32(B),
-                      SDS((B, cfg.vocab_size), jnp.float32), i32(B), i32(1), i32(), key, i32(), cap=cap,
-                      keep_logits=False, sampling=sampling, streaming=streaming)
-
-
-@pytest.fixture
-def stand_in_emit(monkeypatch):
-    """streaming=True programs with the host callback replaced by a no-op: everything else in them lowers."""
-    for name in ("qwen_mtp.generate", "qwen_mtp.speculative"):  # (the package's `generate` is the function)
-        monkeypatch.setattr(importlib.import_module(name), "emit", lambda tokens, counts: None)
+    carry = jax.eval_shape(lambda *a: _plain_start(*a, cap=cap, keep_logits=keep_logits), i32(B),
+                           SDS((B, cfg.vocab_size), jnp.float32), i32(B), key, i32(1), i32())
+    return export_for(_plain_decode, weight_shapes(cfg, dtype), cfg, _state(cfg, dtype), carry, i32(1), i32(), i32(),
+                      i32(), keep_logits=keep_logits, sampling=sampling)
 
 
 ENTRY_CONFIGS = ["shipped", "Qwen3.5-27B", "Qwen3.5-35B-A3B"]
@@ -167,46 +160,37 @@ def test_prefill_and_head_fill_lower_for_cuda(name):
         exported = export_for(_mtp_chunk, w, cfg, i32(B, CHUNK), hidden, _head_cache(cfg, dtype, spec), i32(B),
                               window=spec.window, sinks=spec.sinks)
         assert kernel_calls(exported) == ([KERNEL] if spec.window else [])
+    export_for(_keep_last, SDS((B, CHUNK, cfg.hidden_size), dtype), SDS((B, cfg.hidden_size), dtype), i32(B), i32(B))
     export_for(_logits, w, SDS((B, cfg.hidden_size), dtype))
-    export_for(_choose, jax.eval_shape(lambda: jax.random.PRNGKey(0)), SDS((B, cfg.vocab_size), jnp.float32), s=SAMPLED)
+    export_for(_first_token, w, SDS((B, cfg.hidden_size), dtype), jax.eval_shape(lambda: jax.random.PRNGKey(0)),
+               sampling=SAMPLED)
 
 
 @pytest.mark.parametrize("name", ENTRY_CONFIGS)
-def test_plain_decode_loop_lowers_for_cuda(name, stand_in_emit):
+def test_plain_decode_loop_lowers_for_cuda(name):
     cfg, dtype = _config(name)
-    assert kernel_calls(_plain_program(cfg, dtype, GREEDY, streaming=False)) == []
-    assert kernel_calls(_plain_program(cfg, dtype, SAMPLED, streaming=True)) == []
+    assert kernel_calls(_plain_program(cfg, dtype, GREEDY)) == []
+    assert kernel_calls(_plain_program(cfg, dtype, SAMPLED, keep_logits=True)) == []
 
 
 @pytest.mark.parametrize("name", ENTRY_CONFIGS)
-@pytest.mark.parametrize("spec,sampling,streaming", [(NATIVE, GREEDY, False), (WINDOWED, GREEDY, False),
-                                                     (WINDOWED, SAMPLED, True), (NATIVE, SAMPLED, True),
-                                                     (SpecConfig(k=1, window=256, sinks=4), GREEDY, False)],
-                         ids=["native", "windowed", "windowed-sampled-streaming", "native-sampled-streaming",
-                              "windowed-k1"])
-def test_speculative_loop_lowers_for_cuda(name, spec, sampling, streaming, stand_in_emit):
+@pytest.mark.parametrize("spec,sampling", [(NATIVE, GREEDY), (WINDOWED, GREEDY), (WINDOWED, SAMPLED),
+                                           (NATIVE, SAMPLED), (SpecConfig(k=1, window=256, sinks=4), GREEDY)],
+                         ids=["native", "windowed", "windowed-sampled", "native-sampled", "windowed-k1"])
+def test_speculative_loop_lowers_for_cuda(name, spec, sampling):
     cfg, dtype = _config(name)
-    assert kernel_calls(_spec_program(cfg, dtype, spec, sampling, streaming)) == _kernels_expected(spec)
+    assert kernel_calls(_spec_program(cfg, dtype, spec, sampling)) == _kernels_expected(spec)
 
 
 def test_full_depth_27b_speculative_loop_lowers_for_cuda():
     cfg, dtype = _config("27B-full-depth")
     assert cfg.num_layers == 64
-    assert kernel_calls(_spec_program(cfg, dtype, WINDOWED, SAMPLED, False)) == [KERNEL, KERNEL]
+    assert kernel_calls(_spec_program(cfg, dtype, WINDOWED, SAMPLED)) == [KERNEL, KERNEL]
 
 
 def test_windowed_program_lowered_for_cpu_holds_the_reference():
     cfg, dtype = _config("shipped")
-    assert kernel_calls(_spec_program(cfg, dtype, WINDOWED, GREEDY, False, platform="cpu")) == []
-
-
-def test_streaming_callback_needs_a_live_cuda_client():
-    """jax lowers io_callback by registering the Python callable with the live backend's client, so a program
-    that streams cannot be lowered for cuda on a machine without one. If this starts passing, a newer jax can
-    lower callbacks offline: drop stand_in_emit above and export the real streaming programs."""
-    cfg, dtype = _config("shipped")
-    with pytest.raises(ValueError, match="different from the lowering platform cuda"):
-        _plain_program(cfg, dtype, GREEDY, streaming=True, cap=2 * CAP)  # a cap no stand-in trace used
+    assert kernel_calls(_spec_program(cfg, dtype, WINDOWED, GREEDY, platform="cpu")) == []
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
