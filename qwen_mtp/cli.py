@@ -123,6 +123,34 @@ def pick_k(model, ids, max_new, sampling_kw, make_spec, candidates=K_AUTO_CANDID
     return best
 
 
+DRAFT_VOCAB_AUTO = 1024  # the size that won end to end on the shipped model (README "Speed")
+
+
+def _draft_vocab_arg(value: str):
+    if value in ("auto", "off"):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, 'auto' or 'off', found {value!r}") from None
+
+
+def _with_draft_vocab(model, path, choice, log):
+    """--draft-vocab: 'off' drafts over the whole vocabulary; N over the N most frequent ids of the folder's
+    token counts (draft_vocab_counts.npy); 'auto' takes DRAFT_VOCAB_AUTO when the folder has counts and its
+    vocabulary is larger, else the whole vocabulary. Output is the same either way; only speed changes."""
+    from . import with_draft_vocab
+    from .draft_vocab import COUNTS_FILE
+
+    if choice == "off":
+        return model
+    if choice == "auto":
+        if not (Path(path) / COUNTS_FILE).is_file() or model.config.vocab_size <= DRAFT_VOCAB_AUTO:
+            return model
+        choice = DRAFT_VOCAB_AUTO
+    return with_draft_vocab(model, choice)
+
+
 def k_was_not_timed(args) -> bool:
     """--k auto already compiled and ran every candidate, the chosen one included."""
     return args.no_spec or args.k != "auto"
@@ -205,6 +233,8 @@ def cmd_generate(args) -> int:
             k = pick_k(model, ids, args.max_new_tokens, sampling_kw, make_spec, log=stderr)
             k = _same_on_every_process(k or 0) or None
         spec = None if k is None else make_spec(k)
+    if spec is not None:
+        model = _with_draft_vocab(model, path, args.draft_vocab, stderr)
     warm = 0.0
     if not args.no_warmup and k_was_not_timed(args):
         # compile ahead of time every program the real run needs, running nothing (read back from the persistent
@@ -229,6 +259,8 @@ def cmd_generate(args) -> int:
     else:
         alphas = " ".join(f"{a:.2f}" for a in s.alpha)
         win = "native" if spec.window is None else f"window {spec.window} sinks {spec.sinks}"
+        dv = model.weights.draft_vocab
+        win += "" if dv is None else f", draft vocab {dv.ids.shape[0]}"
         line += f", k={spec.k} ({win}), AL {s.acceptance_length:.2f}, alpha_j [{alphas}]"
     print(line, file=stderr if args.stats_to_stderr else stdout, flush=True)
     return 0
@@ -335,6 +367,9 @@ def build_parser():
     g.add_argument("--sinks", type=_nonneg_int, default=0, help="with --window: the first SINKS positions stay "
                    "visible to the draft head (default 0)")
     g.add_argument("--no-spec", action="store_true", help="plain decoding, no MTP drafts")
+    g.add_argument("--draft-vocab", type=_draft_vocab_arg, default="auto", metavar="N|auto|off", help="the draft "
+                   "head scores only the N most frequent token ids (the model folder's draft_vocab_counts.npy); "
+                   f"output unchanged. auto (default): {DRAFT_VOCAB_AUTO} when the folder has counts, else off")
     g.add_argument("--quant", choices=["int8", "int4", "fp8"], default=None, help="quantize the weights as they "
                    "load (a Hugging Face checkpoint; python -m qwen_mtp convert saves the result)")
     g.add_argument("--group-size", type=_pos_int, default=128, help="with --quant int4: rows of K per scale")
