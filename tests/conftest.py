@@ -65,17 +65,18 @@ def ckpt(tmp_path_factory):
     return get
 
 
-_REPORT = []
-
-
 @pytest.fixture
-def report():
-    """report(line): a line for the numerics summary printed at the end of the run."""
-    return _REPORT.append
+def report(request):
+    """report(line): a line for the numerics summary printed at the end of the run. Lines travel as the test's
+    user_properties, so they reach the summary from pytest-xdist's worker processes too."""
+    return lambda line: request.node.user_properties.append(("qwen_mtp_report", str(line)))
 
 
 def pytest_terminal_summary(terminalreporter):
-    if _REPORT:
+    lines = [value for reports in terminalreporter.stats.values() for r in reports
+             if getattr(r, "when", None) == "call" for name, value in getattr(r, "user_properties", ())
+             if name == "qwen_mtp_report"]
+    if lines:
         terminalreporter.section("qwen-mtp numerics report")
-        for line in _REPORT:
+        for line in lines:
             terminalreporter.write_line(line)

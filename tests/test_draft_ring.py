@@ -71,7 +71,7 @@ def _simulate(S, W, k, prompt, chunk, rounds, rng):
     return pos
 
 
-@pytest.mark.parametrize("S,W,k", [(0, 1, 1), (0, 4, 3), (2, 3, 6), (3, 8, 2), (1, 16, 4), (4, 2, 5)])
+@pytest.mark.parametrize("S,W,k", [(0, 1, 1), (2, 3, 6), (1, 16, 4), (4, 2, 5)])
 def test_queries_read_exactly_sinks_and_window(S, W, k):
     rng = np.random.default_rng(S * 100 + W * 10 + k)
     for prompt, chunk in [(1, 16), (7, 4), (40, 16), (33, 64)]:

@@ -48,8 +48,10 @@ def seen(model):
     got = {}
     wrap = lambda name, fn: lambda *a, **kw: (got.setdefault(name, []).append(a[2:4]), fn(*a, **kw))[1]
     mp = pytest.MonkeyPatch()
-    mp.setattr(gen, "_plain_decode", wrap("plain", gen._plain_decode))  # (weights, cfg, state, first, ...)
-    mp.setattr(gen, "spec_decode", wrap("spec", gen.spec_decode))  # (weights, cfg, state, mcache, ...)
+    for name in ("_plain_decode", "_plain_decode_few_rows"):  # (weights, cfg, state, carry, ...)
+        mp.setattr(gen, name, wrap("plain", getattr(gen, name)))
+    for name in ("spec_decode", "spec_decode_few_rows"):  # (weights, cfg, state, mcache, ...)
+        mp.setattr(gen, name, wrap("spec", getattr(gen, name)))
     yield got
     mp.undo()
 

@@ -72,7 +72,7 @@ def plain(model):
             "batch": qwen_mtp.generate(model, [_ids(5, 3), _ids(90, 4), _ids(31, 5)], 48, eos_token_id=[])}
 
 
-@pytest.mark.parametrize("k", range(1, 7))
+@pytest.mark.parametrize("k", [1, 3, 6])
 def test_windowed_greedy_equals_plain_greedy(model, plain, k, report):
     spec = qwen_mtp.SpecConfig(k=k, window=8, sinks=2)  # a ring of 10 + k slots against ~200 positions
     res = qwen_mtp.generate(model, [_ids(150, 2)], 48, eos_token_id=[], spec=spec)
