@@ -1,5 +1,6 @@
-"""generate / prefill_logits / mtp_logits: chunked prefill, then plain or speculative decoding inside one
-jitted lax.while_loop.
+"""generate / prefill_logits / mtp_logits / precompile: chunked prefill, then plain or speculative decoding
+inside one jitted lax.while_loop (with a stream, the same loop called in segments, the committed ids read back
+between them).
 
 kv_dtype (all three): the dtype of the attention KV caches, the trunk's and the MTP head's (native cache or
 Wind-MTP ring). None keeps them in the compute dtype; "float8_e4m3fn" halves them against bf16 (a quarter of
