@@ -89,10 +89,10 @@ def load(path, *, dtype: str = "float32", quant: str | None = None, group_size: 
         from .draft_vocab import check_size, load_counts
         vocab = load_config(path).vocab_size
         check_size(draft_vocab, vocab)
-        load_counts(path, vocab)
+        counts = load_counts(path, vocab)
         model = load(path, dtype=dtype, quant=quant, group_size=group_size, quant_lm_head=quant_lm_head,
                      quant_mtp=quant_mtp, mesh=mesh)
-        return with_draft_vocab(model, draft_vocab)
+        return with_draft_vocab(model, draft_vocab, counts)  # the counts read above, not read again
 
     if mesh is not None:
         from .sharding import check_mesh
