@@ -1,6 +1,7 @@
 """Plain vs speculative greedy decode cost at the Qwen3.5-0.8B shape on CPU, random bf16 weights (one run).
 
     python benchmarks/bench_0p8b.py [--new 32] [--prompt 64] [--k 1,2,3,4,5,6] [--batch 1] [--alpha A1,A2,...]
+                                    [--draft-vocab 32768]
 
 The model is qwen_mtp.real_shapes.config("Qwen3.5-0.8B") (24 layers, hidden 1024, vocab 248320, tied
 embeddings) with an MTP head, every array random bf16 (gpu_check._random_model: std 0.02 for the embedding,
@@ -11,6 +12,10 @@ on a second (eos_token_id=[]):
   k         one speculative round, decode time / rounds per row (stats.rounds sums over rows; random weights
             accept ~nothing, so every row runs the same rounds), as a multiple of one plain step, with the
             weights it reads (gpu_check._round_bytes: trunk + (k + 1) lm_head + k MTP head) and their GB/s.
+--draft-vocab N (default 32768; 0: the full vocabulary): the draft head scores N ids (qwen_mtp/draft_vocab.py;
+ids 0..N-1 here, random weights have no frequent tokens), the verify all 248320: every draft step reads an
+N x 1024 lm_head instead of the 508 MB embedding. The projection then assumes the alpha_j of the full
+vocabulary (the shipped model lost none at 1024 of its 4096 ids, benchmarks/bench_draft_vocab.py).
 Random weights have random acceptance, so the measured speedup is meaningless; the table's last columns are a
 PROJECTION: the speedup k would give at the acceptance alpha_j of the shipped model,
   AL(k) = 1 + sum_{j=1..k} prod_{i<=j} alpha_i,  projected speedup = AL(k) / (round cost in plain steps).
@@ -62,6 +67,8 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per row (default 64)")
     ap.add_argument("--k", default="1,2,3,4,5,6", help="draft lengths, comma separated (default 1..6)")
     ap.add_argument("--batch", type=int, default=1, help="rows (default 1)")
+    ap.add_argument("--draft-vocab", type=int, default=32768,
+                    help="ids the draft head scores (default 32768; 0: the full vocabulary)")
     ap.add_argument("--alpha", default=",".join(f"{a:.2f}" for a in ALPHA_SHIPPED),
                     help="alpha_1,...: conditional acceptance for the projection (default: the shipped model's)")
     args = ap.parse_args(argv)
@@ -73,6 +80,8 @@ def main(argv=None):
     for name, value in (("--new", args.new), ("--prompt", args.prompt), ("--batch", args.batch)):
         if value < 1:
             ap.error(f"{name}: expected an integer >= 1, found {value}")
+    if not 0 <= args.draft_vocab <= 248320:
+        ap.error(f"--draft-vocab: expected an integer in [0, 248320], found {args.draft_vocab}")
     if args.new < 2:
         ap.error(f"--new: expected an integer >= 2 (one decode step at least), found {args.new}")
     if not ks or any(not 1 <= k <= 16 for k in ks):
@@ -92,11 +101,18 @@ def main(argv=None):
     model = gpu_check._random_model(cfg, "Qwen3.5-0.8B shape", quant=None, dtype="bfloat16")
     jax.block_until_ready(model.weights)
     trunk, lm_head, head = gpu_check._weight_read_bytes(model.weights)
+    spec_model, draft_head = model, lm_head
+    if args.draft_vocab:
+        from qwen_mtp.draft_vocab import build_draft_vocab
+
+        spec_model = build_draft_vocab(model, np.arange(cfg.vocab_size)[::-1], args.draft_vocab)
+        draft_head = lm_head * args.draft_vocab // cfg.vocab_size
     print(f"Qwen3.5-0.8B shape ({len(cfg.layer_types)} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
           f"tied), random bf16 weights, built in {time.perf_counter() - t:.1f} s on {jax.devices()[0]}; "
           f"batch {args.batch}, prompt {args.prompt}, new {args.new}", flush=True)
     print(f"weights read: trunk {trunk / 1e6:.0f} MB, lm_head (= embed) {lm_head / 1e6:.0f} MB, "
-          f"MTP head {head / 1e6:.0f} MB", flush=True)
+          f"MTP head {head / 1e6:.0f} MB, draft lm_head {draft_head / 1e6:.0f} MB "
+          f"({args.draft_vocab or cfg.vocab_size} ids)", flush=True)
     ids = np.random.default_rng(0).integers(1, cfg.vocab_size, (args.batch, args.prompt))
 
     t = time.perf_counter()
@@ -109,9 +125,9 @@ def main(argv=None):
     rows = []
     for k in ks:
         t = time.perf_counter()
-        st = _timed(model, ids, args.new, qwen_mtp.SpecConfig(k=k))
+        st = _timed(spec_model, ids, args.new, qwen_mtp.SpecConfig(k=k))
         round_s = st.decode_s / (st.rounds / st.batch)
-        gb = gpu_check._round_bytes(trunk, lm_head, head, k) / 1e9
+        gb = (gpu_check._round_bytes(trunk, lm_head, head, k) - k * (lm_head - draft_head)) / 1e9
         al = projected_al(alpha, k)
         rows.append((k, round_s, round_s / step_s, gb, gb / round_s, st.acceptance_length, al,
                      al / (round_s / step_s)))

@@ -34,7 +34,7 @@ import numpy as np
 from flax import struct
 
 from .errors import ArgumentError
-from .ops import linear
+from .ops import logits
 from .quant import QuantArray
 from .sampling import draw, probs
 
@@ -206,7 +206,7 @@ def with_draft_vocab(model, size: int | None, counts=None):
 # ------------------------------------------------------------------------------------------------ the draft step
 def draft_logits(dv: DraftVocab, m):
     """Head output [..., H] -> logits over the draft vocabulary [..., Vd] in f32 (as model.lm_logits)."""
-    return linear(m, dv.lm_head).astype(jnp.float32)
+    return logits(m, dv.lm_head)
 
 
 def pick(dv: DraftVocab, m, sampling, key, vocab_size: int):

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from .attention import attention_layer
 from .config import ModelConfig
 from .gdn import gdn_layer
 from .mlp import feed_forward
-from kernels_pallas.masked_attention import precision_for
-
-from .ops import linear, rmsnorm_1pw
+from .ops import contract, embed_rows, logits, rmsnorm_1pw
 from .weights import Weights
 
 
@@ -33,12 +32,22 @@ def forward(weights: Weights, cfg: ModelConfig, tokens, state: tuple, pos, n_val
     overwritten later). Returns the hidden AFTER the final norm [B, T, H] (what lm_head and the MTP head
     read) and the new state.
     """
-    x = weights.embed[tokens]
+    x = embed_rows(weights.embed, tokens)
     new_state = []
     for lw, kind, st in zip(weights.layers, cfg.layer_types, state):
         x, st = decoder_layer(x, lw, cfg, kind, st, pos, n_valid, gdn_mode)
         new_state.append(st)
     return rmsnorm_1pw(x, weights.final_norm, cfg.rms_norm_eps), tuple(new_state)
+
+
+def _tied_logits(hidden, e):
+    """hidden [..., H] @ e[V, H].T -> [..., V] f32, as e @ hidden.T and one transpose of the small result. In a
+    decode loop XLA on a CPU otherwise laid the embedding out again as [H, V] for its GEMM (a transposed copy
+    of the whole table per call: 343 ms at the Qwen3.5-0.8B shape); the barrier keeps the transpose from being
+    folded back into the product."""
+    x = hidden.reshape(-1, hidden.shape[-1])
+    y = contract("vh,mh->vm", x, e, weight_first=True)
+    return jax.lax.optimization_barrier(y).T.reshape(hidden.shape[:-1] + (e.shape[0],))
 
 
 def lm_logits(weights: Weights, hidden):
@@ -47,6 +56,5 @@ def lm_logits(weights: Weights, hidden):
     whole transposed embedding at every call (a quarter of a plain step of the shipped model)."""
     if weights.lm_head is None:
         e = weights.embed
-        return jnp.einsum("...h,vh->...v", hidden, e.astype(hidden.dtype),
-                          precision=precision_for(hidden.dtype)).astype(jnp.float32)
-    return linear(hidden, weights.lm_head).astype(jnp.float32)
+        return _tied_logits(hidden, e.astype(hidden.dtype)).astype(jnp.float32)
+    return logits(hidden, weights.lm_head)

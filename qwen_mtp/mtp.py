@@ -20,7 +20,7 @@ from .config import ModelConfig
 from .draft_ring import init_ring, ring_attention_layer
 from .errors import MissingMTPHeadError
 from .mlp import feed_forward
-from .ops import linear, rmsnorm_1pw
+from .ops import embed_rows, linear, rmsnorm_1pw
 from .state import KVCache
 from .weights import Weights
 
@@ -55,7 +55,7 @@ def mtp_forward(weights: Weights, cfg: ModelConfig, tokens, hidden, cache: KVCac
     extra is computed or kept."""
     w = weights.mtp
     eps = cfg.rms_norm_eps
-    e = rmsnorm_1pw(weights.embed[tokens], w.pre_fc_norm_embedding, eps)
+    e = rmsnorm_1pw(embed_rows(weights.embed, tokens), w.pre_fc_norm_embedding, eps)
     h = rmsnorm_1pw(hidden.astype(e.dtype), w.pre_fc_norm_hidden, eps)
     fc_in = jnp.concatenate([e, h], axis=-1)
     x = linear(fc_in, w.fc)

@@ -1,0 +1,140 @@
+"""The low-precision weight products and the embedding gather as XLA compiles them for a CPU (qwen_mtp/ops.py:
+contract, embed_rows; model._tied_logits): same values as the plain einsum / gather, and, in the decode loops
+generate runs, no program that casts or re-lays-out the whole embedding table.
+
+At the Qwen3.5-0.8B shape (bf16) those table-sized ops cost more than a decode step: a bf16 gather became a cast
+of the 248320 x 1024 table to f32 hoisted out of the loop (430 ms), and the 4-row verify's lm_head got a
+transposed copy of the table (343 ms); benchmarks/bench_0p8b.py measures the loop.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qwen_mtp.model as model_mod
+import qwen_mtp.mtp as mtp_mod
+from qwen_mtp.config import load_config
+from qwen_mtp.generate import _plain_decode_few_rows, _plain_start
+from qwen_mtp.lowering import spec_decode_args
+from qwen_mtp.model import lm_logits
+from qwen_mtp.ops import contract, embed_rows, linear
+from qwen_mtp.sampling import Sampling
+from qwen_mtp.speculative import SpecConfig, spec_decode_few_rows
+from qwen_mtp.state import init_state
+from qwen_mtp.weights import Weights, weight_shapes
+
+HIGHEST = jax.lax.Precision.HIGHEST
+SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "qwen3_5_small"
+
+
+def _rand(key, shape, dtype, scale=1.0):
+    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("lead", [(1,), (1, 1), (3,), (2, 4)], ids=["1", "1x1", "3", "2x4"])
+def test_contract_and_linear_match_the_einsum(dtype, lead):
+    kx, kw = jax.random.split(jax.random.PRNGKey(0))
+    x, w = _rand(kx, lead + (64,), dtype), _rand(kw, (64, 48), dtype, 0.1)
+    want = jnp.einsum("...i,io->...o", x.astype(jnp.float32), w.astype(jnp.float32), precision=HIGHEST)
+    got = jax.jit(lambda x, w: contract("...i,io->...o", x, w))(x, w)
+    assert got.shape == want.shape and got.dtype == jnp.float32
+    tol = 1e-5 if dtype == jnp.float32 else 1e-4  # f32 accumulation of exact low-precision products
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol)
+    # linear rounds once to x's dtype: the plain einsum's value to within one rounding of that dtype
+    lin = jax.jit(linear)(x, w)
+    ref = jnp.einsum("...i,io->...o", x, w, precision=HIGHEST if dtype == jnp.float32 else None)
+    assert lin.dtype == dtype and lin.shape == ref.shape
+    ulp = float(jnp.finfo(dtype).eps)
+    np.testing.assert_allclose(np.asarray(lin, np.float32), np.asarray(ref, np.float32),
+                               rtol=2 * ulp, atol=2 * ulp * float(jnp.abs(want).max()))
+    # the weight-first form: w [V, H] as the left operand, x's rows last in the output
+    e = _rand(kw, (48, 64), dtype, 0.1)
+    x2 = x.reshape(-1, 64)
+    got = jax.jit(lambda x, e: contract("vh,mh->vm", x, e, weight_first=True))(x2, e)
+    want = jnp.einsum("vh,mh->vm", e.astype(jnp.float32), x2.astype(jnp.float32), precision=HIGHEST)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_embed_rows_is_the_gather(dtype):
+    table = _rand(jax.random.PRNGKey(1), (300, 16), dtype)
+    tokens = jnp.asarray([[0, 299, 7], [7, 150, 1]], jnp.int32)
+    got = jax.jit(embed_rows)(table, tokens)
+    assert got.dtype == dtype and got.shape == (2, 3, 16)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(table[tokens], np.float32))
+    assert np.abs(np.asarray(got, np.float32)).min() > 0  # real rows read, not a zero fill
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("lead", [(1,), (1, 1), (4,), (2, 3)], ids=["1", "1x1", "4", "2x3"])
+def test_tied_logits_match_the_einsum(dtype, lead):
+    kh, ke = jax.random.split(jax.random.PRNGKey(2))
+    hidden, embed = _rand(kh, lead + (32,), dtype), _rand(ke, (200, 32), dtype, 0.1)
+    w = Weights(embed=embed, layers=(), final_norm=None, lm_head=None, mtp=None)
+    got = jax.jit(lm_logits)(w, hidden)
+    want = jnp.einsum("...h,vh->...v", hidden.astype(jnp.float32), embed.astype(jnp.float32), precision=HIGHEST)
+    assert got.shape == lead + (200,) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------- the compiled decode loop holds the table
+def table_sized_ops(hlo: str, shapes) -> list:
+    """Instructions of an optimized HLO module, outside fusion bodies, whose result shape is one of `shapes`
+    (e.g. "f32[4096,256]") and which produce new data: parameters, tuple elements and bitcasts (no data) are
+    left out. A fusion's body computes only what its consumer reads, so a table-shaped op there is fine."""
+    fused = set(re.findall(r"calls=%([\w.\-]+)", hlo))
+    found, current = [], None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(", line)
+        if head:
+            current = head.group(1)
+            continue
+        if current is None or current in fused:
+            continue
+        m = re.match(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+\[[\d,]*\])\{[^}]*\} (\S+?)\(", line)
+        if m and m.group(2) in shapes and m.group(3) not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
+            found.append(f"{current}: %{m.group(1)} = {m.group(2)} {m.group(3)}")
+    return found
+
+
+def _spec_loop_hlo(cfg, batch):
+    spec = SpecConfig(k=3)
+    args = spec_decode_args(cfg, jnp.bfloat16, spec, batch=batch, cache_len=128, cap=32)
+    lowered = spec_decode_few_rows.lower(args[0], cfg, *args[1:], spec=spec, sampling=Sampling())
+    return lowered.compile().as_text()
+
+
+def _plain_loop_hlo(cfg, batch):
+    SDS, i32 = jax.ShapeDtypeStruct, jnp.int32
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    carry = jax.eval_shape(lambda *a: _plain_start(*a, cap=32, keep_logits=False), SDS((batch,), i32),
+                           SDS((batch, cfg.vocab_size), jnp.float32), SDS((batch,), i32), key, SDS((1,), i32),
+                           SDS((), i32))
+    state = jax.eval_shape(lambda: init_state(cfg, batch, 128, jnp.bfloat16, None))
+    lowered = _plain_decode_few_rows.lower(weight_shapes(cfg, jnp.bfloat16), cfg, state, carry, SDS((1,), i32),
+                                           SDS((), i32), SDS((), i32), SDS((), i32), keep_logits=False,
+                                           sampling=Sampling())
+    return lowered.compile().as_text()
+
+
+def test_bf16_decode_loops_keep_the_embedding_in_place(monkeypatch):
+    cfg = load_config(SHIPPED)
+    V, H = cfg.vocab_size, cfg.hidden_size
+    table = {f"f32[{V},{H}]", f"f32[{H},{V}]", f"bf16[{H},{V}]", f"bf16[{V},{H}]"}
+    assert table_sized_ops(_spec_loop_hlo(cfg, 1), table) == []
+    assert table_sized_ops(_plain_loop_hlo(cfg, 1), table) == []
+    # the detector sees the copies the loop had before: the plain gather and the plain tied product (batch 2,
+    # a program of its own: the patched functions are traced anew)
+    monkeypatch.setattr(model_mod, "embed_rows", lambda e, t: e[t])
+    monkeypatch.setattr(mtp_mod, "embed_rows", lambda e, t: e[t])
+    monkeypatch.setattr(model_mod, "_tied_logits",
+                        lambda h, e: jnp.einsum("...h,vh->...v", h, e, preferred_element_type=jnp.float32))
+    found = table_sized_ops(_spec_loop_hlo(cfg, 2), table)
+    assert any(f" f32[{V},{H}] " in s for s in found), found
