@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import compile_cache
+from . import compile_cache, program_cache
 from .errors import ArgumentError, QwenMTPError
 from .state import KV_DTYPE_NAMES
 
@@ -438,7 +438,10 @@ def main(argv=None) -> int:
         ap.error("--sinks needs --window")
     try:
         if args.command in ("generate", "analyze-window"):  # on by default: the second run compiles nothing
-            compile_cache.enable_compile_cache(args.compile_cache)
+            folder = compile_cache.enable_compile_cache(args.compile_cache)
+            # and traces nothing: the lowered programs beside it (program_cache.py), for this run only
+            with program_cache.enabled(None if folder is None else folder / program_cache.SUBDIR):
+                return args.func(args)
         return args.func(args)
     except QwenMTPError as e:
         print(f"error: {e}", file=sys.stderr)

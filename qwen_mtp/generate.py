@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import sharding
+from . import program_cache, sharding
 from .config import ModelConfig
 from .errors import ArgumentError
 from .model import forward, lm_logits
@@ -197,9 +197,12 @@ class _Runner:
 
     def __init__(self, model):
         self.model = model
+        self.cached = _mesh(model) is None  # program_cache.py keeps single-device programs only
 
     def call(self, fn, *args, **static):
-        return fn(*args, **static)
+        # None unless the program cache is on (the CLI's run)
+        prog = program_cache.program(fn, args, static) if self.cached else None
+        return fn(*args, **static) if prog is None else prog.run(args, static)
 
     def host(self, x):
         return _host(x)
@@ -231,7 +234,9 @@ class _Compiler(_Runner):
                            if hasattr(a, "shape") else repr(a), args)
         key = (fn, repr(sig), tuple(sorted((k, repr(v)) for k, v in static.items())))
         if key not in self._done:
-            self._done[key] = fn.lower(*args, **static).compile().out_info
+            prog = program_cache.program(fn, args, static) if self.cached else None
+            self._done[key] = (fn.lower(*args, **static).compile().out_info if prog is None
+                               else prog.out_info(args, static))
         return jax.tree.map(self._abstract, self._done[key])
 
     def host(self, x):
@@ -346,7 +351,10 @@ _plain_decode_few_rows = jax.jit(_plain_decode.__wrapped__, static_argnames=("cf
 
 
 _logits = jax.jit(lm_logits)
-_take_rows = jax.jit(lambda x, idx: x[jnp.arange(x.shape[0]), idx])  # x [B, T, ...], idx [B] -> x[b, idx[b]]
+@jax.jit
+def _take_rows(x, idx):
+    """x [B, T, ...], idx [B] -> x[b, idx[b]]"""
+    return x[jnp.arange(x.shape[0]), idx]
 
 
 # ----------------------------------------------------------------------------------------------- drivers

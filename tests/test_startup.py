@@ -76,11 +76,14 @@ def _cli(cache, *extra):
 
 def test_cli_second_process_reads_its_programs_from_the_compile_cache(tmp_path):
     """The README's first command, twice in fresh processes sharing a cache folder (QWEN_MTP_COMPILE_CACHE): the
-    second reads every program back (its decode loop included: no host callback keeps it out) and prints the
-    same text; the first wrote them."""
+    second reads every program back (its decode loop included: no host callback keeps it out), lowered
+    (program_cache.py) and compiled (jax's cache), and prints the same text; the first wrote them."""
     cache = tmp_path / "jax_cache"
     first = _cli(cache)
     assert list(cache.glob("jit_spec_decode-*")), sorted(p.name for p in cache.iterdir())
+    programs = cache / "qwen_mtp_programs"
+    kept = sorted(programs.glob("*.pkl"))
+    mtimes = {p: p.stat().st_mtime_ns for p in kept}
     second = _cli(cache)
     lines = first.stdout.strip().splitlines()
     assert lines[0].startswith("def fibonacci(n):")
@@ -94,6 +97,9 @@ def test_cli_second_process_reads_its_programs_from_the_compile_cache(tmp_path):
     assert missed == [], missed  # every program of the second process came from the cache
     t1, t2 = (float(re.search(r"compile ([0-9.]+)s", r.stdout).group(1)) for r in (first, second))
     assert t2 < t1
+    # and traced nothing: the first process kept each program it lowered (program_cache.py), the second read them
+    assert len(kept) >= 8 and sorted(programs.glob("*.pkl")) == kept
+    assert all(p.stat().st_mtime_ns == mtimes[p] for p in kept)  # none written again
 
 
 def test_compile_cache_off_and_bad_folder(tmp_path):
