@@ -3,6 +3,7 @@ instead of compiling them again.
 
     qwen_mtp.enable_compile_cache()                 # the default folder (below)
     qwen_mtp.enable_compile_cache("/fast/disk/jc")  # another folder
+    qwen_mtp.enable_compile_cache(programs=True)    # and the lowered programs too (program_cache.py)
     QWEN_MTP_COMPILE_CACHE=/fast/disk/jc            # the same from the environment; =off disables it
 
 The default folder is $XDG_CACHE_HOME/qwen_mtp/jax (~/.cache/qwen_mtp/jax). The command line turns the cache on
@@ -42,9 +43,13 @@ def resolve(path=None):
     return Path(value).expanduser() if value not in ("", None) else default_dir()
 
 
-def enable_compile_cache(path=None) -> Path | None:
+def enable_compile_cache(path=None, *, programs: bool = False) -> Path | None:
     """Turn jax's persistent compilation cache on, in `path` (or as `resolve` says). Returns the folder, or None
-    when it is off. Raises ArgumentError naming the folder if it cannot be created or written."""
+    when it is off. Raises ArgumentError naming the folder if it cannot be created or written.
+
+    programs=True also keeps generate's lowered programs in <folder>/qwen_mtp_programs (program_cache.py), so a
+    later process skips tracing them too. It cannot see a function replaced at run time (monkeypatching): leave
+    it off in a process that does that (the CLI turns it on for its own run only)."""
     folder = resolve(path)
     if folder is None:
         disable_compile_cache()
@@ -62,10 +67,16 @@ def enable_compile_cache(path=None) -> Path | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 1)  # 0 would mean "jax's default"
     _reset()
+    if programs:
+        from . import program_cache
+        program_cache.enable(folder / program_cache.SUBDIR)
     return folder
 
 
 def disable_compile_cache() -> None:
+    """jax's persistent compilation cache off, and the program cache with it."""
+    from . import program_cache
+    program_cache.disable()
     jax.config.update("jax_enable_compilation_cache", False)
     _reset()
 

@@ -119,3 +119,17 @@ def test_programs_it_does_not_keep():
     assert a.startswith("qwen_mtp.state.init_state(") and a != b  # a partial's bound arguments are in its name
     with program_cache.enabled(None):
         assert program_cache.program(_prefill_chunk, (), {}) is None  # off
+
+
+def test_library_opt_in(tmp_path):
+    from qwen_mtp import compile_cache
+
+    with program_cache.enabled(None):
+        try:
+            assert compile_cache.enable_compile_cache(tmp_path) == tmp_path and program_cache.active() is None
+            compile_cache.enable_compile_cache(tmp_path, programs=True)
+            assert program_cache.active() == tmp_path / program_cache.SUBDIR
+            compile_cache.disable_compile_cache()
+            assert program_cache.active() is None
+        finally:
+            compile_cache.enable_compile_cache()  # the session's cache, as conftest set it
