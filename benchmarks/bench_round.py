@@ -1,6 +1,7 @@
 """The cost of one speculative round, phase by phase, as multiples of one plain decode step (one run).
 
     python benchmarks/bench_round.py [--model PATH] [--dtype float32] [--batch 1] [--k 1,2,3,4,5,6]
+    python benchmarks/bench_round.py --rows 1,2,4,8     # what one more verified row costs
 
 Each phase of a round (speculative.py) is compiled on its own, on the state a real prompt leaves, and timed
 over many calls (median of several blocks of calls; calls are dispatched asynchronously so per-call dispatch
@@ -151,6 +152,47 @@ def profile(model, prompt, ks, batch, new_tokens, sampling=None):
     return plain_s, loop_plain, out
 
 
+def rows_cost(model, rows_list, cache_len=512, calls=50, blocks=5):
+    """{T: seconds} of one trunk forward over T tokens at batch 1 plus its lm_head (T = 1: the plain step's
+    "step" GDN form; T > 1: the verify's "step_all", every GDN state kept), `calls` of them chained inside ONE
+    compiled fori_loop (no dispatch between them), min over `blocks` runs. What one more verified row costs."""
+    import jax
+    import jax.numpy as jnp
+
+    from qwen_mtp.model import forward, lm_logits
+    from qwen_mtp.ops import DECODE_COMPILER_OPTIONS
+    from qwen_mtp.rollback import select_states
+    from qwen_mtp.state import init_state
+
+    cfg, w = model.config, model.weights
+    state = init_state(cfg, 1, cache_len, w.embed.dtype, None)
+    pos = jnp.full((1,), cache_len // 4, jnp.int32)
+    out = {}
+    for T in rows_list:
+        mode = "step" if T == 1 else "step_all"
+
+        def loop(w, state, tok, pos, T=T, mode=mode):
+            def body(i, c):
+                state, acc = c
+                h, st = forward(w, cfg, tok + acc % 7, state, pos + i % 3, jnp.full((1,), T, jnp.int32),
+                                gdn_mode=mode)
+                st = select_states(st, jnp.zeros((1,), jnp.int32)) if T > 1 else st
+                return st, acc + jnp.argmax(lm_logits(w, h), -1).astype(jnp.int32).sum()
+            return jax.lax.fori_loop(0, calls, body, (state, jnp.int32(0)))
+
+        f = jax.jit(loop, compiler_options=DECODE_COMPILER_OPTIONS)
+        tok = jnp.ones((1, T), jnp.int32)
+        jax.block_until_ready(f(w, state, tok, pos))
+        best = None
+        for _ in range(blocks):
+            t = time.perf_counter()
+            jax.block_until_ready(f(w, state, tok, pos))
+            s = (time.perf_counter() - t) / calls
+            best = s if best is None else min(best, s)
+        out[T] = best
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint folder (default: the shipped model)")
@@ -159,6 +201,8 @@ def main(argv=None):
     ap.add_argument("--k", default="1,2,3,4,5,6")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--rows", default=None, metavar="1,2,4,8",
+                    help="instead of the phases: the trunk forward + lm_head over T tokens, for each T")
     args = ap.parse_args(argv)
     import qwen_mtp
     from checkpoints.train_small import HELD_OUT, stdlib_root
@@ -168,6 +212,14 @@ def main(argv=None):
     model = qwen_mtp.load(folder, dtype=args.dtype)
     text = (stdlib_root() / HELD_OUT[3]).read_text(encoding="utf-8")
     ids = np.asarray(load_tokenizer(folder).encode(text).ids[200:200 + args.prompt], np.int32)
+    if args.rows:
+        res = rows_cost(model, [int(x) for x in args.rows.split(",")])
+        base = res.get(1) or next(iter(res.values()))
+        print(f"model {folder} ({args.dtype}), batch 1: trunk forward + lm_head over T tokens, inside one loop")
+        for T, s in res.items():
+            print(f"T={T:<3d} {1e3 * s:7.3f} ms  {s / base:5.2f} x T=1" + (f"  (+{1e3 * (s - base) / (T - 1):.3f} ms "
+                  "per extra row)" if T > 1 and 1 in res else ""))
+        return
     ks = [int(x) for x in args.k.split(",")]
     plain_s, loop_plain, res = profile(model, ids, ks, args.batch, args.new)
     print(f"model {folder} ({args.dtype}), batch {args.batch}, prompt {args.prompt}, new {args.new}")

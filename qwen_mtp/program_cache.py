@@ -15,9 +15,10 @@ decides the program without tracing it, and the entry is the lowered program its
     arguments (static fields of QuantArray, DraftVocab included), the shape / dtype / weak type of every array,
     which arguments are donated, the compile options;
   - a fingerprint of the code: the bytes of every .py file of qwen_mtp/ and kernels_pallas/, the jax, jaxlib
-    and flax versions, the backend and device kind, and the jax flags that change tracing (x64, default
-    matmul precision). Edit any source file and every entry is stale: nothing is ever read back for code it
-    was not lowered from.
+    and flax versions, the backend and device kind, and the jax flags that change tracing (_TRACE_FLAGS: x64,
+    default matmul precision, the PRNG's flags, ...). Edit any source file and every entry is stale: nothing
+    is ever read back for code it was not lowered from (old entries stay on disk, a few hundred KB a start-up;
+    delete the folder to reclaim them).
 What it does not see: a function replaced at run time (monkeypatching) keeps the program lowered before. That
 is why the CLI turns it on only around its own run (`enabled`), and why it is not on for library calls unless
 asked for.
@@ -46,6 +47,9 @@ import numpy as np
 SUBDIR = "qwen_mtp_programs"  # inside the compilation cache folder
 _PACKAGES = ("qwen_mtp", "kernels_pallas")
 FORMAT = 1
+# jax flags that change what a trace lowers to
+_TRACE_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable", "jax_default_prng_impl",
+                "jax_use_shardy_partitioner", "jax_numpy_dtype_promotion")
 
 _folder: Path | None = None
 _memo: dict = {}  # key -> _Program (this process)
@@ -98,8 +102,8 @@ def fingerprint() -> str:
         except importlib.metadata.PackageNotFoundError:
             h.update(f"{dist} none\0".encode())
     dev = jax.devices()[0]
-    h.update(f"{jax.default_backend()} {dev.device_kind} {jax.config.jax_enable_x64} "
-             f"{jax.config.jax_default_matmul_precision}".encode())
+    h.update(f"{jax.default_backend()} {dev.device_kind}".encode())
+    h.update(repr([(f, getattr(jax.config, f, None)) for f in _TRACE_FLAGS]).encode())
     return h.hexdigest()
 
 
@@ -266,10 +270,16 @@ def _read(path: Path):
 
 def _write(path: Path, entry) -> None:
     """Atomic: a temporary file in the same folder, renamed into place (a reader sees all of it or nothing)."""
+    tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".pkl")
         with os.fdopen(fd, "wb") as f:
             pickle.dump(entry, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, path)
+        tmp = None
     except OSError as e:
         warnings.warn(f"program cache: could not write {path}: {e}", stacklevel=4)
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
