@@ -29,7 +29,9 @@
    `--tp-only` runs just this part;
 7. end to end on a Qwen3.5-27B-shaped slice (the same 4 real layers and MTP head as item 6, `--e2e27b-layers`
    to change the depth) with random bf16 weights, not quantized, on one device: plain, speculative native k3 and
-   speculative windowed k3 (W 4032, S 64) greedy generate, each compiled by a first call and timed on a second,
+   speculative windowed k3 (W 4032, S 64) greedy generate, and native k3 with a draft vocabulary of 32768 ids
+   (the k drafts then read a 32768-column lm_head instead of the whole one), each compiled by a first call and
+   timed on a second,
    with TPOT, tokens/s and achieved GB/s of the weights read against the device's bandwidth. Bytes read per
    plain step = every trunk layer's arrays + the final norm + lm_head (the embedding rows gathered are
    negligible and not counted). Per speculative round (speculative.spec_decode as it is): the verify reads the
@@ -485,7 +487,10 @@ def check_tensor_parallel(max_new):
 
 # end to end on a Qwen3.5-27B-shaped slice (item 7): greedy generate of each, bf16 random weights, one device
 E2E_SPECS = {"plain": None, "native k3": {"k": 3},
-             "windowed k3 W4032 S64": {"k": 3, "window": 4032, "sinks": 64}}
+             "windowed k3 W4032 S64": {"k": 3, "window": 4032, "sinks": 64},
+             # the draft head over the 32768 most frequent ids (qwen_mtp/draft_vocab.py; random weights have no
+             # frequent ids, so ids 0..N-1; a quarter of the vocabulary on the CPU's small config)
+             "native k3 draft vocab": {"k": 3, "draft_vocab": 32768}}
 
 
 def _weight_read_bytes(weights):
@@ -530,15 +535,25 @@ def check_end_to_end_27b(max_new, layers=4):
     step_s = None
     failures = 0
     for label, kw in E2E_SPECS.items():
+        kw = None if kw is None else dict(kw)
+        dv = None if kw is None else kw.pop("draft_vocab", None)
         spec = None if kw is None else qwen_mtp.SpecConfig(**kw)
+        run_model, draft_lm = model, lm_head
         try:
-            qwen_mtp.generate(model, ids, max_new, spec=spec, eos_token_id=[])  # compiles
-            st = qwen_mtp.generate(model, ids, max_new, spec=spec, eos_token_id=[]).stats
+            if dv is not None:
+                from qwen_mtp.draft_vocab import build_draft_vocab
+
+                dv = dv if on_gpu else cfg.vocab_size // 4
+                run_model = build_draft_vocab(model, np.arange(cfg.vocab_size)[::-1], dv)
+                draft_lm = lm_head * dv // cfg.vocab_size
+                label = f"{label} {dv}"
+            qwen_mtp.generate(run_model, ids, max_new, spec=spec, eos_token_id=[])  # compiles
+            st = qwen_mtp.generate(run_model, ids, max_new, spec=spec, eos_token_id=[]).stats
         except Exception as e:  # one run that does not compile or run must not hide the others
             print(f"  {label}: FAIL {type(e).__name__}: {e}", flush=True)
             failures += 1
             continue
-        line = f"  {label:22s} TPOT {1e3 * st.tpot_s:7.3f} ms, {st.decode_tokens_per_s:8.1f} tokens/s"
+        line = f"  {label:28s} TPOT {1e3 * st.tpot_s:7.3f} ms, {st.decode_tokens_per_s:8.1f} tokens/s"
         if spec is None:
             step_s = st.tpot_s
             gbs = (trunk + lm_head) / step_s / 1e9
@@ -547,7 +562,7 @@ def check_end_to_end_27b(max_new, layers=4):
             line += "; no round ran (max_new 1)"
         else:
             round_s = st.decode_s / (st.rounds / st.batch)
-            nbytes = _round_bytes(trunk, lm_head, head, spec.k)
+            nbytes = _round_bytes(trunk, lm_head, head, spec.k) - spec.k * (lm_head - draft_lm)
             gbs = nbytes / round_s / 1e9
             vs = f" = {round_s / step_s:.2f} plain steps" if step_s else ""
             line += (f"; round {1e3 * round_s:.3f} ms{vs}, {nbytes / 1e9:.3f} GB of weights per round, "
