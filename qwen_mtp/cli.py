@@ -352,6 +352,26 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_certify(args) -> int:
+    from .certify import Report, certify, write_report
+
+    report = Report(dtype=args.dtype)
+    save = (lambda r: write_report(r, args.report)) if args.report else None  # after every case
+    try:
+        certify(args.model, configs=args.configs, archs=args.archs, seed=args.seed, dtype=args.dtype,
+                max_prompt=args.max_prompt, log=lambda line: print(line, flush=True), report=report, on_case=save)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: {report.summary()}", flush=True)
+        return 130
+    if args.report:
+        write_report(report, args.report)
+        print(f"report written to {args.report}")
+    if report.failing:
+        print(f"FAILED: {len(report.failing)} divergence(s) that are not near-ties", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser():
     ap = argparse.ArgumentParser(prog="python -m qwen_mtp", description="qwen-mtp: Qwen3.5 inference in JAX "
                                  "with the MTP head as speculative drafter")
@@ -428,6 +448,20 @@ def build_parser():
     c.add_argument("--overwrite", action="store_true", help="replace DST if it is a folder convert wrote")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_convert)
+
+    r = sub.add_parser("certify", help="the lossless certificate: plain vs speculative greedy over random "
+                       "configurations (and random tiny architectures); exit 1 on a divergence that is not a "
+                       "bf16 near-tie")
+    r.add_argument("--model", default=None, help="checkpoint folder with an MTP head (default: the shipped model)")
+    r.add_argument("--configs", type=int, default=50, help="random configurations on the model (default 50)")
+    r.add_argument("--archs", type=int, default=0, help="random tiny architectures, 2 configurations each "
+                   "(default 0)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    r.add_argument("--max-prompt", type=int, default=512, help="longest prompt row drawn (default 512)")
+    r.add_argument("--report", default=None, metavar="FILE", help="write the report as JSON")
+    r.add_argument("--compile-cache", default=None, metavar="DIR|off", help="as for generate")
+    r.set_defaults(func=cmd_certify)
     return ap
 
 
@@ -437,7 +471,7 @@ def main(argv=None) -> int:
     if args.command == "generate" and args.sinks and args.window is None:
         ap.error("--sinks needs --window")
     try:
-        if args.command in ("generate", "analyze-window"):  # on by default: the second run compiles nothing
+        if args.command in ("generate", "analyze-window", "certify"):  # on by default: a second run compiles nothing
             folder = compile_cache.enable_compile_cache(args.compile_cache)
             # and traces nothing: the lowered programs beside it (program_cache.py), for this run only
             with program_cache.enabled(None if folder is None else folder / program_cache.SUBDIR):

@@ -1,0 +1,99 @@
+"""The lossless certificate (qwen_mtp/certify.py, `python -m qwen_mtp certify`): its short form passes on the
+shipped model and on random tiny architectures with drafts really accepted, and it fails when losslessness is
+broken (a GDN rollback to the wrong position); bf16 near-ties are classified by the stated bound; the CLI writes
+its report and exits 1 on a failing divergence, 2 on bad flags."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qwen_mtp import certify as cert
+from qwen_mtp.config import parse_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_short_sweep_is_identical_and_drafts_are_accepted(record_property):
+    report = cert.certify(configs=5, archs=2, seed=11, max_prompt=96, log=lambda s: None)
+    record_property("numerics", report.summary())
+    assert report.configs == 9 and report.rows >= 9 and report.tokens > 50
+    assert report.failing == [] and report.divergences == [], [d.case for d in report.divergences]
+    assert report.identical == report.configs
+    assert report.accepted > 0.2 * report.drafted > 0  # the probe: speculation really committed drafts
+
+
+def test_a_broken_rollback_fails_the_certificate(monkeypatch):
+    """The negative control: every GDN layer continues from its state after the FIRST verified position, whatever
+    was accepted. The certificate must see it."""
+    import qwen_mtp.speculative as speculative
+
+    real = speculative.select_states
+    monkeypatch.setattr(speculative, "select_states", lambda st, n: real(st, jnp.zeros_like(n)))
+    jax.clear_caches()
+    try:
+        report = cert.certify(configs=3, seed=5, max_prompt=96, quants=(None,), kv_dtypes=(None,),
+                              log=lambda s: None)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert report.failing, report.summary()
+    d = report.failing[0]
+    assert d.plain != d.spec and d.position >= 1 and d.margin >= 0
+
+
+def test_near_tie_bound():
+    assert cert.near_tie(0.01, 3.0, "bfloat16") and cert.near_tie(2.0 ** -5, 0.5, "bfloat16")
+    assert not cert.near_tie(0.2, 3.0, "bfloat16")  # 0.2 > 3 / 32
+    assert not cert.near_tie(0.0, 3.0, "float32")  # in f32 every divergence is a bug
+
+
+def test_random_architectures_randomise_every_tensor():
+    rng = np.random.default_rng(3)
+    kinds = set()
+    for i in range(12):
+        d = cert.random_arch_config(rng, i)
+        name = d.pop("_name")
+        cfg = parse_config(d, name)
+        kinds.add(d["model_type"])
+        w = cert.random_weights(cfg, i)
+        for path, x in jax.tree_util.tree_flatten_with_path(w)[0]:
+            x = np.asarray(x)
+            assert np.unique(x).size > 1 or x.size == 1, jax.tree_util.keystr(path)  # no constant tensor
+        assert w.mtp is not None
+    assert kinds == {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}
+
+
+def test_draws_cover_the_space():
+    rng = np.random.default_rng(0)
+    cases = [cert.draw_case(rng, i, 4096, np.arange(5, 2000)) for i in range(300)]
+    assert {len(c.rows) for c in cases} == {1, 2, 3, 4} and {c.k for c in cases} == set(range(1, 9))
+    assert {c.quant for c in cases} == set(cert.QUANTS) and {c.kv_dtype for c in cases} == set(cert.KV_DTYPES)
+    assert {c.prefill_chunk for c in cases} == set(cert.PREFILL_CHUNKS)
+    assert any(c.window is None for c in cases) and any(c.window and c.sinks for c in cases)
+    lens = [len(r) for c in cases for r in c.rows]
+    assert min(lens) == 1 and max(lens) > 256
+    assert min(c.max_new for c in cases) == 1 and max(c.max_new for c in cases) > 150
+    assert {s for c in cases for s in c.sources} == {"text", "random"} and {repr(c.eos) for c in cases} == {"None", "[]"}
+
+
+def test_cli_report_and_bad_flags(tmp_path):
+    out = tmp_path / "report.json"
+    r = subprocess.run([sys.executable, "-m", "qwen_mtp", "certify", "--configs", "1", "--seed", "4", "--max-prompt",
+                        "40", "--report", str(out)], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "1 identical, 0 diverged" in r.stdout
+    rep = json.loads(out.read_text())
+    assert rep["configs"] == 1 and rep["failing"] == 0 and rep["dtype"] == "float32"
+    bad = subprocess.run([sys.executable, "-m", "qwen_mtp", "certify", "--configs", "-1"], capture_output=True,
+                         text=True, cwd=REPO, timeout=300)
+    assert bad.returncode == 2 and "--configs" in bad.stderr and "Traceback" not in bad.stderr
+    with pytest.raises(cert.ArgumentError, match="--dtype"):
+        cert.certify(configs=1, dtype="float16")
