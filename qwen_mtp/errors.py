@@ -34,3 +34,15 @@ class ArgumentError(QwenMTPError, ValueError):
 
 class MissingMTPHeadError(QwenMTPError, ValueError):
     """The MTP head was asked for but the checkpoint has no mtp.* tensors."""
+
+
+class NonFiniteError(QwenMTPError, FloatingPointError):
+    """generate met non-finite logits (NaN / Inf: broken weights, an overflow): the call stops instead of emitting
+    tokens chosen from them. row, step: where (step = the index of the new token that would have been chosen);
+    where: the first stage whose output is non-finite on that row's tokens ("layer 3 (linear_attention)",
+    "embedding", "final norm", "lm_head", or "not reproduced" when a re-run of those tokens stays finite)."""
+
+    def __init__(self, row, step, where):
+        self.row, self.step, self.where = row, step, where
+        super().__init__(f"non-finite logits at new token {step} of row {row}: first non-finite output: {where}; "
+                         f"no token was emitted from them (check the weights for NaN / Inf)")

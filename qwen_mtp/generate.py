@@ -25,9 +25,11 @@ import numpy as np
 
 from . import program_cache, sharding
 from .config import ModelConfig
-from .errors import ArgumentError
+from .errors import ArgumentError, NonFiniteError
 from .model import forward, lm_logits
 from .mtp import init_mtp_cache, mtp_forward, require_mtp
+from . import nonfinite
+from .nonfinite import BIG
 from .ops import DECODE_COMPILER_OPTIONS, FEW_ROWS
 from .sampling import Sampling, choose
 from .speculative import SpecConfig, spec_decode, spec_decode_few_rows, spec_start
@@ -293,9 +295,9 @@ def _concat_time(parts, length):
 
 @partial(jax.jit, static_argnames=("sampling",))
 def _first_token(weights, last, key, sampling):
-    """The logits [B, V] after the prompt and the token chosen from them."""
+    """The logits [B, V] after the prompt, the token chosen from them, and whether they are all finite [B]."""
     logits = lm_logits(weights, last)
-    return logits, choose(key, logits, sampling)
+    return logits, choose(key, logits, sampling), jnp.all(jnp.isfinite(logits), axis=-1)
 
 
 class PlainCarry(NamedTuple):
@@ -308,6 +310,7 @@ class PlainCarry(NamedTuple):
     done: jax.Array  # [B]
     key: jax.Array
     i: jax.Array  # () tokens per row so far (the next column of out)
+    bad: jax.Array  # [B] the new token whose logits held a NaN / Inf (the row is frozen there); BIG: none
 
 
 @partial(jax.jit, static_argnames=("cap", "keep_logits"))
@@ -316,7 +319,8 @@ def _plain_start(first, first_logits, pos, key, eos, pad_id, cap, keep_logits) -
     out = jnp.full((B, cap), pad_id, jnp.int32).at[:, 0].set(first)
     logits = jnp.zeros((B, cap if keep_logits else 1, V), jnp.float32).at[:, 0].set(first_logits)
     done = jnp.any(first[:, None] == eos[None, :], axis=-1)
-    return PlainCarry(first, pos, out, logits, jnp.ones((B,), jnp.int32), done, key, jnp.int32(1))
+    return PlainCarry(first, pos, out, logits, jnp.ones((B,), jnp.int32), done, key, jnp.int32(1),
+                      jnp.full((B,), BIG, jnp.int32))
 
 
 @partial(jax.jit, static_argnames=("cfg", "keep_logits", "sampling"), donate_argnames=("state", "carry"))
@@ -331,16 +335,19 @@ def _plain_decode(weights, cfg, state, carry: PlainCarry, eos, pad_id, max_new, 
         return (i < max_new) & (i < until) & ~jnp.all(c[1].done)
 
     def body(c):
-        state, (tok, pos, out, logits_buf, n_out, done, key, i) = c
+        state, (tok, pos, out, logits_buf, n_out, done, key, i, bad) = c
         hidden, state = forward(weights, cfg, tok[:, None], state, pos, jnp.ones((B,), jnp.int32), gdn_mode="step")
         logits = lm_logits(weights, hidden[:, 0])
         key, sub = jax.random.split(key)
         nxt = choose(sub, logits, sampling)
-        out = out.at[:, i].set(jnp.where(done, pad_id, nxt))
+        nonfinite = ~jnp.all(jnp.isfinite(logits), axis=-1) & ~done  # nothing is emitted from these
+        bad = jnp.where(nonfinite, i, bad)
+        out = out.at[:, i].set(jnp.where(done | nonfinite, pad_id, nxt))
         if keep_logits:
             logits_buf = logits_buf.at[:, i].set(logits)
-        n_out = n_out + (~done).astype(jnp.int32)
-        return state, PlainCarry(nxt, pos + 1, out, logits_buf, n_out, done | is_eos(nxt), key, i + 1)
+        n_out = n_out + (~done & ~nonfinite).astype(jnp.int32)
+        done = done | nonfinite | is_eos(nxt)
+        return state, PlainCarry(nxt, pos + 1, out, logits_buf, n_out, done, key, i + 1, bad)
 
     return jax.lax.while_loop(cond, body, (state, carry))
 
@@ -587,8 +594,11 @@ def _run(ex, model, req: _Request, stream):
     t0 = time.perf_counter()
     state, last, hidden = prefill(model, rows, req.cache_len, req.prefill_chunk, keep_hidden=spec is not None,
                                   kv_dtype=req.kv_dtype, runner=ex)
-    first_logits, first = ex.call(_first_token, weights, last, first_key, sampling=req.sampling)
+    first_logits, first, first_ok = ex.call(_first_token, weights, last, first_key, sampling=req.sampling)
     first_host = ex.host(first)
+    if not ex.compile_only and not ex.host(first_ok).all():
+        b = int(np.flatnonzero(~ex.host(first_ok))[0])
+        raise NonFiniteError(b, 0, nonfinite.locate(model, rows[b]))
     if spec is not None:
         # the head's KV for every prompt row, and the bridge draft's input: row L-1 = (first token, h_{L-1})
         nxt = np.zeros((B, hidden.shape[1]), np.int32)
@@ -623,17 +633,24 @@ def _run(ex, model, req: _Request, stream):
                                            ex.shared(np.int32(until)), spec=spec, sampling=req.sampling)
         if ex.compile_only:
             return None
+        bad = ex.host(carry.bad)
         if stream is None:
             break
         out, n_out, done = ex.host(carry.out), ex.host(carry.n_out), ex.host(carry.done)
-        new = [out[b, delivered[b]:n_out[b]] for b in range(B)]
+        new = [out[b, delivered[b]:n_out[b]] for b in range(B)]  # a frozen row's count stops before its bad token
         if any(len(r) for r in new):
             stream(new)
         delivered[:] = n_out
+        if (bad < BIG).any():
+            break
         if done.all() or (spec is None and int(ex.host(carry.i)) >= req.max_new):
             break
         segment = min(2 * segment, STREAM_SEGMENT)
     out, n_out = ex.host(carry.out)[:, :req.cap], ex.host(carry.n_out)
+    if (bad < BIG).any():  # stop the call: name the row, the token and the first non-finite stage
+        b = int(np.argmin(bad))
+        step = int(bad[b])
+        raise NonFiniteError(b, step, nonfinite.locate(model, np.concatenate([rows[b], out[b, :step]])))
     logits = ex.host(carry.logits) if spec is None and req.return_logits else None
     hist = hits = None
     if spec is not None:

@@ -28,6 +28,7 @@ from . import draft_vocab
 from .errors import ArgumentError
 from .model import forward, lm_logits
 from .mtp import mtp_forward
+from .nonfinite import BIG
 from .ops import DECODE_COMPILER_OPTIONS
 from .rollback import select_states
 from .sampling import Sampling, draw, probs
@@ -128,6 +129,7 @@ class SpecCarry(NamedTuple):
     hist: jax.Array  # [k + 1] accepted-draft histogram H[n] over active rows
     hits: jax.Array  # [k] per draft position, how often its own test passed
     rounds: jax.Array  # () rounds run so far
+    bad: jax.Array  # [B] the new token whose logits held a NaN / Inf (the row is frozen there); BIG: none
 
 
 @partial(jax.jit, static_argnames=("cap", "spec"))
@@ -138,7 +140,7 @@ def spec_start(first, bridge, pos, key, eos, pad_id, max_new, cap, spec: SpecCon
     out = jnp.full((B, cap + k + 1), pad_id, jnp.int32).at[:, 0].set(first)
     done = jnp.any(first[:, None] == eos, axis=-1) | (max_new <= 1)
     return SpecCarry(pos, first, bridge, out, jnp.ones((B,), jnp.int32), done, key, jnp.zeros((k + 1,), jnp.int32),
-                     jnp.zeros((k,), jnp.int32), jnp.int32(0))
+                     jnp.zeros((k,), jnp.int32), jnp.int32(0), jnp.full((B,), BIG, jnp.int32))
 
 
 @partial(jax.jit, static_argnames=("cfg", "spec", "sampling"), donate_argnames=("state", "mcache", "carry"))
@@ -156,7 +158,7 @@ def spec_decode(weights, cfg, state, mcache, carry: SpecCarry, eos, max_new, unt
 
     def body(c):
         state, mcache, cr = c
-        pos, x, m1, out, n_out, done, key, hist, hits, rounds = cr
+        pos, x, m1, out, n_out, done, key, hist, hits, rounds, bad = cr
         key, k_draft, k_acc = jax.random.split(key, 3)
         with jax.named_scope("draft"):
             D, Q, mcache = _draft(weights, cfg, mcache, m1, pos, spec, sampling, k_draft)
@@ -176,7 +178,10 @@ def spec_decode(weights, cfg, state, mcache, carry: SpecCarry, eos, max_new, unt
             eos_at = jnp.where(is_eos(emitted) & (idx[None] < cnt[:, None]), idx[None], k + 1).min(axis=1)
             hit_eos = eos_at <= k
             cnt = jnp.minimum(jnp.where(hit_eos, eos_at + 1, cnt), max_new - n_out)
-            cnt = jnp.where(done, 0, cnt)
+            # a NaN / Inf in the logits this round's tokens come from (rows 0..n): nothing is emitted, the row stops
+            nonfinite = jnp.any(~jnp.isfinite(logits) & (idx[None, :, None] <= n[:, None, None]), axis=(1, 2)) & ~done
+            bad = jnp.where(nonfinite, n_out, bad)
+            cnt = jnp.where(done | nonfinite, 0, cnt)
             write = jax.vmap(lambda o, e, s, c_: jax.lax.dynamic_update_slice(
                 o, jnp.where(idx < c_, e, jax.lax.dynamic_slice(o, (s,), (k + 1,))), (s,)))
             out = write(out, emitted, n_out, cnt)
@@ -194,10 +199,10 @@ def spec_decode(weights, cfg, state, mcache, carry: SpecCarry, eos, max_new, unt
             m1 = m_all[rows, n]
 
         n_out = n_out + cnt
-        new_done = done | (hit_eos & active) | (n_out >= max_new)
+        new_done = done | (hit_eos & active) | (n_out >= max_new) | nonfinite
         pos = jnp.where(done, pos, pos + n + 1)
         x = jnp.where(done, x, bonus)
-        return state, mcache, SpecCarry(pos, x, m1, out, n_out, new_done, key, hist, hits, rounds + 1)
+        return state, mcache, SpecCarry(pos, x, m1, out, n_out, new_done, key, hist, hits, rounds + 1, bad)
 
     cond = lambda c: ~jnp.all(c[2].done) & (c[2].rounds < until)
     return jax.lax.while_loop(cond, body, (state, mcache, carry))

@@ -1,0 +1,88 @@
+"""Failures during generation are loud: NaN / Inf logits stop generate with NonFiniteError naming the row, the new
+token and the first non-finite stage, and nothing is emitted from them (streamed or not, plain or speculative);
+a stream callback that raises ends the call with its exception and leaves the model usable."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import qwen_mtp
+from qwen_mtp.cli import default_model_path
+
+PROMPT = np.arange(40, 75)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return qwen_mtp.load(default_model_path())
+
+
+def _with(model, fn):
+    """A copy of the model whose weights pass through fn (numpy in, numpy out)."""
+    w = fn(model.weights)
+    return dataclasses.replace(model, weights=w)
+
+
+def _nan_layer(model, i):
+    import jax.numpy as jnp
+
+    def fn(w):
+        layers = list(w.layers)
+        mixer = layers[i].mixer
+        layers[i] = dataclasses.replace(layers[i], mixer=dataclasses.replace(
+            mixer, out_proj=jnp.full_like(mixer.out_proj, jnp.nan)))
+        return dataclasses.replace(w, layers=tuple(layers))
+    return _with(model, fn)
+
+
+def test_nan_weights_name_the_layer(model):
+    broken = _nan_layer(model, 2)
+    assert model.config.layer_types[2] == "linear_attention"
+    for spec in (None, qwen_mtp.SpecConfig(k=2)):
+        with pytest.raises(qwen_mtp.NonFiniteError, match=r"layer 2 \(linear_attention\)") as e:
+            qwen_mtp.generate(broken, PROMPT, 8, spec=spec, eos_token_id=[])
+        assert e.value.row == 0 and e.value.step == 0  # the prompt's own logits: not one token emitted
+    # the clean model is unaffected (no false alarm)
+    assert qwen_mtp.generate(model, PROMPT, 8, eos_token_id=[]).tokens.shape == (1, 8)
+
+
+def test_nan_met_during_decode_stops_before_emitting(model):
+    """The input embedding of the 4th new token is NaN (on an untied copy of the model, so its lm_head column
+    stays finite): the first 4 tokens are chosen from finite logits and delivered; the logits after feeding that
+    token are not, and the call stops there."""
+    import jax.numpy as jnp
+
+    untied = _with(model, lambda w: dataclasses.replace(w, lm_head=jnp.asarray(w.embed.T)))
+    clean = qwen_mtp.generate(untied, [PROMPT, PROMPT[:20]], 12, eos_token_id=[]).tokens
+    x = int(clean[0, 3])
+    assert x not in PROMPT and x not in clean[0, :3] and x not in clean[1] and x not in PROMPT[:20]
+    broken = _with(untied, lambda w: dataclasses.replace(w, embed=w.embed.at[x].set(jnp.nan)))
+    got = []
+    with pytest.raises(qwen_mtp.NonFiniteError, match="embedding") as e:
+        qwen_mtp.generate(broken, [PROMPT, PROMPT[:20]], 12, eos_token_id=[],
+                          stream=lambda rows: got.append([r.tolist() for r in rows]))
+    assert (e.value.row, e.value.step) == (0, 4)
+    row0 = sum((seg[0] for seg in got), [])
+    assert row0 == clean[0, :4].tolist()  # every token before the bad one, none after
+    with pytest.raises(qwen_mtp.NonFiniteError) as e:
+        qwen_mtp.generate(broken, [PROMPT, PROMPT[:20]], 12, eos_token_id=[], spec=qwen_mtp.SpecConfig(k=3))
+    assert e.value.row == 0 and 1 <= e.value.step <= 4
+
+
+def test_a_raising_stream_callback_ends_the_call_and_the_model_stays_usable(model):
+    want = qwen_mtp.generate(model, PROMPT, 20, eos_token_id=[], spec=qwen_mtp.SpecConfig(k=2)).tokens
+    calls = []
+
+    def sink(rows):
+        calls.append(rows)
+        if len(calls) == 3:
+            raise KeyError("the consumer went away")
+
+    with pytest.raises(KeyError, match="the consumer went away"):
+        qwen_mtp.generate(model, PROMPT, 20, eos_token_id=[], spec=qwen_mtp.SpecConfig(k=2), stream=sink)
+    assert len(calls) == 3
+    again = qwen_mtp.generate(model, PROMPT, 20, eos_token_id=[], spec=qwen_mtp.SpecConfig(k=2)).tokens
+    np.testing.assert_array_equal(again, want)
