@@ -480,3 +480,6 @@ def main(argv=None) -> int:
     except QwenMTPError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: end cleanly, no traceback (convert's save leaves nothing half written)
+        print("\ninterrupted", file=sys.stderr)
+        return 130

@@ -86,3 +86,29 @@ def test_a_raising_stream_callback_ends_the_call_and_the_model_stays_usable(mode
     assert len(calls) == 3
     again = qwen_mtp.generate(model, PROMPT, 20, eos_token_id=[], spec=qwen_mtp.SpecConfig(k=2)).tokens
     np.testing.assert_array_equal(again, want)
+
+
+def test_ctrl_c_ends_the_cli_cleanly(tmp_path):
+    """SIGINT while the CLI streams a long answer: exit status 130, a one-word message, no traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "QWEN_MTP_COMPILE_CACHE": str(tmp_path / "cache")}
+    p = subprocess.Popen([sys.executable, "-m", "qwen_mtp", "generate", "def f(x):", "--max-new-tokens", "100000",
+                          "--no-spec"], cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = p.stdout.readline()  # the prompt and the first streamed text: generation is under way
+        assert first, p.stderr.read()[-2000:]
+        time.sleep(1.0)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err[-2000:]
+    assert "interrupted" in err and "Traceback" not in err
