@@ -46,3 +46,13 @@ class NonFiniteError(QwenMTPError, FloatingPointError):
         self.row, self.step, self.where = row, step, where
         super().__init__(f"non-finite logits at new token {step} of row {row}: first non-finite output: {where}; "
                          f"no token was emitted from them (check the weights for NaN / Inf)")
+
+
+class InsufficientMemoryError(QwenMTPError, MemoryError):
+    """A generate request whose caches and buffers cannot fit in the free memory, refused before allocating."""
+
+    def __init__(self, needed, available, where, parts):
+        self.needed, self.available = needed, available
+        super().__init__(f"the request needs {needed:,} bytes ({needed / 2**30:.2f} GiB: {parts}) and {where} has "
+                         f"{available:,} bytes ({available / 2**30:.2f} GiB) free: use fewer rows, a shorter "
+                         f"context or max_new_tokens, kv_dtype='float8_e4m3fn', or a window for the draft head")

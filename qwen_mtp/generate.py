@@ -28,7 +28,7 @@ from .config import ModelConfig
 from .errors import ArgumentError, NonFiniteError
 from .model import forward, lm_logits
 from .mtp import init_mtp_cache, mtp_forward, require_mtp
-from . import nonfinite
+from . import memory, nonfinite
 from .nonfinite import BIG
 from .ops import DECODE_COMPILER_OPTIONS, FEW_ROWS
 from .sampling import Sampling, choose
@@ -522,6 +522,13 @@ def _request(model, prompt_ids, max_new_tokens, spec, temperature, top_k, top_p,
                     int(seed), bool(return_logits))
 
 
+def request_bytes(model, req: _Request) -> dict:
+    """The bytes one generate call with this request allocates (memory.request_bytes)."""
+    return memory.request_bytes(model, len(req.rows), req.cache_len, req.kv_dtype, req.spec, req.cap,
+                                req.return_logits, int(req.lens.max()), _chunk_size(int(req.lens.max()),
+                                                                                     req.prefill_chunk))
+
+
 def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None = None, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id=None,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, return_logits: bool = False, stream=None,
@@ -552,6 +559,7 @@ def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None 
                    prefill_chunk, return_logits, kv_dtype)
     if stream is not None and not callable(stream):
         raise ArgumentError("stream", "None or a callable taking a list of per-row id arrays", repr(stream))
+    memory.check(model, request_bytes(model, req))  # refused before anything is allocated
     with _under_mesh(model):
         out, n_out, logits, hist, hits, t0, t1 = _run(_Runner(model), model, req, stream)
     t2 = time.perf_counter()

@@ -1,0 +1,88 @@
+"""Refusing a request that cannot fit: the bytes generate allocates for one call (its caches and buffers), sized
+from shapes before anything is allocated, against what the devices have free.
+
+Counted: the trunk's state (every attention KV cache and every GDN conv / recurrent state), the MTP head's cache
+(native or the Wind-MTP ring), the prefill hiddens kept for the head's prefill (speculative only), the verify's
+copies of every GDN state after each of its k + 1 positions, and the logits buffer of return_logits. Not counted:
+the weights (already on the device) and XLA's temporaries (a few activations). Available: on a GPU, the
+allocator's limit minus what is in use (Device.memory_stats); on a CPU, the host's MemAvailable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from .errors import InsufficientMemoryError
+from .mtp import init_mtp_cache
+from .state import GDNState, init_state
+
+
+def _nbytes(tree) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def request_bytes(model, batch: int, cache_len: int, kv_dtype, spec, cap: int, return_logits: bool,
+                  prompt_len: int, prefill_chunk: int) -> dict:
+    cfg, dtype = model.config, model.weights.embed.dtype
+    state = jax.eval_shape(lambda: init_state(cfg, batch, cache_len, dtype, kv_dtype))
+    out = {"trunk state": _nbytes(state)}
+    if spec is not None:
+        head = jax.eval_shape(lambda: init_mtp_cache(cfg, batch, cache_len, kv_dtype, window=spec.window,
+                                                     sinks=spec.sinks, k=spec.k))
+        out["head cache"] = _nbytes(head)
+        chunks = -(-prompt_len // prefill_chunk)
+        out["prefill hiddens"] = batch * chunks * prefill_chunk * cfg.hidden_size * jnp.dtype(dtype).itemsize
+        out["verify GDN states"] = (spec.k + 1) * sum(_nbytes(s) for s in state if isinstance(s, GDNState))
+    if return_logits:
+        out["logits"] = batch * cap * cfg.vocab_size * 4
+    out["total"] = sum(out.values())
+    return out
+
+
+def _host_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import os
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def available_bytes(devices) -> tuple[int | None, str]:
+    """(bytes free, where): the least free on any of `devices` (accelerators), or the host's (CPU)."""
+    if all(d.platform == "cpu" for d in devices):
+        return _host_available(), "the host (MemAvailable)"
+    free = []
+    for d in devices:
+        stats = d.memory_stats() or {}
+        if "bytes_limit" in stats:
+            free.append((stats["bytes_limit"] - stats.get("bytes_in_use", 0), str(d)))
+    if not free:
+        return None, "unknown"
+    b, where = min(free)
+    return b, where
+
+
+def check(model, need: dict) -> None:
+    """InsufficientMemoryError if `need` (request_bytes) does not fit, before anything is allocated. Sharded over a
+    mesh of accelerators, each device holds about 1/n of the caches (batch rows and heads are split)."""
+    mesh = getattr(model, "mesh", None)
+    devices = ([d for d in mesh.devices.flat if d.process_index == jax.process_index()] if mesh is not None
+               else [jax.devices()[0]])
+    free, where = available_bytes(devices)
+    if free is None:
+        return
+    total = need["total"]
+    per_device = total if all(d.platform == "cpu" for d in devices) else -(-total // len(devices))
+    if per_device > free:
+        parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in need.items() if k != "total")
+        raise InsufficientMemoryError(per_device, free, where, parts)
