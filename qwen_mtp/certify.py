@@ -277,6 +277,13 @@ def certify(model_path=None, *, configs: int = 50, archs: int = 0, seed: int = 0
     t0 = time.perf_counter()
 
     def done_one():
+        # each case compiles programs of its own shapes: drop them (jax's caches, the program cache's memo) so a
+        # long sweep's memory stays flat; the persistent caches on disk keep them for a rerun
+        import jax
+
+        from . import program_cache
+        jax.clear_caches()
+        program_cache._memo.clear()
         report.seconds = time.perf_counter() - t0
         if on_case is not None:
             on_case(report)

@@ -52,7 +52,7 @@ _TRACE_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_
                 "jax_use_shardy_partitioner", "jax_numpy_dtype_promotion")
 
 _folder: Path | None = None
-_memo: dict = {}  # key -> _Program (this process)
+_memo: dict = {}  # key -> _Program (this process; a long sweep over many shapes clears it, certify.py)
 _refused: set = set()  # keys jax could not export
 
 
