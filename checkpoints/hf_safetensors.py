@@ -75,9 +75,13 @@ def _shard_files(folder: Path) -> dict:
             raise CheckpointError(index, None, "a JSON object with a 'weight_map'", f"{type(e).__name__}: {e}") from None
         if not isinstance(weight_map, dict):
             raise CheckpointError(index, None, "'weight_map' to be an object", type(weight_map).__name__)
+        if not weight_map:
+            raise CheckpointError(index, None, "a 'weight_map' naming the checkpoint's tensors", "an empty map")
         root = folder.resolve()
         files = {}
         for name, shard in weight_map.items():
+            if not isinstance(shard, str) or not shard:
+                raise CheckpointError(index, name, "a shard file name (a non-empty string)", repr(shard))
             p = (folder / str(shard)).resolve()
             if Path(str(shard)).is_absolute() or not p.is_relative_to(root):
                 raise CheckpointError(index, name, f"a shard path inside {root}", repr(shard))

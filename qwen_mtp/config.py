@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 from pathlib import Path
 
@@ -94,7 +95,7 @@ def parse_config(raw: dict, file="config.json") -> ModelConfig:
     if not isinstance(raw, dict):
         raise ConfigError(file, "<root>", "a JSON object", type(raw).__name__)
     model_type = raw.get("model_type")
-    if model_type not in MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         raise ConfigError(file, "model_type", f"one of {sorted(MODEL_TYPES)}", repr(model_type))
     family, nested, prefix = MODEL_TYPES[model_type]
     top = raw
@@ -128,8 +129,10 @@ def parse_config(raw: dict, file="config.json") -> ModelConfig:
     if layer_types is None:
         interval = get("full_attention_interval", 4)
         layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+    if not isinstance(layer_types, (list, tuple)):
+        raise ConfigError(file, "layer_types", f"a list of {n_layers} entries from {LAYER_TYPES}", repr(layer_types))
     layer_types = tuple(layer_types)
-    if len(layer_types) != n_layers or any(t not in LAYER_TYPES for t in layer_types):
+    if len(layer_types) != n_layers or any(not isinstance(t, str) or t not in LAYER_TYPES for t in layer_types):
         raise ConfigError(file, "layer_types", f"{n_layers} entries from {LAYER_TYPES}", repr(list(layer_types)))
 
     # MLP kind per layer
@@ -154,11 +157,21 @@ def parse_config(raw: dict, file="config.json") -> ModelConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise ConfigError(file, "rope_parameters.rope_type", "'default' (the only RoPE implemented)", repr(rope_type))
-    theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-    prf = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor",
-                                                      0.25 if family == "qwen3_next" else 1.0))
+    def positive_number(name, val):
+        if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val <= 0:
+            raise ConfigError(file, name, "a finite positive number", repr(val))
+        return float(val)
+
+    def flag(name, val):
+        if not isinstance(val, bool):
+            raise ConfigError(file, name, "true or false", repr(val))
+        return val
+
+    theta = positive_number("rope_theta", rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    prf = positive_number("partial_rotary_factor", rope.get("partial_rotary_factor", raw.get(
+        "partial_rotary_factor", 0.25 if family == "qwen3_next" else 1.0)))
     head_dim = get("head_dim", hidden // n_heads)
-    rotary_dim = int(head_dim * float(prf))
+    rotary_dim = int(head_dim * prf)
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
         raise ConfigError(file, "partial_rotary_factor", f"a factor giving an even rotary dim in (0, {head_dim}]",
                           repr(prf))
@@ -179,21 +192,26 @@ def parse_config(raw: dict, file="config.json") -> ModelConfig:
         eos_ids = _int_list(eos)
     except (TypeError, ValueError):
         raise ConfigError(file, "eos_token_id", "an integer or a list of integers", repr(eos)) from None
-    tie = raw.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
+    tie = flag("tie_word_embeddings", raw.get("tie_word_embeddings", top.get("tie_word_embeddings", False)))
     mtp_layers = raw.get("mtp_num_hidden_layers", raw.get("num_nextn_predict_layers", 0)) or 0
+    if isinstance(mtp_layers, bool) or not isinstance(mtp_layers, int) or mtp_layers < 0:
+        raise ConfigError(file, "mtp_num_hidden_layers", "an integer >= 0", repr(mtp_layers))
+    norm_topk = flag("norm_topk_prob", raw.get("norm_topk_prob", True))
+    eps = raw.get("rms_norm_eps", top.get("rms_norm_eps"))
+    eps = positive_number("rms_norm_eps", 1e-6 if eps is None else eps)
     pad = raw.get("pad_token_id", top.get("pad_token_id"))
     return ModelConfig(
         model_type=model_type, family=family, vocab_size=get("vocab_size"), hidden_size=hidden,
         layer_types=layer_types, mlp_types=mlp_types,
-        num_heads=n_heads, num_kv_heads=n_kv, head_dim=head_dim, rotary_dim=rotary_dim, rope_theta=float(theta),
+        num_heads=n_heads, num_kv_heads=n_kv, head_dim=head_dim, rotary_dim=rotary_dim, rope_theta=theta,
         gdn_num_k_heads=nk, gdn_num_v_heads=nv, gdn_k_head_dim=get("linear_key_head_dim"),
         gdn_v_head_dim=get("linear_value_head_dim"), conv_kernel=get("linear_conv_kernel_dim", 4),
         intermediate_size=get("intermediate_size") if has_dense else 0,
         num_experts=num_experts if has_moe else 0, top_k=top_k,
         moe_intermediate_size=get("moe_intermediate_size") if has_moe else 0,
         shared_expert_intermediate_size=get("shared_expert_intermediate_size") if has_moe else 0,
-        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-        rms_norm_eps=get("rms_norm_eps", 1e-6, float), tie_word_embeddings=bool(tie),
+        norm_topk_prob=norm_topk,
+        rms_norm_eps=eps, tie_word_embeddings=tie,
         max_position_embeddings=get("max_position_embeddings", 32768), eos_token_ids=eos_ids,
         pad_token_id=int(pad) if isinstance(pad, int) else None, mtp_num_layers=int(mtp_layers),
         tensor_prefix=prefix,

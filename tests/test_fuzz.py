@@ -1,0 +1,192 @@
+"""Property-based tests (hypothesis) over public inputs: config.json fields, a checkpoint's safetensors bytes and
+index, generate's / SpecConfig's arguments. Every case ends in a typed error of this package (QwenMTPError) naming
+what was wrong, or in a correct result; never another exception from deep inside a library."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import qwen_mtp
+from qwen_mtp import QwenMTPError
+from qwen_mtp.cli import default_model_path
+from qwen_mtp.config import parse_config
+
+SHIPPED_CONFIG = json.loads((default_model_path() / "config.json").read_text())
+WEIRD = st.one_of(st.none(), st.booleans(), st.integers(-10 ** 12, 10 ** 12), st.floats(allow_nan=True),
+                  st.text(max_size=8), st.lists(st.integers(-3, 300), max_size=5),
+                  st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                           HealthCheck.too_slow])
+COUNTS = {}
+
+
+def _count(kind):
+    COUNTS[kind] = COUNTS.get(kind, 0) + 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_counts(request):
+    yield
+    request.config._fuzz_counts = dict(COUNTS)  # (read by nothing but a debugger; the note lists the settings)
+
+
+# ------------------------------------------------------------------------------------------------- config.json
+@FUZZ
+@given(st.lists(st.tuples(st.sampled_from(sorted(SHIPPED_CONFIG) + ["rope_parameters.rope_theta",
+                                                                   "rope_parameters.partial_rotary_factor"]),
+                          st.one_of(st.just("<delete>"), WEIRD)), min_size=1, max_size=3))
+def test_config_fields(edits):
+    _count("config.json fields")
+    raw = json.loads(json.dumps(SHIPPED_CONFIG))
+    for field, value in edits:
+        where, key = (raw, field) if "." not in field else (raw.setdefault("rope_parameters", {}), field.split(".")[1])
+        if not isinstance(where, dict):
+            continue
+        if value == "<delete>":
+            where.pop(key, None)
+        else:
+            where[key] = value
+    try:
+        cfg = parse_config(raw, "fuzz/config.json")
+    except QwenMTPError as e:
+        assert "fuzz/config.json" in str(e)
+        return
+    # accepted: a config every part of which is consistent
+    assert cfg.num_heads % cfg.num_kv_heads == 0 and cfg.vocab_size > 0 and cfg.hidden_size > 0
+    assert len(cfg.layer_types) >= 1 and cfg.gdn_num_v_heads % cfg.gdn_num_k_heads == 0
+
+
+@FUZZ
+@given(st.lists(st.integers(0, 2 ** 31), max_size=40), st.integers(1, 8))
+def test_head_counts(values, nkv):
+    """Inconsistent head counts (heads not a multiple of kv heads, value heads not a multiple of key heads, zeros)."""
+    _count("config.json head counts")
+    raw = dict(SHIPPED_CONFIG)
+    names = ["num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads",
+             "head_dim", "linear_key_head_dim"]
+    for name, v in zip(names, values):
+        raw[name] = v % 9
+    raw["num_key_value_heads"] = nkv
+    try:
+        cfg = parse_config(raw, "fuzz/config.json")
+    except QwenMTPError:
+        return
+    assert cfg.num_heads >= 1 and cfg.num_heads % cfg.num_kv_heads == 0
+    assert cfg.gdn_num_k_heads >= 1 and cfg.gdn_num_v_heads % cfg.gdn_num_k_heads == 0
+
+
+# ------------------------------------------------------------------------------------ safetensors and the index
+@pytest.fixture(scope="module")
+def tiny_folder(ckpt, tmp_path_factory):
+    return ckpt("dense")[1]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(["truncate", "flip", "header_len", "dtype", "offsets", "json"]), st.integers(0, 2 ** 31),
+       st.integers(0, 255))
+def test_safetensors_bytes(tiny_folder, tmp_path_factory, how, where, byte):
+    _count("safetensors bytes")
+    folder = tmp_path_factory.mktemp("st")
+    for f in tiny_folder.iterdir():
+        shutil.copy(f, folder / f.name)
+    path = folder / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    if how == "truncate":
+        data = data[:where % len(data)]
+    elif how == "flip":
+        data[where % len(data)] = byte
+    elif how == "header_len":
+        data[:8] = (where % (2 * len(data))).to_bytes(8, "little")
+    else:
+        names = [k for k in header if k != "__metadata__"]
+        name = names[where % len(names)]
+        if how == "dtype":
+            header[name]["dtype"] = ["I32", "U8", "F64", "BOOL", "X9", "F8_E4M3"][byte % 6]
+        elif how == "offsets":
+            a, b = header[name]["data_offsets"]
+            header[name]["data_offsets"] = [[b, a], [a, b + 1 + byte], [a + 4, b], [0, 2 ** 40]][byte % 4]
+        else:
+            header[name]["shape"] = [[], [byte], [-1, 3], "x"][byte % 4]
+        text = json.dumps(header).encode()
+        data = bytearray(len(text).to_bytes(8, "little")) + text + data[8 + n:]
+    path.write_bytes(bytes(data))
+    try:
+        qwen_mtp.load(folder)
+    except QwenMTPError as e:
+        assert "model.safetensors" in str(e) or "config.json" in str(e), str(e)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(WEIRD, st.sampled_from(["weight_map", "root", "entry"]))
+def test_safetensors_index(tiny_folder, tmp_path_factory, value, how):
+    _count("model.safetensors.index.json")
+    folder = tmp_path_factory.mktemp("idx")
+    for f in tiny_folder.iterdir():
+        shutil.copy(f, folder / f.name)
+    from safetensors.numpy import load_file
+    names = sorted(load_file(folder / "model.safetensors"))
+    index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in names}}
+    if how == "weight_map":
+        index["weight_map"] = value
+    elif how == "root":
+        index = value
+    else:
+        index["weight_map"][names[0]] = value
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    try:
+        qwen_mtp.load(folder)
+    except QwenMTPError as e:
+        assert "index" in str(e) or "safetensors" in str(e), str(e)
+
+
+# ------------------------------------------------------------------------------------- generate's arguments
+@pytest.fixture(scope="module")
+def shipped():
+    return qwen_mtp.load(default_model_path())
+
+
+PROMPTS = st.one_of(st.lists(st.integers(-5, 5000), max_size=6), st.lists(st.lists(st.integers(0, 4100), max_size=4),
+                                                                              max_size=3),
+                    WEIRD, st.just(np.zeros((2, 2, 2), np.int32)), st.just(np.array([1.5, 2.0])),
+                    st.just(np.array([], np.int64)))
+
+
+@FUZZ
+@given(PROMPTS, WEIRD, st.one_of(st.none(), st.builds(dict, k=WEIRD), st.builds(dict, k=st.integers(1, 16),
+                                                                                   window=WEIRD, sinks=WEIRD)),
+       st.dictionaries(st.sampled_from(["temperature", "top_k", "top_p", "seed", "eos_token_id", "prefill_chunk",
+                                        "kv_dtype", "return_logits"]), WEIRD, max_size=3))
+def test_generate_arguments(shipped, prompt, max_new, spec_kw, kw):
+    """Validation only (generate's own checks, run by _request before any program): a typed error or an
+    accepted request, never another exception."""
+    from qwen_mtp.generate import _request
+    _count("generate / SpecConfig arguments")
+    try:
+        spec = None if spec_kw is None else qwen_mtp.SpecConfig(**spec_kw)
+        args = dict(temperature=0.0, top_k=0, top_p=1.0, seed=0, eos_token_id=None, prefill_chunk=256,
+                    return_logits=False, kv_dtype=None)
+        args.update(kw)
+        req = _request(shipped, prompt, max_new, spec, args["temperature"], args["top_k"], args["top_p"],
+                       args["seed"], args["eos_token_id"], args["prefill_chunk"], args["return_logits"],
+                       args["kv_dtype"])
+    except QwenMTPError as e:
+        assert "argument" in str(e) or "prompt" in str(e) or "SpecConfig" in str(e) or "ids" in str(e), str(e)
+        return
+    assert req.max_new >= 1 and all(len(r) >= 1 for r in req.rows)
+    assert all(0 <= int(t) < shipped.config.vocab_size for r in req.rows for t in r)
+
+
+def test_a_few_accepted_requests_really_run(shipped):
+    """Examples the property above accepts at its edges run end to end (first id, last id, one token)."""
+    V = shipped.config.vocab_size
+    out = qwen_mtp.generate(shipped, [[0], [V - 1, 0, V - 1]], 1, spec=qwen_mtp.SpecConfig(k=16, window=1, sinks=0),
+                            top_k=V, temperature=1e-3, top_p=1.0, eos_token_id=[], prefill_chunk=1)
+    assert out.tokens.shape == (2, 1)
