@@ -190,3 +190,36 @@ def test_a_few_accepted_requests_really_run(shipped):
     out = qwen_mtp.generate(shipped, [[0], [V - 1, 0, V - 1]], 1, spec=qwen_mtp.SpecConfig(k=16, window=1, sinks=0),
                             top_k=V, temperature=1e-3, top_p=1.0, eos_token_id=[], prefill_chunk=1)
     assert out.tokens.shape == (2, 1)
+
+
+# ------------------------------------------------------------------------------------------------ the CLI's flags
+FLAG_VALUES = st.one_of(st.sampled_from(["0", "-1", "1", "2", "auto", "off", "1e9", "nan", "inf", "x", "", "3.5",
+                                         "int4", "data=1,model=1", "model=0", "float8_e4m3fn", "bfloat16"]),
+                        st.text(alphabet="0123456789-.,=ab", max_size=6))
+FLAGS = ["--k", "--window", "--sinks", "--temperature", "--top-p", "--top-k", "--seed", "--quant", "--group-size",
+         "--kv-dtype", "--mesh", "--draft-vocab"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(FLAGS), FLAG_VALUES), min_size=1, max_size=2))
+def test_cli_flags(flags):
+    """generate with weird flag values (2 new tokens): exit 0, or a one-line error with status 2 (argparse's or
+    ours); never a traceback."""
+    import contextlib
+    import io
+
+    from qwen_mtp.cli import main
+    _count("CLI flags")
+    argv = ["generate", "def f():", "--max-new-tokens", "2"]  # the session's compile cache (conftest)
+    for flag, value in flags:
+        argv += [flag, value]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            rc = main(argv)
+        except SystemExit as e:  # argparse: usage line and the error
+            rc = e.code
+    assert rc in (0, 2), (argv, rc, err.getvalue()[-500:])
+    assert "Traceback" not in err.getvalue()
+    if rc == 2:
+        assert "error" in err.getvalue()
