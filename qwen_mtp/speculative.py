@@ -10,7 +10,9 @@ m1 = the head's bridge output MTP(embed(x), trunk hidden at pos-1) already compu
   4. roll back: each GDN layer continues from its state after position pos+n (rollback.py);
   5. refill the head's KV for the committed rows from the TRUNK's hiddens: rows pos..pos+n get
      (d_1..d_n, bonus) with trunk hiddens g_0..g_n; the output at row pos+n is the next round's bridge.
-EOS and max_new_tokens cut the emitted tokens exactly; finished rows are frozen.
+EOS and max_new_tokens cut the emitted tokens exactly; finished rows are frozen. A row whose verify logits (the
+rows its tokens come from) hold a NaN / Inf emits nothing that round and is frozen with `bad` set; generate then
+raises NonFiniteError (nonfinite.py).
 With an fp8 KV cache (generate(kv_dtype=...), state.py) the verify's k+1 rows read each other, and themselves,
 as stored (rounded), exactly as k+1 plain steps would: the output is still the plain output under that cache.
 """
