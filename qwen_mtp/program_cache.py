@@ -88,9 +88,19 @@ def enabled(folder):
         _folder = before
 
 
-@functools.lru_cache(maxsize=None)
 def fingerprint() -> str:
-    """The code and the environment every entry was lowered from (see the module docstring)."""
+    """The code and the environment every entry was lowered from (see the module docstring). The flags are read
+    at every call: a process that changes one gets other entries from then on."""
+    h = hashlib.sha256(_code_digest().encode())
+    dev = jax.devices()[0]
+    h.update(f"{jax.default_backend()} {dev.device_kind}".encode())
+    h.update(repr([(f, getattr(jax.config, f, None)) for f in _TRACE_FLAGS]).encode())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def _code_digest() -> str:
+    """The package's sources and the versions of what traces them (read once per process)."""
     h = hashlib.sha256(f"format {FORMAT}".encode())
     root = Path(__file__).resolve().parents[1]
     for pkg in _PACKAGES:
@@ -101,9 +111,6 @@ def fingerprint() -> str:
             h.update(f"{dist} {importlib.metadata.version(dist)}\0".encode())
         except importlib.metadata.PackageNotFoundError:
             h.update(f"{dist} none\0".encode())
-    dev = jax.devices()[0]
-    h.update(f"{jax.default_backend()} {dev.device_kind}".encode())
-    h.update(repr([(f, getattr(jax.config, f, None)) for f in _TRACE_FLAGS]).encode())
     return h.hexdigest()
 
 
