@@ -31,12 +31,15 @@ def test_sizes_are_what_is_allocated(model):
 
 
 def test_a_request_too_large_for_this_host_is_refused(model):
-    """16 rows of return_logits over a 131072-token buffer: 16 x 131072 x 4096 x 4 bytes = 32 GiB of logits,
-    more than this machine has; refused at once, naming the bytes, before any program runs."""
+    """return_logits over a 131072-token buffer is 2 GiB of logits a row (131072 x 4096 x 4 bytes): enough rows to
+    pass what this host has free are refused at once, naming the bytes, before any program runs."""
     from test_startup import counting_compiles
 
-    rows = [np.arange(5, 20)] * 16
-    with counting_compiles() as seen, pytest.raises(qwen_mtp.InsufficientMemoryError, match=r"logits 32768\.0 MiB") as e:
+    free, _ = memory.available_bytes(jax.devices()[:1])
+    n = int(free // 2 ** 31) + 2
+    rows = [np.arange(5, 20)] * n
+    with counting_compiles() as seen, pytest.raises(qwen_mtp.InsufficientMemoryError,
+                                                    match=rf"logits {n * 2048}\.0 MiB") as e:
         qwen_mtp.generate(model, rows, 100_000, return_logits=True, eos_token_id=[])
     assert seen == []  # nothing compiled, nothing allocated
     assert e.value.needed > e.value.available > 0 and "MemAvailable" in str(e.value)
