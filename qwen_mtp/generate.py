@@ -23,12 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import program_cache, sharding
+from . import memory, nonfinite, program_cache, sharding
 from .config import ModelConfig
 from .errors import ArgumentError, NonFiniteError
 from .model import forward, lm_logits
 from .mtp import init_mtp_cache, mtp_forward, require_mtp
-from . import memory, nonfinite
 from .nonfinite import BIG
 from .ops import DECODE_COMPILER_OPTIONS, FEW_ROWS
 from .sampling import Sampling, choose
@@ -201,9 +200,12 @@ class _Runner:
         self.model = model
         self.cached = _mesh(model) is None  # program_cache.py keeps single-device programs only
 
+    def program(self, fn, args, static):
+        """fn's program from program_cache.py, or None (the cache is off: it is on for the CLI's run)."""
+        return program_cache.program(fn, args, static) if self.cached else None
+
     def call(self, fn, *args, **static):
-        # None unless the program cache is on (the CLI's run)
-        prog = program_cache.program(fn, args, static) if self.cached else None
+        prog = self.program(fn, args, static)
         return fn(*args, **static) if prog is None else prog.run(args, static)
 
     def host(self, x):
@@ -236,7 +238,7 @@ class _Compiler(_Runner):
                            if hasattr(a, "shape") else repr(a), args)
         key = (fn, repr(sig), tuple(sorted((k, repr(v)) for k, v in static.items())))
         if key not in self._done:
-            prog = program_cache.program(fn, args, static) if self.cached else None
+            prog = self.program(fn, args, static)
             self._done[key] = (fn.lower(*args, **static).compile().out_info if prog is None
                                else prog.out_info(args, static))
         return jax.tree.map(self._abstract, self._done[key])
@@ -358,6 +360,8 @@ _plain_decode_few_rows = jax.jit(_plain_decode.__wrapped__, static_argnames=("cf
 
 
 _logits = jax.jit(lm_logits)
+
+
 @jax.jit
 def _take_rows(x, idx):
     """x [B, T, ...], idx [B] -> x[b, idx[b]]"""
@@ -524,9 +528,9 @@ def _request(model, prompt_ids, max_new_tokens, spec, temperature, top_k, top_p,
 
 def request_bytes(model, req: _Request) -> dict:
     """The bytes one generate call with this request allocates (memory.request_bytes)."""
+    T = int(req.lens.max())
     return memory.request_bytes(model, len(req.rows), req.cache_len, req.kv_dtype, req.spec, req.cap,
-                                req.return_logits, int(req.lens.max()), _chunk_size(int(req.lens.max()),
-                                                                                     req.prefill_chunk))
+                                req.return_logits, T, _chunk_size(T, req.prefill_chunk))
 
 
 def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None = None, temperature: float = 0.0,
@@ -604,9 +608,11 @@ def _run(ex, model, req: _Request, stream):
                                   kv_dtype=req.kv_dtype, runner=ex)
     first_logits, first, first_ok = ex.call(_first_token, weights, last, first_key, sampling=req.sampling)
     first_host = ex.host(first)
-    if not ex.compile_only and not ex.host(first_ok).all():
-        b = int(np.flatnonzero(~ex.host(first_ok))[0])
-        raise NonFiniteError(b, 0, nonfinite.locate(model, rows[b]))
+    if not ex.compile_only:
+        ok = ex.host(first_ok)
+        if not ok.all():
+            b = int(np.flatnonzero(~ok)[0])
+            raise NonFiniteError(b, 0, nonfinite.locate(model, rows[b]))
     if spec is not None:
         # the head's KV for every prompt row, and the bridge draft's input: row L-1 = (first token, h_{L-1})
         nxt = np.zeros((B, hidden.shape[1]), np.int32)

@@ -189,20 +189,14 @@ def _plan(fn, args, static):
     if not all(_single_device(x) for x in dyn):
         return None
     # which flat leaves are donated: positional args by number (jax resolves donate_argnames to numbers too),
-    # keyword args by name
+    # keyword args by name; then their places among the dynamic leaves
     flags = []
     for i, a in enumerate(args):
         flags += [i in set(info.donate_argnums or ())] * len(jax.tree.leaves(a))
     for k in sorted(static):  # jax.tree.flatten orders a dict's keys
         flags += [k in set(info.donate_argnames or ())] * len(jax.tree.leaves(static[k]))
-    donate = []
-    j = 0
-    for i, flag in enumerate(flags):
-        if i in statics:
-            continue
-        if flag:
-            donate.append(j)
-        j += 1
+    dynamic = [i for i in range(len(leaves)) if i not in statics]
+    donate = [j for j, i in enumerate(dynamic) if flags[i]]
     avals = [_aval(x) for x in dyn]
     options = dict(info.compiler_options_kvs or ())
     key_text = repr((FORMAT, fingerprint(), name, str(tree), sorted((i, repr(v)) for i, v in statics.items()),
