@@ -1,6 +1,9 @@
 """Write `Weights` as a Hugging Face Qwen3.5 safetensors checkpoint (the inverse of hf_safetensors.py).
 
-Used by the training script to ship its model; dense and MoE (per-expert tensors) Qwen3.5 text layouts.
+Used by the training script to ship its model and by the certificate's random architectures; dense and MoE
+Qwen3.5 text layouts, MoE experts either per expert (`experts.{e}.gate_proj.weight`, ...) or fused
+(`experts.gate_up_proj` [E, 2I, H] with the gate rows first, `experts.down_proj` [E, H, I]) as newer
+transformers releases save them.
 Files are written to a temporary name and renamed, so a failed write leaves no half-written checkpoint.
 """
 
@@ -22,7 +25,10 @@ def _np(x, dtype):
     return np.ascontiguousarray(np.asarray(x, np.float32).astype(dtype))
 
 
-def _layer_tensors(lw, p):
+EXPERT_LAYOUTS = ("per-expert", "fused")
+
+
+def _layer_tensors(lw, p, experts="per-expert"):
     out = {p + "input_layernorm.weight": lw.input_norm, p + "post_attention_layernorm.weight": lw.post_norm}
     m = lw.mixer
     if isinstance(m, AttnWeights):
@@ -39,10 +45,15 @@ def _layer_tensors(lw, p):
     q = p + "mlp."
     if isinstance(f, MoEWeights):
         out[q + "gate.weight"] = f.router.T
-        for e in range(f.gate.shape[0]):
-            out[f"{q}experts.{e}.gate_proj.weight"] = f.gate[e].T
-            out[f"{q}experts.{e}.up_proj.weight"] = f.up[e].T
-            out[f"{q}experts.{e}.down_proj.weight"] = f.down[e].T
+        if experts == "fused":
+            gate, up, down = (np.asarray(x) for x in (f.gate, f.up, f.down))  # [E, H, I], [E, H, I], [E, I, H]
+            out[q + "experts.gate_up_proj"] = np.concatenate([gate, up], axis=2).transpose(0, 2, 1)
+            out[q + "experts.down_proj"] = down.transpose(0, 2, 1)
+        else:
+            for e in range(f.gate.shape[0]):
+                out[f"{q}experts.{e}.gate_proj.weight"] = f.gate[e].T
+                out[f"{q}experts.{e}.up_proj.weight"] = f.up[e].T
+                out[f"{q}experts.{e}.down_proj.weight"] = f.down[e].T
         s = q + "shared_expert."
         out.update({s + "gate_proj.weight": f.shared.gate.T, s + "up_proj.weight": f.shared.up.T,
                     s + "down_proj.weight": f.shared.down.T, q + "shared_expert_gate.weight": f.shared_gate.T})
@@ -51,29 +62,33 @@ def _layer_tensors(lw, p):
     return out
 
 
-def weights_to_tensors(weights: Weights, cfg: ModelConfig, dtype=np.float32) -> dict:
-    """HF tensor name -> numpy array ([out, in] matrices), for a qwen3_5_text / qwen3_5_moe_text config."""
+def weights_to_tensors(weights: Weights, cfg: ModelConfig, dtype=np.float32, experts: str = "per-expert") -> dict:
+    """HF tensor name -> numpy array ([out, in] matrices), for a qwen3_5_text / qwen3_5_moe_text config;
+    `experts`: the MoE layout, one of EXPERT_LAYOUTS."""
     if cfg.model_type not in ("qwen3_5_text", "qwen3_5_moe_text"):
         raise ArgumentError("cfg.model_type", "'qwen3_5_text' or 'qwen3_5_moe_text'", repr(cfg.model_type))
+    if experts not in EXPERT_LAYOUTS:
+        raise ArgumentError("experts", f"one of {EXPERT_LAYOUTS}", repr(experts))
     P = "model."
     t = {P + "embed_tokens.weight": weights.embed, P + "norm.weight": weights.final_norm}
     for i, lw in enumerate(weights.layers):
-        t.update(_layer_tensors(lw, f"{P}layers.{i}."))
+        t.update(_layer_tensors(lw, f"{P}layers.{i}.", experts))
     if weights.lm_head is not None:
         t["lm_head.weight"] = weights.lm_head.T
     if weights.mtp is not None:
         m = weights.mtp
         t.update({"mtp.fc.weight": m.fc.T, "mtp.pre_fc_norm_embedding.weight": m.pre_fc_norm_embedding,
                   "mtp.pre_fc_norm_hidden.weight": m.pre_fc_norm_hidden, "mtp.norm.weight": m.norm})
-        t.update(_layer_tensors(m.layer, "mtp.layers.0."))
+        t.update(_layer_tensors(m.layer, "mtp.layers.0.", experts))
     return {k: _np(v, dtype) for k, v in t.items()}
 
 
-def save_checkpoint(folder, weights: Weights, cfg: ModelConfig, config_json: dict, dtype=np.float32):
+def save_checkpoint(folder, weights: Weights, cfg: ModelConfig, config_json: dict, dtype=np.float32,
+                    experts: str = "per-expert"):
     """Write config.json and model.safetensors into folder (created if needed), each atomically."""
+    tensors = weights_to_tensors(weights, cfg, dtype, experts)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = weights_to_tensors(weights, cfg, dtype)
     tmp = folder / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.chmod(tmp, 0o644)

@@ -19,7 +19,8 @@ see `near_tie`) is classified a near-tie and reported; any other fails the run.
 --archs N adds N random tiny architectures (dense, MoE, Qwen3-Next; layer patterns, head counts, GDN head counts
 and sizes, partial RoPE, tied or untied embeddings, a random MTP head leaning on the trunk hidden so drafts are
 accepted sometimes), every tensor randomised (norms, A_log, dt_bias and conv taps included), each run on a few
-configurations of random ids.
+configurations of random ids (--cases-per-arch, default 2). Dense and MoE architectures go through a Hugging Face
+checkpoint on disk (MoE experts per expert or fused) and the loader, which must give back the drawn weights.
 """
 
 from __future__ import annotations
@@ -85,11 +86,17 @@ class Report:
     drafted: int = 0
     accepted: int = 0
     divergences: list = dataclasses.field(default_factory=list)
+    archs: dict = dataclasses.field(default_factory=dict)  # "qwen3_5_moe_text:hf-fused" -> architectures run
+    loader_mismatches: list = dataclasses.field(default_factory=list)  # messages; each fails the run
     seconds: float = 0.0
 
     @property
     def failing(self) -> list:
         return [d for d in self.divergences if not d.near_tie]
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.failing or self.loader_mismatches)
 
     def summary(self) -> str:
         near = len(self.divergences) - len(self.failing)
@@ -97,7 +104,10 @@ class Report:
         return (f"certify ({self.dtype}): {self.configs} configurations, {self.rows} rows, {self.tokens} tokens: "
                 f"{self.identical} identical, {self.configs - self.identical} diverged "
                 f"({len(self.failing)} failing, {near} near-ties); drafts accepted {self.accepted}/{self.drafted} "
-                f"({rate:.2f}); {self.seconds:.0f} s")
+                f"({rate:.2f}); {self.seconds:.0f} s"
+                + (f"; {sum(self.archs.values())} random architectures ("
+                   + ", ".join(f"{k} {v}" for k, v in sorted(self.archs.items())) + ")" if self.archs else "")
+                + (f"; {len(self.loader_mismatches)} LOADER MISMATCHES" if self.loader_mismatches else ""))
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -248,6 +258,12 @@ def random_weights(cfg, seed: int, dtype="float32", passthrough: float = 3.0):
 
 
 def random_model(rng, index: int, dtype="float32"):
+    """A random architecture as a Model. Qwen3.5 dense and MoE architectures are written as a Hugging Face
+    checkpoint (MoE experts per expert or fused, at random) and read back through the loader, which must return
+    exactly the weights that were drawn (LoaderMismatch otherwise); Qwen3-Next is built in memory (the writer
+    has no Qwen3-Next layout). The name says which: `:mem`, `:hf`, `:hf-per-expert` or `:hf-fused`."""
+    import tempfile
+
     import qwen_mtp
     from .config import parse_config
 
@@ -255,7 +271,36 @@ def random_model(rng, index: int, dtype="float32"):
     name = d.pop("_name")
     cfg = parse_config(d, f"<certify {name}>")
     weights = random_weights(cfg, int(rng.integers(0, 2 ** 31)), dtype)
-    return qwen_mtp.Model(config=cfg, weights=weights, path=f"<random {name}>", dtype=dtype, quant=None), name
+    if cfg.model_type == "qwen3_next":
+        return qwen_mtp.Model(config=cfg, weights=weights, path=f"<random {name}:mem>", dtype=dtype,
+                              quant=None), name + ":mem"
+    from checkpoints.hf_write import EXPERT_LAYOUTS, save_checkpoint
+
+    layout = EXPERT_LAYOUTS[int(rng.integers(0, 2))] if cfg.model_type == "qwen3_5_moe_text" else None
+    name += f":hf-{layout}" if layout else ":hf"
+    with tempfile.TemporaryDirectory(prefix="qwen-mtp-certify-") as tmp:
+        save_checkpoint(tmp, weights, cfg, d, np.float32, experts=layout or "per-expert")
+        model = qwen_mtp.load(tmp, dtype=dtype)
+    check_same_weights(weights, model.weights, name)
+    return model, name
+
+
+class LoaderMismatch(AssertionError):
+    """The loader did not return the weights a random architecture's checkpoint was written from."""
+
+
+def check_same_weights(drawn, loaded, name: str) -> None:
+    import jax
+
+    a, tree_a = jax.tree_util.tree_flatten_with_path(drawn)
+    b, tree_b = jax.tree_util.tree_flatten_with_path(loaded)
+    if tree_a != tree_b:
+        raise LoaderMismatch(f"{name}: the loaded weights' structure {tree_b} is not the drawn {tree_a}")
+    for (path, x), (_, y) in zip(a, b):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.shape != y.shape or x.dtype != y.dtype or not np.array_equal(x, y):
+            raise LoaderMismatch(f"{name}: tensor {jax.tree_util.keystr(path)} read back as {y.dtype}{list(y.shape)}"
+                                 f" differs from the drawn {x.dtype}{list(x.shape)}")
 
 
 # -------------------------------------------------------------------------------------------------- the sweep
@@ -269,7 +314,8 @@ def certify(model_path=None, *, configs: int = 50, archs: int = 0, seed: int = 0
 
     if dtype not in ("float32", "bfloat16"):
         raise ArgumentError("--dtype", "float32 or bfloat16", repr(dtype))
-    for name, v, lo in (("--configs", configs, 0), ("--archs", archs, 0), ("--max-prompt", max_prompt, 1)):
+    for name, v, lo in (("--configs", configs, 0), ("--archs", archs, 0), ("--max-prompt", max_prompt, 1),
+                        ("--cases-per-arch", cases_per_arch, 1)):
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise ArgumentError(name, f"an integer >= {lo}", repr(v))
     rng = np.random.default_rng(seed)
@@ -306,7 +352,14 @@ def certify(model_path=None, *, configs: int = 50, archs: int = 0, seed: int = 0
             _run_logged(models[case.quant], case, report, log)
             done_one()
     for a in range(archs):
-        model, name = random_model(rng, a, dtype)
+        try:
+            model, name = random_model(rng, a, dtype)
+        except LoaderMismatch as e:
+            report.loader_mismatches.append(str(e))
+            log(f"  LOADER MISMATCH {e}")
+            continue
+        key = name.split(":")[1] + ":" + name.split(":")[-1]
+        report.archs[key] = report.archs.get(key, 0) + 1
         for j in range(cases_per_arch):
             case = draw_case(rng, report.configs, model.config.vocab_size, None, max_prompt=min(max_prompt, 64),
                              quants=(None,), kv_dtypes=kv_dtypes, arch=name)

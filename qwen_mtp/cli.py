@@ -359,15 +359,16 @@ def cmd_certify(args) -> int:
     save = (lambda r: write_report(r, args.report)) if args.report else None  # after every case
     try:
         certify(args.model, configs=args.configs, archs=args.archs, seed=args.seed, dtype=args.dtype,
-                max_prompt=args.max_prompt, log=lambda line: print(line, flush=True), report=report, on_case=save)
+                max_prompt=args.max_prompt, cases_per_arch=args.cases_per_arch, log=lambda line: print(line, flush=True), report=report, on_case=save)
     except KeyboardInterrupt:
         print(f"\ninterrupted: {report.summary()}", flush=True)
         return 130
     if args.report:
         write_report(report, args.report)
         print(f"report written to {args.report}")
-    if report.failing:
-        print(f"FAILED: {len(report.failing)} divergence(s) that are not near-ties", file=sys.stderr)
+    if report.failed:
+        print(f"FAILED: {len(report.failing)} divergence(s) that are not near-ties, "
+              f"{len(report.loader_mismatches)} loader mismatch(es)", file=sys.stderr)
         return 1
     return 0
 
@@ -454,8 +455,9 @@ def build_parser():
                        "bf16 near-tie")
     r.add_argument("--model", default=None, help="checkpoint folder with an MTP head (default: the shipped model)")
     r.add_argument("--configs", type=int, default=50, help="random configurations on the model (default 50)")
-    r.add_argument("--archs", type=int, default=0, help="random tiny architectures, 2 configurations each "
-                   "(default 0)")
+    r.add_argument("--archs", type=int, default=0, help="random tiny architectures (default 0)")
+    r.add_argument("--cases-per-arch", type=int, default=2, help="configurations run on each random architecture "
+                   "(default 2)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     r.add_argument("--max-prompt", type=int, default=512, help="longest prompt row drawn (default 512)")
