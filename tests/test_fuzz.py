@@ -1,5 +1,6 @@
 """Property-based tests (hypothesis) over public inputs: config.json fields, a checkpoint's safetensors bytes and
-index, generate's / SpecConfig's arguments. Every case ends in a typed error of this package (QwenMTPError) naming
+index, saved orbax folders (metadata, config.json, the array files), generate's / SpecConfig's arguments and the
+CLI's flags. Every case ends in a typed error of this package (QwenMTPError) naming
 what was wrong, or in a correct result; never another exception from deep inside a library."""
 
 from __future__ import annotations
@@ -7,9 +8,10 @@ from __future__ import annotations
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import qwen_mtp
@@ -145,6 +147,94 @@ def test_safetensors_index(tiny_folder, tmp_path_factory, value, how):
         qwen_mtp.load(folder)
     except QwenMTPError as e:
         assert "index" in str(e) or "safetensors" in str(e), str(e)
+
+
+# -------------------------------------------------------------------------------------------- orbax folders
+@pytest.fixture(scope="module")
+def orbax_saved(ckpt, tmp_path_factory):
+    """A saved folder (qwen_mtp.save) of the tiny dense MTP model with int4 weights (groups of 64) and an int8
+    lm_head, so the metadata has quantized leaves as well as plain ones; and the model it must restore to."""
+    model = qwen_mtp.load(ckpt("dense_mtp")[1], quant="int4", group_size=64, quant_lm_head=True)
+    return model, qwen_mtp.save(model, tmp_path_factory.mktemp("orbax") / "saved")
+
+
+def _json_paths(x, prefix=()):
+    """Every path (tuple of keys / indices) into a JSON value, the value's own included."""
+    out = [prefix]
+    if isinstance(x, dict):
+        for k, v in x.items():
+            out += _json_paths(v, prefix + (k,))
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            out += _json_paths(v, prefix + (i,))
+    return out
+
+
+def _set(root, path, value):
+    for key in path[:-1]:
+        root = root[key]
+    if value == "<delete>":
+        del root[path[-1]]
+    else:
+        root[path[-1]] = value
+
+
+def _same_weights(a, b):
+    from qwen_mtp.quant import QuantArray
+    la, ta = jax.tree_util.tree_flatten(a, is_leaf=lambda x: isinstance(x, QuantArray))
+    lb, tb = jax.tree_util.tree_flatten(b, is_leaf=lambda x: isinstance(x, QuantArray))
+    if ta != tb:
+        return False
+    for x, y in zip(la, lb):
+        pairs = [(x.q, y.q), (x.scale, y.scale)] if isinstance(x, QuantArray) else [(x, y)]
+        for u, v in pairs:
+            u, v = np.asarray(u), np.asarray(v)
+            if u.dtype != v.dtype or u.shape != v.shape or not np.array_equal(u.view(np.uint8), v.view(np.uint8)):
+                return False
+    return True
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(["meta", "meta_text", "config", "truncate", "flip", "delete"]), st.integers(0, 2 ** 31),
+       st.integers(0, 2 ** 31), st.one_of(st.just("<delete>"), WEIRD), st.integers(0, 255))
+def test_orbax_folders(orbax_saved, tmp_path_factory, how, which, where, value, byte):
+    """A saved folder with one thing wrong in it: a metadata or config.json field replaced or deleted, the
+    metadata's text cut, a file under weights/ truncated, a byte flipped or the file deleted. qwen_mtp.load
+    ends in a typed error naming the folder's file or tensor, or gives back exactly the saved weights."""
+    from checkpoints import orbax_io
+    _count("orbax folders")
+    model, saved = orbax_saved
+    folder = tmp_path_factory.mktemp("orbax_fuzz") / "m"
+    shutil.copytree(saved, folder)
+    if how in ("meta", "config"):
+        f = folder / (orbax_io.META if how == "meta" else "config.json")
+        raw = json.loads(f.read_text())
+        paths = [p for p in _json_paths(raw) if p]
+        _set(raw, paths[which % len(paths)], value)
+        f.write_text(json.dumps(raw))
+    elif how == "meta_text":
+        f = folder / orbax_io.META
+        text = f.read_bytes()
+        f.write_bytes(text[:which % len(text)])
+    else:
+        files = sorted(p for p in (folder / orbax_io.WEIGHTS).rglob("*") if p.is_file())
+        f = files[which % len(files)]
+        data = bytearray(f.read_bytes())
+        if how == "delete":
+            f.unlink()
+        elif how == "truncate":
+            f.write_bytes(bytes(data[:where % max(1, len(data))]))
+        elif data:
+            data[where % len(data)] ^= byte or 1
+            f.write_bytes(bytes(data))
+    try:
+        restored = qwen_mtp.load(folder)
+    except QwenMTPError as e:
+        event(f"{how}: {type(e).__name__}")
+        assert str(folder) in str(e) or orbax_io.META in str(e) or "config.json" in str(e), str(e)
+        return
+    event(f"{how}: loaded")
+    assert restored.quant == model.quant and _same_weights(restored.weights, model.weights), (how, str(f))
 
 
 # ------------------------------------------------------------------------------------- generate's arguments
