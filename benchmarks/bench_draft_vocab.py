@@ -37,15 +37,14 @@ def _sizes(text):
 # ------------------------------------------------------------------------------------------- the shipped model
 def shipped(args):
     import qwen_mtp
-    from checkpoints.train_small import HELD_OUT, stdlib_root
+    from checkpoints.corpus import held_out_file_ids
     from qwen_mtp.cli import default_model_path, load_tokenizer
 
     folder = args.model or str(default_model_path())
     tok = load_tokenizer(folder)
     prompts = []
-    for rel in HELD_OUT[3:3 + args.prompts]:  # difflib.py first, as bench_spec.py
-        ids = tok.encode((stdlib_root() / rel).read_text(encoding="utf-8")).ids
-        prompts.append(np.asarray(ids[200:200 + args.prompt]))
+    for i in range(3, 3 + args.prompts):  # difflib.py first, as bench_spec.py
+        prompts.append(held_out_file_ids(tok, i, 200, args.prompt))
     full = qwen_mtp.load(folder)
     models = {"full": full}
     for n in args.sizes:

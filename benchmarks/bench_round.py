@@ -205,13 +205,12 @@ def main(argv=None):
                     help="instead of the phases: the trunk forward + lm_head over T tokens, for each T")
     args = ap.parse_args(argv)
     import qwen_mtp
-    from checkpoints.train_small import HELD_OUT, stdlib_root
+    from checkpoints.corpus import held_out_file_ids
     from qwen_mtp.cli import default_model_path, load_tokenizer
 
     folder = args.model or str(default_model_path())
     model = qwen_mtp.load(folder, dtype=args.dtype)
-    text = (stdlib_root() / HELD_OUT[3]).read_text(encoding="utf-8")
-    ids = np.asarray(load_tokenizer(folder).encode(text).ids[200:200 + args.prompt], np.int32)
+    ids = held_out_file_ids(load_tokenizer(folder), 3, 200, args.prompt)
     if args.rows:
         res = rows_cost(model, [int(x) for x in args.rows.split(",")])
         base = res.get(1) or next(iter(res.values()))

@@ -45,12 +45,11 @@ def main():
     folder = args.model
     text_ids = None
     if folder is None and not args.random:
-        from checkpoints.train_small import HELD_OUT, stdlib_root
+        from checkpoints.corpus import held_out_file_ids
         from qwen_mtp.cli import default_model_path, load_tokenizer
 
         folder = str(default_model_path())
-        text = (stdlib_root() / HELD_OUT[3]).read_text(encoding="utf-8")
-        text_ids = np.asarray(load_tokenizer(folder).encode(text).ids)
+        text_ids = held_out_file_ids(load_tokenizer(folder), 3)
     elif folder is None:
         import hf_tiny
         folder = tempfile.mkdtemp(prefix="bench_spec_")

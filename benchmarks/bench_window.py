@@ -87,7 +87,7 @@ def main(argv=None):
     print(f"draft KV at {L1}: windowed {wb1:,} bytes = {wb1 / nb1:.4f} of native {nb1:,}")
 
     tok = load_tokenizer(args.model)
-    from checkpoints.train_small import held_out_text
+    from checkpoints.corpus import held_out_text
     ids = np.asarray(tok.encode(held_out_text()).ids, np.int32)
     ids = np.tile(ids, -(-args.e2e_context // ids.size))[:args.e2e_context]
     res = {}

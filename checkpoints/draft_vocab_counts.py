@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from checkpoints.train_small import encode, read_texts, source_files, stdlib_root
+from checkpoints.corpus import encode, read_texts, source_files, stdlib_root
 from qwen_mtp.config import load_config
 from qwen_mtp.draft_vocab import COUNTS_FILE, token_counts
 

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from checkpoints.train_small import (SEQ, encode, eval_windows, losses_from_logits, read_texts, source_files,
-                                     stdlib_root, teacher_forced_logits)
+from checkpoints.corpus import encode, read_texts, source_files, stdlib_root
+from checkpoints.train_small import SEQ, eval_windows, losses_from_logits, teacher_forced_logits
 
 
 def _hits(x, trunk_logits, mtp_logits):

@@ -35,15 +35,15 @@ import jax
 import ml_dtypes
 import jax.numpy as jnp
 import numpy as np
-import optax
 
+from checkpoints.corpus import (EOS, HELD_OUT, encode, held_out_text, read_texts,  # noqa: F401 - re-exported
+                                source_files, stdlib_root)
 from qwen_mtp.config import parse_config
 from qwen_mtp.model import forward, lm_logits
 from qwen_mtp.mtp import init_mtp_cache, mtp_forward
 from qwen_mtp.state import init_state
 from qwen_mtp.weights import AttnWeights, GDNWeights, LayerWeights, MLPWeights, MTPWeights, Weights
 
-EOS = "<|endoftext|>"
 VOCAB = 4096
 SEQ = 256
 BATCH = 16
@@ -82,47 +82,6 @@ CONFIG = {
     "initializer_range": 0.02,
 }
 
-# evaluation files (relative to the stdlib folder); never seen by the tokenizer or the model
-HELD_OUT = ("bisect.py", "calendar.py", "colorsys.py", "difflib.py", "fractions.py", "graphlib.py", "heapq.py",
-            "json/decoder.py", "json/encoder.py", "queue.py", "sched.py", "shlex.py", "statistics.py",
-            "string.py", "textwrap.py")
-
-
-# ---------------------------------------------------------------------------------------------------- data
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def source_files(root: Path | None = None):
-    """(train, held_out): sorted relative paths of the stdlib's .py files readable as UTF-8."""
-    root = root or stdlib_root()
-    missing = [f for f in HELD_OUT if not (root / f).is_file()]
-    if missing:
-        raise FileNotFoundError(f"{root}: held-out evaluation files missing: {missing}")
-    train = []
-    for p in sorted(root.rglob("*.py")):
-        rel = p.relative_to(root).as_posix()
-        if "site-packages" in p.parts or "__pycache__" in p.parts or rel in HELD_OUT:
-            continue
-        train.append(rel)
-    return train, list(HELD_OUT)
-
-
-def read_texts(root: Path, rels):
-    texts = []
-    for rel in rels:
-        try:
-            texts.append((root / rel).read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, OSError):
-            continue
-    return texts
-
-
-def held_out_text() -> str:
-    """The held-out files joined by newlines: evaluation text the model and tokenizer never saw."""
-    return "\n".join(read_texts(stdlib_root(), HELD_OUT))
-
-
 def train_tokenizer(texts, vocab_size=VOCAB):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -134,15 +93,6 @@ def train_tokenizer(texts, vocab_size=VOCAB):
     tok.train_from_iterator(texts, trainer)
     assert tok.token_to_id(EOS) == 0
     return tok
-
-
-def encode(tok, texts) -> np.ndarray:
-    """All texts as one id stream, each file followed by EOS."""
-    ids = []
-    for enc in tok.encode_batch(texts):
-        ids.extend(enc.ids)
-        ids.append(0)
-    return np.asarray(ids, np.int32)
 
 
 # ---------------------------------------------------------------------------------------------------- model
@@ -220,6 +170,8 @@ def losses(weights, cfg, x, gdn_mode="chunk_fast"):
 
 
 def make_optimizer(total_steps):
+    import optax
+
     sched = optax.warmup_cosine_decay_schedule(0.0, LR, WARMUP, max(total_steps, WARMUP + 1), LR * 0.05)
     decay_mask = lambda w: jax.tree_util.tree_map(lambda p: p.ndim >= 2, w)
     return optax.chain(optax.clip_by_global_norm(1.0),
@@ -228,6 +180,8 @@ def make_optimizer(total_steps):
 
 @partial(jax.jit, static_argnames=("cfg", "opt"), donate_argnames=("weights", "opt_state"))
 def train_step(weights, opt_state, x, cfg, opt):
+    import optax
+
     def loss_fn(w):
         trunk, mtp, acc = losses(w, cfg, x)
         return trunk + MTP_WEIGHT * mtp, (trunk, mtp, acc)
@@ -266,6 +220,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=50)
     args = ap.parse_args(argv)
+    from qwen_mtp.extras import require
+    require("python -m checkpoints.train_small", "train")  # before any work
     out = Path(args.out)
     jax.config.update("jax_default_matmul_precision", "float32")
 
@@ -331,4 +287,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from qwen_mtp.extras import run_script
+    sys.exit(run_script(main))

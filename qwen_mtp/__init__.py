@@ -9,8 +9,8 @@ import dataclasses
 from pathlib import Path
 
 from .config import ModelConfig, load_config, load_quantization
-from .errors import (ArgumentError, CheckpointError, ConfigError, InsufficientMemoryError, MissingMTPHeadError,
-                     NonFiniteError, QwenMTPError)
+from .errors import (ArgumentError, CheckpointError, ConfigError, InsufficientMemoryError, MissingExtraError,
+                     MissingMTPHeadError, NonFiniteError, QwenMTPError)
 from .quant import QuantArray, QuantPolicy, check_method, formats, weight_bytes
 from .compile_cache import disable_compile_cache, enable_compile_cache
 from .generate import GenerateResult, generate, mtp_logits, precompile, prefill_logits
@@ -177,4 +177,4 @@ __all__ = ["load", "save", "shard", "with_draft_vocab", "prefill_logits", "mtp_l
            "enable_compile_cache", "disable_compile_cache", "SpecConfig", "Sampling", "Model", "ModelConfig",
            "QuantArray", "QuantPolicy", "GenerateResult", "GenerateStats",
            "QwenMTPError", "ConfigError", "CheckpointError", "ArgumentError", "MissingMTPHeadError", "NonFiniteError",
-           "InsufficientMemoryError"]
+           "InsufficientMemoryError", "MissingExtraError"]

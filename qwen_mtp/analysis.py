@@ -17,6 +17,7 @@ from .attention import project_qkv
 from .draft_ring import visible
 from .generate import generate, prefill
 from .model import lm_logits
+from .stats import fmt
 from .mtp import init_mtp_cache, mtp_forward
 from .speculative import SpecConfig
 
@@ -122,9 +123,9 @@ def format_dose_response(results) -> str:
     head = " | ".join(f"a{j}" for j in range(1, k + 1))
     lines = [f"| window | sinks | AL | TPOT ms | {head} |", "|" + " --- |" * (4 + k)]
     for r in results:
-        a = " | ".join(f"{x[0]:.2f}" for x in r["alpha"])
+        a = " | ".join(fmt(x[0]) for x in r["alpha"])
         name = "native" if r["window"] is None else str(r["window"])
-        lines.append(f"| {name} | {r['sinks']} | {r['al']:.2f} | {r['tpot_ms']:.2f} | {a} |")
+        lines.append(f"| {name} | {r['sinks']} | {fmt(r['al'])} | {fmt(r['tpot_ms'])} | {a} |")
     return "\n".join(lines)
 
 
@@ -133,7 +134,8 @@ def format_alpha_intervals(results) -> str:
     for r in results:
         name = "native" if r["window"] is None else str(r["window"])
         for j, (a, lo, hi, s, n) in enumerate(r["alpha"], 1):
-            lines.append(f"| {name} | {j} | {a:.3f} | [{lo:.3f}, {hi:.3f}] | {s} / {n} |")
+            wilson = f"[{lo:.3f}, {hi:.3f}]" if n else "-"
+            lines.append(f"| {name} | {j} | {fmt(a, '.3f')} | {wilson} | {s} / {n} |")
     return "\n".join(lines)
 
 

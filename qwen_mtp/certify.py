@@ -100,11 +100,12 @@ class Report:
 
     def summary(self) -> str:
         near = len(self.divergences) - len(self.failing)
-        rate = self.accepted / self.drafted if self.drafted else float("nan")
+        from .stats import fmt
+        rate = fmt(self.accepted / self.drafted) if self.drafted else "-"
         return (f"certify ({self.dtype}): {self.configs} configurations, {self.rows} rows, {self.tokens} tokens: "
                 f"{self.identical} identical, {self.configs - self.identical} diverged "
                 f"({len(self.failing)} failing, {near} near-ties); drafts accepted {self.accepted}/{self.drafted} "
-                f"({rate:.2f}); {self.seconds:.0f} s"
+                f"({rate}); {self.seconds:.0f} s"
                 + (f"; {sum(self.archs.values())} random architectures ("
                    + ", ".join(f"{k} {v}" for k, v in sorted(self.archs.items())) + ")" if self.archs else "")
                 + (f"; {len(self.loader_mismatches)} LOADER MISMATCHES" if self.loader_mismatches else ""))
@@ -380,15 +381,13 @@ def _run_logged(model, case, report, log):
 
 
 def _held_out_ids(folder: Path, load_tokenizer):
-    """Token ids of the shipped model's held-out training files, when `folder` has a tokenizer and the files
-    exist on this interpreter (checkpoints/train_small.HELD_OUT); None otherwise."""
+    """Token ids of the shipped model's held-out training files (checkpoints/corpus.HELD_OUT), when `folder` has
+    a tokenizer and the files exist on this interpreter; None otherwise."""
     try:
-        from checkpoints.train_small import HELD_OUT, stdlib_root
-        tok = load_tokenizer(str(folder))
-        texts = [(stdlib_root() / f).read_text(encoding="utf-8") for f in HELD_OUT]
+        from checkpoints.corpus import held_out_ids
+        return held_out_ids(load_tokenizer(str(folder)))
     except Exception:  # noqa: BLE001 - no tokenizer or no files: random ids only
         return None
-    return np.asarray(sum((tok.encode(t).ids for t in texts), []), np.int64)
 
 
 def write_report(report: Report, path) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 from . import compile_cache, program_cache
 from .errors import ArgumentError, QwenMTPError
 from .state import KV_DTYPE_NAMES
+from .stats import fmt, format_alphas
 
 K_AUTO_CANDIDATES = (1, 2, 3, 4, 5, 6)
 
@@ -247,8 +248,8 @@ def cmd_generate(args) -> int:
     wall = time.perf_counter() - t0
     out.finish()
     s = r.stats
-    line = (f"[{path.name}] {s.new_tokens} new tokens in {wall:.2f}s: {s.new_tokens / wall:.1f} tok/s end to end, "
-            f"decode {s.decode_tokens_per_s:.1f} tok/s, TPOT {1e3 * s.tpot_s:.2f} ms")
+    line = (f"[{path.name}] {s.new_tokens} new tokens in {wall:.2f}s: {fmt(s.new_tokens / wall, '.1f')} tok/s end "
+            f"to end, decode {fmt(s.decode_tokens_per_s, '.1f')} tok/s, TPOT {fmt(1e3 * s.tpot_s)} ms")
     if warm:
         line += f" (compile {warm:.1f}s not counted)"
     if mesh is not None:
@@ -257,11 +258,10 @@ def cmd_generate(args) -> int:
     if spec is None:
         line += ", plain decoding"
     else:
-        alphas = " ".join(f"{a:.2f}" for a in s.alpha)
         win = "native" if spec.window is None else f"window {spec.window} sinks {spec.sinks}"
         dv = model.weights.draft_vocab
         win += "" if dv is None else f", draft vocab {dv.ids.shape[0]}"
-        line += f", k={spec.k} ({win}), AL {s.acceptance_length:.2f}, alpha_j [{alphas}]"
+        line += f", k={spec.k} ({win}), AL {fmt(s.acceptance_length)}, alpha_j [{format_alphas(s.alpha)}]"
     print(line, file=stderr if args.stats_to_stderr else stdout, flush=True)
     return 0
 
@@ -297,7 +297,7 @@ def cmd_analyze_window(args) -> int:
     if args.prompt_file:
         text = Path(args.prompt_file).read_text(encoding="utf-8")
     else:
-        from checkpoints.train_small import held_out_text
+        from checkpoints.corpus import held_out_text
 
         text = held_out_text()
     ids = np.asarray(tok.encode(text).ids, np.int32)
@@ -321,8 +321,8 @@ def cmd_analyze_window(args) -> int:
             continue
         ab = ab_probe(model, seq, w, args.sinks)
         mass = attention_mass(model, seq, w, args.sinks)
-        print(f"| {w} | {ab['rows']} | {ab['same_top1']:.3f} | {ab['flips']} | {ab['margin_at_flips']:.3f} | "
-              f"{ab['margin_overall']:.3f} | {mass:.3f} |")
+        print(f"| {w} | {ab['rows']} | {fmt(ab['same_top1'], '.3f')} | {ab['flips']} | "
+              f"{fmt(ab['margin_at_flips'], '.3f')} | {fmt(ab['margin_overall'], '.3f')} | {fmt(mass, '.3f')} |")
     if args.plot:
         plot_results(results, args.plot)
         print(f"\nplot written to {args.plot}")
@@ -467,12 +467,29 @@ def build_parser():
     return ap
 
 
+def preflight(args) -> None:
+    """What a command will need at its end, checked before any work: the optional packages of the features asked
+    for (extras.py) and the folders outputs are written into."""
+    from .extras import require
+
+    if getattr(args, "plot", None):
+        require("--plot", "plot")
+        parent = Path(args.plot).resolve().parent
+        if not parent.is_dir():
+            raise ArgumentError("--plot", "a file path in an existing folder", f"{args.plot} (no folder {parent})")
+    report = getattr(args, "report", None)
+    if report and not Path(report).resolve().parent.is_dir():
+        raise ArgumentError("--report", "a file path in an existing folder",
+                            f"{report} (no folder {Path(report).resolve().parent})")
+
+
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.command == "generate" and args.sinks and args.window is None:
         ap.error("--sinks needs --window")
     try:
+        preflight(args)
         if args.command in ("generate", "analyze-window", "certify"):  # on by default: a second run compiles nothing
             folder = compile_cache.enable_compile_cache(args.compile_cache)
             # and traces nothing: the lowered programs beside it (program_cache.py), for this run only

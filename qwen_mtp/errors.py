@@ -56,3 +56,14 @@ class InsufficientMemoryError(QwenMTPError, MemoryError):
         super().__init__(f"the request needs {needed:,} bytes ({needed / 2**30:.2f} GiB: {parts}) and {where} has "
                          f"{available:,} bytes ({available / 2**30:.2f} GiB) free: use fewer rows, a shorter "
                          f"context or max_new_tokens, kv_dtype='float8_e4m3fn', or a window for the draft head")
+
+
+class MissingExtraError(QwenMTPError, ImportError):
+    """An optional feature was asked for whose package is not installed (qwen_mtp/extras.py): checked before any
+    work starts; the message names the feature, the missing modules and the pip extra that provides them."""
+
+    def __init__(self, feature, extra, missing):
+        self.feature, self.extra, self.missing = feature, extra, list(missing)
+        super().__init__(f"{feature} needs {', '.join(self.missing)}, which "
+                         f"{'is' if len(self.missing) == 1 else 'are'} not installed: "
+                         f'pip install -e ".[{extra}]"')

@@ -4,7 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 
+import math
+
 import numpy as np
+
+
+def fmt(x, spec: str = ".2f") -> str:
+    """A number for a person to read: `-` where it is undefined (NaN / Inf: a draft position never reached, a
+    rate over no time), never `nan`."""
+    return format(x, spec) if x is not None and math.isfinite(x) else "-"
+
+
+def format_alphas(alpha, spec: str = ".2f") -> str:
+    """alpha_j as 'a1 a2 ...', `-` for a position no round reached."""
+    return " ".join(fmt(float(a), spec) for a in alpha)
 
 
 @dataclasses.dataclass
@@ -73,9 +86,10 @@ class GenerateStats:
         return float(1.0 + np.sum(self.unconditional_rates)) if self.rounds else float("nan")
 
     def summary(self) -> str:
-        s = (f"{self.new_tokens} tokens, {self.tokens_per_s:.1f} tok/s "
-             f"(decode {self.decode_tokens_per_s:.1f} tok/s, TPOT {1e3 * self.tpot_s:.2f} ms)")
+        """One line; what is undefined (alpha_j of a position no round reached, TPOT of one new token) is `-`."""
+        s = (f"{self.new_tokens} tokens, {fmt(self.tokens_per_s, '.1f')} tok/s "
+             f"(decode {fmt(self.decode_tokens_per_s, '.1f')} tok/s, TPOT {fmt(1e3 * self.tpot_s)} ms)")
         if self.k:
-            alphas = " ".join(f"{a:.2f}" for a in self.alpha)
-            s += f", k={self.k}, AL={self.acceptance_length:.2f}, alpha_j=[{alphas}], rounds={self.rounds}"
+            s += (f", k={self.k}, AL={fmt(self.acceptance_length)}, alpha_j=[{format_alphas(self.alpha)}], "
+                  f"rounds={self.rounds}")
         return s

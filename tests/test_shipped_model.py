@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qwen_mtp
-from checkpoints.train_small import HELD_OUT, stdlib_root
+from checkpoints.corpus import HELD_OUT, stdlib_root
 from qwen_mtp.cli import default_model_path, load_tokenizer, main
 from tests.hf_tiny import as_oracle, assert_close, hf_logits
 

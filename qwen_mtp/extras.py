@@ -1,0 +1,60 @@
+"""The optional extras (pyproject.toml [project.optional-dependencies]) and the check that a feature's packages are
+installed before any work starts: a missing one is a MissingExtraError naming the feature and the extra, which the
+command line prints as one line with exit status 2.
+
+    plot       matplotlib                   analyze-window --plot
+    train      optax                        python -m checkpoints.train_small (retraining the shipped model)
+    notebooks  nbclient, nbformat, ipykernel, matplotlib
+                                            executing notebooks/*.ipynb (python -m notebooks.run)
+    test       the above, pytest, torch, transformers, hypothesis, ...
+                                            the test suite and the transformers benchmarks
+    cuda       jax[cuda12]                  running on an NVIDIA GPU
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .errors import MissingExtraError
+
+EXTRAS = {
+    "plot": ("matplotlib",),
+    "train": ("optax",),
+    "notebooks": ("nbclient", "nbformat", "ipykernel", "matplotlib"),
+    "test": ("pytest", "torch", "transformers", "hypothesis"),
+}
+
+
+def missing(modules) -> list:
+    """The modules of `modules` that cannot be imported."""
+    out = []
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except ImportError:
+            out.append(m)
+    return out
+
+
+def require(feature: str, extra: str, modules=None) -> None:
+    """Raise MissingExtraError unless every module of `modules` (default: all of the extra's) imports."""
+    gone = missing(EXTRAS[extra] if modules is None else modules)
+    if gone:
+        raise MissingExtraError(feature, extra, gone)
+
+
+def run_script(main, argv=None) -> int:
+    """A script's entry point (`sys.exit(run_script(main))`): bad input and missing extras, this package's typed
+    errors, end in one line on stderr and exit status 2, not a traceback; Ctrl-C in status 130."""
+    import sys
+
+    from .errors import QwenMTPError
+
+    try:
+        return main(argv) or 0
+    except QwenMTPError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
