@@ -51,6 +51,8 @@ def main():
         folder = str(default_model_path())
         text_ids = held_out_file_ids(load_tokenizer(folder), 3)
     elif folder is None:
+        from qwen_mtp.extras import require
+        require("bench_spec.py --random (a transformers-built checkpoint)", "test", ["torch", "transformers"])
         import hf_tiny
         folder = tempfile.mkdtemp(prefix="bench_spec_")
         m = hf_tiny.make_hf_model("dense", 8, embed_std=0.6, tie_word_embeddings=True, max_position_embeddings=4096)

@@ -41,13 +41,15 @@ def best(fn, repeats):
     return min(times), out
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="checkpoint folder (default: build a random one)")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    from qwen_mtp.extras import require
+    require("benchmarks/bench_trunk.py (transformers is its baseline)", "test", ["torch", "transformers"])
 
     import jax
     import torch
@@ -93,4 +95,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from qwen_mtp.extras import run_script
+    sys.exit(run_script(main))
