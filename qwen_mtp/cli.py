@@ -352,6 +352,43 @@ def cmd_convert(args) -> int:
     return 0
 
 
+XPROF_PORT = 8791  # xprof's default web port
+
+
+def cmd_profile(args) -> int:
+    """Trace `--repeats` generate calls (prefill, then plain steps or speculative rounds) into --logdir, each in a
+    step marker, and print the time of each phase and stage read back from the trace (profiling.py)."""
+    from . import load
+    from .profiling import format_phase_table, format_top_ops, profile_generate, top_ops, trace_files
+    from .speculative import SpecConfig
+
+    path = Path(args.model) if args.model else default_model_path()
+    model = load(path)
+    tok = load_tokenizer(path)
+    ids = np.asarray(tok.encode(args.prompt).ids, np.int32)
+    if ids.size == 0:
+        raise ArgumentError("prompt", "text of at least one token", repr(args.prompt))
+    spec = None if args.no_spec else SpecConfig(k=args.k, window=args.window, sinks=args.sinks)
+    if spec is not None and not model.has_mtp:
+        raise ArgumentError("--model", "a checkpoint with an MTP head, or --no-spec", f"{path} without mtp.*")
+    logdir = Path(args.logdir)
+    t = time.perf_counter()
+    r, texts, rows, calls = profile_generate(model, ids, args.max_new_tokens, logdir, repeats=args.repeats,
+                                             spec=spec, kv_dtype=args.kv_dtype)
+    print(r.stats.summary())
+    loop = next(iter(calls))
+    what = "round" if spec is not None else "plain decode step"
+    print(f"\n{len(texts)} programs compiled, {args.repeats} calls traced in {time.perf_counter() - t:.1f}s; self "
+          f"time per phase and stage over the traced calls ({loop}: ms per {what})")
+    print(format_phase_table(rows, calls))
+    print("\ntop ops\n" + format_top_ops(top_ops(logdir, args.top, texts)))
+    run = trace_files(logdir)["run"]
+    print(f"\ntrace: {run}\nopen it: pip install xprof && xprof --logdir {logdir} --port {XPROF_PORT}, then "
+          f"http://localhost:{XPROF_PORT}/ (Trace Viewer; on a GPU also Overview, HLO Op Profile, Roofline). xprof "
+          "listens on every network interface: use it on a trusted machine or through an SSH tunnel.")
+    return 0
+
+
 def cmd_certify(args) -> int:
     from .certify import Report, certify, write_report
 
@@ -450,6 +487,23 @@ def build_parser():
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_convert)
 
+    f = sub.add_parser("profile", help="trace generate calls with jax.profiler and print the time of each phase "
+                       "(prefill, draft, verify, accept, commit, rollback, refill) and stage from the trace")
+    f.add_argument("prompt", nargs="?", default="import os\nimport sys\n\n\ndef main(argv):\n",
+                   help="the text to continue (default: a few lines of Python)")
+    f.add_argument("--model", default=None, help="checkpoint folder (default: the shipped model)")
+    f.add_argument("--max-new-tokens", type=_pos_int, default=64)
+    f.add_argument("--k", type=_pos_int, default=3, help="drafts per round (default 3)")
+    f.add_argument("--window", type=_pos_int, default=None, help="Wind-MTP window (default: native)")
+    f.add_argument("--sinks", type=_nonneg_int, default=0)
+    f.add_argument("--no-spec", action="store_true", help="profile plain decoding instead")
+    f.add_argument("--kv-dtype", choices=list(KV_DTYPE_NAMES), default=None)
+    f.add_argument("--repeats", type=_pos_int, default=2, help="traced generate calls, a step marker each")
+    f.add_argument("--top", type=_pos_int, default=15, help="rows of the top-ops table")
+    f.add_argument("--logdir", default="traces", help="where the trace goes (default ./traces): give the same "
+                   "folder to xprof --logdir")
+    f.set_defaults(func=cmd_profile)
+
     r = sub.add_parser("certify", help="the lossless certificate: plain vs speculative greedy over random "
                        "configurations (and random tiny architectures); exit 1 on a divergence that is not a "
                        "bf16 near-tie")
@@ -486,7 +540,7 @@ def preflight(args) -> None:
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.command == "generate" and args.sinks and args.window is None:
+    if args.command in ("generate", "profile") and args.sinks and args.window is None:
         ap.error("--sinks needs --window")
     try:
         preflight(args)

@@ -224,9 +224,12 @@ class _Compiler(_Runner):
     jax keeps the executables, so the real call that follows compiles nothing."""
     compile_only = True
 
-    def __init__(self, model):
+    def __init__(self, model, texts: dict | None = None):
         super().__init__(model)
         self._done = {}
+        self.texts = texts  # {HLO module name: optimized HLO text} of each program compiled, when a dict
+        if texts is not None:
+            self.cached = False  # compiled here, so that its text can be read
 
     def _abstract(self, x, sharding_=None):
         mesh = _mesh(self.model)
@@ -239,8 +242,14 @@ class _Compiler(_Runner):
         key = (fn, repr(sig), tuple(sorted((k, repr(v)) for k, v in static.items())))
         if key not in self._done:
             prog = self.program(fn, args, static)
-            self._done[key] = (fn.lower(*args, **static).compile().out_info if prog is None
-                               else prog.out_info(args, static))
+            if prog is None:
+                compiled = fn.lower(*args, **static).compile()
+                if self.texts is not None:
+                    text = compiled.as_text()
+                    self.texts[text.split(",", 1)[0].split()[-1]] = text  # "HloModule jit_spec_decode, ..."
+                self._done[key] = compiled.out_info
+            else:
+                self._done[key] = prog.out_info(args, static)
         return jax.tree.map(self._abstract, self._done[key])
 
     def host(self, x):
@@ -259,7 +268,8 @@ class _Compiler(_Runner):
 # ----------------------------------------------------------------------------------------------- jitted steps
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
 def _prefill_chunk(weights, cfg, tokens, state, pos, n_valid):
-    return forward(weights, cfg, tokens, state, pos, n_valid, gdn_mode="chunk")
+    with jax.named_scope("prefill"):
+        return forward(weights, cfg, tokens, state, pos, n_valid, gdn_mode="chunk")
 
 
 @partial(jax.jit, donate_argnames=("last",))
@@ -274,7 +284,8 @@ def _keep_last(hidden, last, lens, start):
 
 @partial(jax.jit, static_argnames=("cfg", "window", "sinks"), donate_argnames=("cache",))
 def _mtp_chunk(weights, cfg, tokens, hidden, cache, slot, window=None, sinks=0):
-    out, cache, _ = mtp_forward(weights, cfg, tokens, hidden, cache, slot, window=window, sinks=sinks)
+    with jax.named_scope("mtp_prefill"):
+        out, cache, _ = mtp_forward(weights, cfg, tokens, hidden, cache, slot, window=window, sinks=sinks)
     return out, cache
 
 
@@ -298,8 +309,9 @@ def _concat_time(parts, length):
 @partial(jax.jit, static_argnames=("sampling",))
 def _first_token(weights, last, key, sampling):
     """The logits [B, V] after the prompt, the token chosen from them, and whether they are all finite [B]."""
-    logits = lm_logits(weights, last)
-    return logits, choose(key, logits, sampling), jnp.all(jnp.isfinite(logits), axis=-1)
+    with jax.named_scope("first_token"):
+        logits = lm_logits(weights, last)
+        return logits, choose(key, logits, sampling), jnp.all(jnp.isfinite(logits), axis=-1)
 
 
 class PlainCarry(NamedTuple):
@@ -338,17 +350,21 @@ def _plain_decode(weights, cfg, state, carry: PlainCarry, eos, pad_id, max_new, 
 
     def body(c):
         state, (tok, pos, out, logits_buf, n_out, done, key, i, bad) = c
-        hidden, state = forward(weights, cfg, tok[:, None], state, pos, jnp.ones((B,), jnp.int32), gdn_mode="step")
-        logits = lm_logits(weights, hidden[:, 0])
-        key, sub = jax.random.split(key)
-        nxt = choose(sub, logits, sampling)
-        nonfinite = ~jnp.all(jnp.isfinite(logits), axis=-1) & ~done  # nothing is emitted from these
-        bad = jnp.where(nonfinite, i, bad)
-        out = out.at[:, i].set(jnp.where(done | nonfinite, pad_id, nxt))
-        if keep_logits:
-            logits_buf = logits_buf.at[:, i].set(logits)
-        n_out = n_out + (~done & ~nonfinite).astype(jnp.int32)
-        done = done | nonfinite | is_eos(nxt)
+        with jax.named_scope("step"):  # the trunk; "pick": lm_head and the choice (profiling.py's phases)
+            hidden, state = forward(weights, cfg, tok[:, None], state, pos, jnp.ones((B,), jnp.int32),
+                                    gdn_mode="step")
+        with jax.named_scope("pick"):
+            logits = lm_logits(weights, hidden[:, 0])
+            key, sub = jax.random.split(key)
+            nxt = choose(sub, logits, sampling)
+        with jax.named_scope("commit"):
+            nonfinite = ~jnp.all(jnp.isfinite(logits), axis=-1) & ~done  # nothing is emitted from these
+            bad = jnp.where(nonfinite, i, bad)
+            out = out.at[:, i].set(jnp.where(done | nonfinite, pad_id, nxt))
+            if keep_logits:
+                logits_buf = logits_buf.at[:, i].set(logits)
+            n_out = n_out + (~done & ~nonfinite).astype(jnp.int32)
+            done = done | nonfinite | is_eos(nxt)
         return state, PlainCarry(nxt, pos + 1, out, logits_buf, n_out, done, key, i + 1, bad)
 
     return jax.lax.while_loop(cond, body, (state, carry))
@@ -590,6 +606,23 @@ def precompile(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | Non
     with _under_mesh(model):
         _run(_Compiler(model), model, req, None)
     return time.perf_counter() - t
+
+
+def program_texts(model, prompt_ids, max_new_tokens: int, **kwargs) -> dict:
+    """{HLO module name: optimized HLO text} of every program `generate(model, prompt_ids, max_new_tokens,
+    **kwargs)` runs (compiled as precompile does, running nothing). The texts carry each instruction's op_name
+    metadata, the named scopes (draft, verify, ..., mtp_fc, gdn) that profiling.py maps a trace's ops to."""
+    kwargs.pop("stream", None)
+    req = _request(model, prompt_ids, max_new_tokens, kwargs.pop("spec", None), kwargs.pop("temperature", 0.0),
+                   kwargs.pop("top_k", 0), kwargs.pop("top_p", 1.0), kwargs.pop("seed", 0),
+                   kwargs.pop("eos_token_id", None), kwargs.pop("prefill_chunk", DEFAULT_PREFILL_CHUNK),
+                   kwargs.pop("return_logits", False), kwargs.pop("kv_dtype", None))
+    if kwargs:
+        raise ArgumentError(", ".join(sorted(kwargs)), "generate's keyword arguments", "unknown ones")
+    texts = {}
+    with _under_mesh(model):
+        _run(_Compiler(model, texts), model, req, None)
+    return texts
 
 
 STREAM_SEGMENT = 16  # the most decode steps (plain) or rounds (speculative) between two stream calls

@@ -14,13 +14,17 @@ from .weights import Weights
 
 
 def decoder_layer(x, lw, cfg: ModelConfig, kind: str, layer_state, pos, n_valid, gdn_mode: str):
-    h = rmsnorm_1pw(x, lw.input_norm, cfg.rms_norm_eps)
-    if kind == "full_attention":
-        h, layer_state = attention_layer(h, lw.mixer, cfg, layer_state, pos)
-    else:
-        h, layer_state = gdn_layer(h, lw.mixer, cfg, layer_state, n_valid, mode=gdn_mode)
-    x = x + h
-    x = x + feed_forward(rmsnorm_1pw(x, lw.post_norm, cfg.rms_norm_eps), lw.mlp, cfg)
+    """One trunk layer. Its ops sit in the named scopes "attention" or "gdn" (the mixer with its input norm and
+    residual) and "mlp" (dense or MoE), which profiling.py groups a trace by."""
+    with jax.named_scope("attention" if kind == "full_attention" else "gdn"):
+        h = rmsnorm_1pw(x, lw.input_norm, cfg.rms_norm_eps)
+        if kind == "full_attention":
+            h, layer_state = attention_layer(h, lw.mixer, cfg, layer_state, pos)
+        else:
+            h, layer_state = gdn_layer(h, lw.mixer, cfg, layer_state, n_valid, mode=gdn_mode)
+        x = x + h
+    with jax.named_scope("mlp"):
+        x = x + feed_forward(rmsnorm_1pw(x, lw.post_norm, cfg.rms_norm_eps), lw.mlp, cfg)
     return x, layer_state
 
 
@@ -32,12 +36,14 @@ def forward(weights: Weights, cfg: ModelConfig, tokens, state: tuple, pos, n_val
     overwritten later). Returns the hidden AFTER the final norm [B, T, H] (what lm_head and the MTP head
     read) and the new state.
     """
-    x = embed_rows(weights.embed, tokens)
+    with jax.named_scope("embed"):
+        x = embed_rows(weights.embed, tokens)
     new_state = []
     for lw, kind, st in zip(weights.layers, cfg.layer_types, state):
         x, st = decoder_layer(x, lw, cfg, kind, st, pos, n_valid, gdn_mode)
         new_state.append(st)
-    return rmsnorm_1pw(x, weights.final_norm, cfg.rms_norm_eps), tuple(new_state)
+    with jax.named_scope("final_norm"):
+        return rmsnorm_1pw(x, weights.final_norm, cfg.rms_norm_eps), tuple(new_state)
 
 
 def _tied_logits(hidden, e):
@@ -54,7 +60,8 @@ def lm_logits(weights: Weights, hidden):
     """Post-norm hidden [..., H] -> logits [..., V] in f32 (lm_head, or the tied embedding). The tied product
     contracts the embedding [V, H] along H as it is stored: `linear(hidden, embed.T)` made XLA on CPU copy the
     whole transposed embedding at every call (a quarter of a plain step of the shipped model)."""
-    if weights.lm_head is None:
-        e = weights.embed
-        return _tied_logits(hidden, e.astype(hidden.dtype)).astype(jnp.float32)
-    return logits(hidden, weights.lm_head)
+    with jax.named_scope("lm_head"):
+        if weights.lm_head is None:
+            e = weights.embed
+            return _tied_logits(hidden, e.astype(hidden.dtype)).astype(jnp.float32)
+        return logits(hidden, weights.lm_head)

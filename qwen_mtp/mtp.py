@@ -13,6 +13,7 @@ The head shares embed_tokens and lm_head with the trunk and has its own one-laye
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from .attention import attention_layer
@@ -55,20 +56,25 @@ def mtp_forward(weights: Weights, cfg: ModelConfig, tokens, hidden, cache: KVCac
     extra is computed or kept."""
     w = weights.mtp
     eps = cfg.rms_norm_eps
-    e = rmsnorm_1pw(embed_rows(weights.embed, tokens), w.pre_fc_norm_embedding, eps)
-    h = rmsnorm_1pw(hidden.astype(e.dtype), w.pre_fc_norm_hidden, eps)
-    fc_in = jnp.concatenate([e, h], axis=-1)
-    x = linear(fc_in, w.fc)
-    ah = rmsnorm_1pw(x, w.layer.input_norm, eps)
-    if window is None:
-        attn, cache = attention_layer(ah, w.layer.mixer, cfg, cache, slot, rope_offset=ROPE_OFFSET)
-    else:
-        attn, cache = ring_attention_layer(ah, w.layer.mixer, cfg, cache, slot, window, sinks, ROPE_OFFSET)
-    res1 = x + attn
-    mh = rmsnorm_1pw(res1, w.layer.post_norm, eps)
-    mlp_out = feed_forward(mh, w.layer.mlp, cfg)
-    res2 = res1 + mlp_out
-    out = rmsnorm_1pw(res2, w.norm, eps)
+    with jax.named_scope("mtp_embed"):  # the stages in named scopes: profiling.py groups a trace by them
+        e = rmsnorm_1pw(embed_rows(weights.embed, tokens), w.pre_fc_norm_embedding, eps)
+        h = rmsnorm_1pw(hidden.astype(e.dtype), w.pre_fc_norm_hidden, eps)
+    with jax.named_scope("mtp_fc"):
+        fc_in = jnp.concatenate([e, h], axis=-1)
+        x = linear(fc_in, w.fc)
+    with jax.named_scope("mtp_attention"):
+        ah = rmsnorm_1pw(x, w.layer.input_norm, eps)
+        if window is None:
+            attn, cache = attention_layer(ah, w.layer.mixer, cfg, cache, slot, rope_offset=ROPE_OFFSET)
+        else:
+            attn, cache = ring_attention_layer(ah, w.layer.mixer, cfg, cache, slot, window, sinks, ROPE_OFFSET)
+        res1 = x + attn
+    with jax.named_scope("mtp_mlp"):
+        mh = rmsnorm_1pw(res1, w.layer.post_norm, eps)
+        mlp_out = feed_forward(mh, w.layer.mlp, cfg)
+        res2 = res1 + mlp_out
+    with jax.named_scope("mtp_norm"):
+        out = rmsnorm_1pw(res2, w.norm, eps)
     stages = None
     if trace:
         stages = dict(e=e, h=h, fc_in=fc_in, fc=x, ah=ah, attn=attn, res1=res1, mh=mh, mlp=mlp_out, res2=res2,

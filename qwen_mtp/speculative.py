@@ -64,6 +64,7 @@ class SpecConfig:
 def _draft(weights, cfg, mcache, m1, pos, spec, sampling, key):
     """Returns drafts D [B, k], their draft distributions Q [B, k, V] (None when greedy), the head cache."""
 
+    @jax.named_scope("pick")  # the draft's lm_head and choice: a stage of profiling.py
     def pick(m, key):
         if weights.draft_vocab is not None:  # a reduced draft vocabulary (draft_vocab.py): q zero outside it
             return draft_vocab.pick(weights.draft_vocab, m, sampling, key, cfg.vocab_size)

@@ -25,6 +25,10 @@ def test_notebook_executes(path, tmp_path, report, monkeypatch):
         assert xplanes and all(p.stat().st_size > 0 for p in xplanes)
         text = "".join(o.get("text", "") for o in nb.cells[-1].outputs)
         assert "module / op" in text and len(text.splitlines()) > 3  # the top-ops table has rows
+        phases = "".join(o.get("text", "") for o in nb.cells[-2].outputs)  # the round profile from the trace
+        assert "share of round time" in phases
+        for phase in ("draft", "verify", "accept", "commit", "rollback", "refill", "prefill"):
+            assert f"  {phase} " in phases, phase
         report(f"notebook profiling: trace {xplanes[0].name} ({xplanes[0].stat().st_size} bytes)")
     else:
         report(f"notebook {path.stem}: executed")
@@ -32,8 +36,8 @@ def test_notebook_executes(path, tmp_path, report, monkeypatch):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_committed_notebook_carries_its_outputs(path):
-    """Committed as executed by notebooks/execute.py: every code cell ran (in order) and has output, none is an
-    error, the acceptance notebook has its plot, and the file stays small."""
+    """Committed as executed by notebooks/execute.py: every code cell ran (in order), all but at most one (the
+    imports) show output, none is an error, the acceptance notebook has its plot, and the file stays small."""
     import sys
     sys.path.insert(0, str(path.parent))
     from execute import MAX_BYTES
@@ -42,9 +46,9 @@ def test_committed_notebook_carries_its_outputs(path):
     nb = nbformat.read(path, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), f"{path.name}: not run in order"
-    for i, c in enumerate(code):
-        kinds = {o.output_type for o in c.outputs}
-        assert c.outputs and "error" not in kinds, f"{path.name}: code cell {i} has no output or an error"
+    kinds = [{o.output_type for o in c.outputs} for c in code]
+    assert not any("error" in k for k in kinds), f"{path.name}: a cell's output is an error"
+    assert code[-1].outputs and sum(map(bool, kinds)) >= len(code) - 1, f"{path.name}: cells without outputs"
     text = "".join(o.get("text", "") for c in code for o in c.outputs)
     assert "nan" not in text.split(), f"{path.name}: prints nan"
     if path.stem == "acceptance":
