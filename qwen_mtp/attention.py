@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.masked_attention import attend
+from kernels_pallas.causal_attention import causal_attend
 
 from .config import ModelConfig
 from .ops import linear, rmsnorm_1pw
@@ -50,12 +50,11 @@ def output(o, gate, w: AttnWeights):
 def attention_layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, rope_offset: int = 0):
     """Causal attention of T new tokens in slots pos[b] + t of the row's cache, each seeing slots <= its own.
     RoPE position = slot + rope_offset (0 for the trunk; 1 for the MTP head, whose row t sits at t + 1).
-    The new rows are written first and read back from the cache (in its dtype, upcast to the compute dtype)."""
+    The new rows are written first and read back from the cache (in its dtype, upcast to the compute dtype) by
+    kernels_pallas/causal_attention.py, which walks the cache in blocks and stops after the furthest position."""
     B, T, _ = x.shape
     positions = pos[:, None] + jnp.arange(T, dtype=pos.dtype)[None]
     q, k, v, gate = project_qkv(x, w, cfg, positions + rope_offset)
     cache = write_kv(cache, k, v, pos)
-    slots = jnp.arange(cache.k.shape[1], dtype=pos.dtype)
-    key_ok = slots[None, None, :] <= positions[:, :, None]
-    o = attend(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), key_ok)
+    o = causal_attend(q, cache.k, cache.v, positions)  # blocked over the cache, up to the furthest position
     return output(o, gate, w), cache
