@@ -41,6 +41,13 @@
    speculative figure is a cost per round, printed as round time / plain step time, not a speedup. On CPU the
    `--interpret` smoke form skips it (CI time; it prints why); `--e2e27b-only` runs just this part, on CPU at
    a small config of the same layer pattern.
+8. the causal attention kernel of the trunk and the native head (kernels_pallas/causal_attention.py) against
+   its blocked pure-JAX reference at small shapes (ragged rows, parts, an fp8 cache), then at Qwen3.5-27B's
+   attention (24 query heads, 4 kv heads, head_dim 256, bf16) over long caches: a 256-row prefill chunk at the
+   end of a 128K and of a 1M-slot cache, a decode step and a k = 8 verify at 128K and 1M; timed beside the
+   reference (XLA) and, for the decode step, jax.nn.dot_product_attention with cuDNN (key_value_seq_lengths:
+   the one case it can express without a materialised mask), with achieved GB/s (bytes = the visible K and V
+   slots, queries and output, each moved once). `--long-only` runs just this part.
 Exits non-zero if any check fails.
 
 On the lent H200 run it from the repository root as it is, with the image's python3 (its jax, the CUDA 13
@@ -572,11 +579,80 @@ def check_end_to_end_27b(max_new, layers=4):
     return failures
 
 
+# causal attention (item 8): (B, T, nkv, G, hd, S, first query position per row, dtype, cache dtype, parts)
+CAUSAL_SMALL = [(2, 5, 2, 2, 16, 100, [7, 90], "float32", None, 2), (1, 37, 1, 4, 32, 300, [200], "float32", None, 1),
+                (2, 4, 2, 2, 16, 130, [3, 120], "bfloat16", "float8_e4m3fn", 2)]
+K128, M1 = 131072, 1 << 20
+CAUSAL_LONG = [(1, 256, 4, 6, 256, K128, [K128 - 256], "bfloat16", None, None),   # 27B prefill chunk, 128K
+               (1, 256, 4, 6, 256, M1, [M1 - 256], "bfloat16", None, None),       # ... at the end of 1M
+               (1, 1, 4, 6, 256, K128, [K128 - 1], "bfloat16", None, None),       # decode step, 128K
+               (1, 1, 4, 6, 256, M1, [M1 - 1], "bfloat16", None, None),           # decode step, 1M
+               (1, 9, 4, 6, 256, M1, [M1 - 9], "bfloat16", None, None),           # k = 8 verify, 1M
+               (1, 1, 4, 6, 256, M1, [M1 - 1], "bfloat16", "float8_e4m3fn", None)]  # decode over an fp8 cache
+
+
+def _cudnn_decode_time(q, k, v, q_pos):
+    """jax.nn.dot_product_attention(implementation="cudnn") for one query per row over the first q_pos + 1 slots:
+    seconds per call, or why it is not used."""
+    lens = (q_pos[:, 0] + 1).astype(jnp.int32)
+    fn = jax.jit(lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=n,
+                                                                 implementation="cudnn"))
+    try:
+        return _time(fn, q, k.astype(q.dtype), v.astype(q.dtype), lens, n=20)
+    except Exception as e:  # noqa: BLE001 - the library's refusal, in one line
+        return f"not used ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+
+
+def check_causal(cases, interpret, timings):
+    from kernels_pallas import causal_attention as ca
+
+    kind, bw = _bandwidth()
+    failures = 0
+    for B, T, nkv, G, hd, S, starts, dtype, kv_dtype, parts in cases:
+        dt, kvd = jnp.dtype(dtype), jnp.dtype(kv_dtype or dtype)
+        key = jax.random.PRNGKey(S + T)
+        k1, k2, k3 = jax.random.split(key, 3)
+        q = jax.random.normal(k1, (B, T, nkv * G, hd), jnp.float32).astype(dt)
+        kc = jax.random.normal(k2, (B, S, nkv, hd), jnp.float32).astype(kvd)
+        vc = jax.random.normal(k3, (B, S, nkv, hd), jnp.float32).astype(kvd)
+        q_pos = jnp.asarray(np.asarray(starts)[:, None] + np.arange(T)[None], jnp.int32)
+        label = f"causal B{B} T{T} kv{nkv} G{G} hd{hd} S{S} {dt.name}" + (f", {kvd.name} cache" if kv_dtype else "")
+        assert ca.unsupported_reason(q, kc, q_pos) is None
+        kern = jax.jit(lambda *a: ca.causal_attend_pallas(*a, num_splits=parts, interpret=interpret))
+        ref = jax.jit(ca.causal_attend_reference)
+        try:
+            got = np.asarray(kern(q, kc, vc, q_pos).astype(jnp.float32))
+            want = np.asarray(ref(q, kc, vc, q_pos).astype(jnp.float32))
+        except Exception as e:  # one case that does not compile or run must not hide the others
+            print(f"{label}: FAIL {type(e).__name__}: {e}", flush=True)
+            failures += 1
+            continue
+        rel = float(np.abs(got - want).max() / np.abs(want).max())
+        ok = rel < (1e-4 if dt == jnp.float32 else 2e-2) and np.isfinite(got).all()
+        failures += not ok
+        line = f"{label}: max_rel {rel:.1e} {'OK' if ok else 'FAIL'}"
+        if timings:
+            t_k, t_r = _time(kern, q, kc, vc, q_pos, n=20), _time(ref, q, kc, vc, q_pos, n=20)
+            visible = int(q_pos.max()) + 1
+            nbytes = kvd.itemsize * 2 * B * visible * nkv * hd + dt.itemsize * 2 * B * T * nkv * G * hd
+            frac = f" = {100 * nbytes / t_k / bw:.0f}% of {kind}'s {bw / 1e12:.2f} TB/s" if bw else ""
+            line += (f"; kernel {1e6 * t_k:.1f} us ({nbytes / t_k / 1e9:.0f} GB/s{frac}), reference (XLA, blocked) "
+                     f"{1e6 * t_r:.1f} us, kernel/reference {t_k / t_r:.2f}x")
+            if T == 1:
+                c = _cudnn_decode_time(q, kc, vc, q_pos)
+                line += (f"; cuDNN {1e6 * c:.1f} us (kernel/cuDNN {t_k / c:.2f}x)" if isinstance(c, float)
+                         else f"; cuDNN: {c}")
+        print(line, flush=True)
+        del kc, vc
+    return failures
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--interpret", action="store_true", help="kernels in interpret mode (CPU smoke test)")
     ap.add_argument("--max-new", type=int, default=128, help="new tokens per end-to-end run")
     ap.add_argument("--quant-only", action="store_true", help="only the quantized-matmul checks (item 5)")
+    ap.add_argument("--long-only", action="store_true", help="only the causal attention checks (item 8)")
     ap.add_argument("--tp-only", action="store_true", help="only the tensor-parallel check (item 6)")
     ap.add_argument("--e2e27b-only", action="store_true",
                     help="only the end-to-end timing on the Qwen3.5-27B slice (item 7; on CPU a small config)")
@@ -588,6 +664,12 @@ def main(argv=None):
     print("backend:", jax.default_backend(), jax.devices(), "jax", jax.__version__, flush=True)
     t0 = time.perf_counter()
     failures = 0
+    if args.long_only:
+        failures += check_causal(CAUSAL_SMALL, args.interpret, timings=False)
+        if not args.interpret:
+            failures += check_causal(CAUSAL_LONG, False, timings=True)
+        print(f"{'OK' if not failures else f'FAIL ({failures})'} in {time.perf_counter() - t0:.0f} s", flush=True)
+        return 1 if failures else 0
     if args.tp_only or args.e2e27b_only:
         if args.tp_only:
             failures += check_tensor_parallel(args.max_new)
@@ -600,6 +682,9 @@ def main(argv=None):
         failures += check_kernels([SMALL[0], SMALL[-1]] if args.interpret else SMALL, args.interpret, timings=False)
         if not args.interpret:
             failures += check_kernels(REAL, False, timings=True)
+        failures += check_causal(CAUSAL_SMALL[:1] if args.interpret else CAUSAL_SMALL, args.interpret, timings=False)
+        if not args.interpret:
+            failures += check_causal(CAUSAL_LONG, False, timings=True)
     failures += check_quant(QUANT_SMOKE if args.interpret else QUANT_SMALL, args.interpret, timings=False)
     if not args.interpret:
         failures += check_quant(QUANT_REAL, False, timings=True)

@@ -23,13 +23,30 @@ rule (HIGHEST for f32).
 
 The result equals the dense form up to the order of f32 sums (tests/test_causal_attention.py: block
 boundaries, ragged batches, chunks that do not divide the prompt, positions past one block, fp8 caches).
+
+On a GPU the same computation is one Pallas-Triton kernel (`causal_attend_pallas`), chosen per lowering
+platform by dispatch.py like the other kernels. Its grid is (batch row, kv head, row tile, cache part), the plan
+of windowed_attention.py: the G query heads x T rows of one kv head form [rows, head_dim] tiles, and the cache is
+cut into parts (flash-decoding) so that a decode step at batch 1 still fills the GPU; each program streams its
+part's blocks of block_k slots with an online softmax and stops after the last slot its tile's queries see (a
+loop with a dynamic trip count: future blocks are never loaded), the cache read in place, fp8 upcast in
+registers; the parts' (max, sum, accumulator) are combined in XLA. Why our own kernel rather than a library's:
+jax.nn.dot_product_attention with cuDNN takes a causal mask aligned to the top-left corner and per-row lengths,
+but not T queries at their own per-row offsets into a longer cache (the chunked prefill, the verify), short of a
+materialised [B, T, S] mask; tokamax's Pallas attention is written for training-style equal-length sequences.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
+from . import dispatch
+from . import windowed_attention as wa
 from .masked_attention import attend, precision_for
 
 PREFILL_BLOCK = 512  # slots per block when the call has many queries (prefill chunks)
@@ -101,6 +118,103 @@ def causal_attend_reference(q, k_cache, v_cache, q_pos, *, block: int | None = N
     return jnp.moveaxis(out, 3, 1).reshape(B, T, nh, hd).astype(q.dtype)
 
 
-def causal_attend(q, k_cache, v_cache, q_pos):
-    """The trunk's and the native MTP head's attention over their KV caches (see the module docstring)."""
-    return causal_attend_reference(q, k_cache, v_cache, q_pos)
+def unsupported_reason(q, k_cache, q_pos):
+    """None if the kernel takes these shapes and dtypes, else why not (the caller falls back to the reference)."""
+    B, T, nh, hd = q.shape
+    nkv = k_cache.shape[2]
+    if nh % nkv:
+        return f"query heads {nh} not a multiple of kv heads {nkv}"
+    if not wa.MIN_HEAD_DIM <= hd <= wa.MAX_HEAD_DIM or hd & (hd - 1):
+        return f"head_dim {hd} is not a power of two in [{wa.MIN_HEAD_DIM}, {wa.MAX_HEAD_DIM}]"
+    if q_pos.shape != (B, T):
+        return f"q_pos of shape {q_pos.shape} for queries [{B}, {T}]"
+    qd, kd = jnp.dtype(q.dtype), jnp.dtype(k_cache.dtype)
+    if qd not in {jnp.dtype(d) for d in wa.DTYPES} or kd not in (qd, jnp.dtype(wa.FP8)):
+        return (f"dtypes q {qd}, cache {kd}: the kernel takes q in float32 / bfloat16 / float16 and the cache in "
+                f"q's dtype or in float8_e4m3fn")
+    return None
+
+
+def _kernel(qpos_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, bps, block_k, scale, slots):
+    part = pl.program_id(3)
+    q = q_ref[...]  # [bm, hd], input dtype
+    qpos = qpos_ref[...]  # [bm] the cache position of each query row; -1 for padding
+    prec = jax.lax.Precision.HIGHEST  # IEEE f32 dots for f32 inputs (Triton's DEFAULT is TF32)
+    first_block = part * bps
+    # the blocks of this part that hold a slot some query of the tile sees: the loop stops there
+    n = jnp.clip(jnp.max(qpos) // block_k + 1 - first_block, 0, bps)
+
+    def block(j, carry):
+        m_i, l_i, acc = carry
+        first = (first_block + j) * block_k
+        slot = first + jnp.arange(block_k, dtype=jnp.int32)
+        inside = (slot < slots)[:, None]
+        k = plt.load(k_ref.at[pl.ds(first, block_k), :], mask=inside, other=0.0).astype(q.dtype)
+        v = plt.load(v_ref.at[pl.ds(first, block_k), :], mask=inside, other=0.0).astype(q.dtype)
+        s = jnp.dot(q, k.T, precision=prec, preferred_element_type=jnp.float32) * scale  # [bm, block_k]
+        ok = slot[None, :] <= qpos[:, None]
+        s = jnp.where(ok, s, -jnp.inf)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.where(ok, jnp.exp(s - m_safe[:, None]), 0.0)
+        corr = jnp.where(m_i == -jnp.inf, 0.0, jnp.exp(m_i - m_safe))
+        l_i = l_i * corr + jnp.sum(p, axis=1)
+        acc = acc * corr[:, None] + jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
+        return m_new, l_i, acc
+
+    bm, hd = q.shape
+    carry = (jnp.full((bm,), -jnp.inf, jnp.float32), jnp.zeros((bm,), jnp.float32), jnp.zeros((bm, hd), jnp.float32))
+    m_i, l_i, acc = jax.lax.fori_loop(0, n, block, carry)
+    acc_ref[...] = acc
+    m_ref[...] = m_i
+    l_ref[...] = l_i
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "num_splits", "num_warps", "num_stages", "interpret"))
+def causal_attend_pallas(q, k_cache, v_cache, q_pos, block_k: int | None = None, num_splits: int | None = None,
+                         num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False):
+    """The Pallas kernel. Shapes must pass unsupported_reason (causal_attend checks it). None picks each launch
+    parameter from the shapes (windowed_attention.plan); an int forces it (tests, tuning)."""
+    B, T, nh, hd = q.shape
+    S, nkv = k_cache.shape[1], k_cache.shape[2]
+    G = nh // nkv
+    p = wa.plan(B, T, nh, nkv, hd, S, jnp.dtype(q.dtype).itemsize, block_k, num_splits, num_warps, num_stages,
+                kv_itemsize=jnp.dtype(k_cache.dtype).itemsize)
+    bm, n_tiles, block_k, bps, n_split = p.row_tile, p.row_tiles, p.block_k, p.blocks_per_split, p.splits
+    M = bm * n_tiles
+    # queries regrouped per kv head, rows (t, g) t-major, padded to the tiles (padding rows: position -1); the
+    # cache is not copied: the kernel reads k_cache / v_cache [B, S, nkv, hd] where they are
+    qg = jnp.moveaxis(q.reshape(B, T, nkv, G, hd), 2, 1).reshape(B, nkv, T * G, hd)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, M - T * G), (0, 0)))
+    qpos = jnp.repeat(q_pos.astype(jnp.int32), G, axis=1)  # [B, T * G]
+    qpos = jnp.pad(qpos, ((0, 0), (0, M - T * G)), constant_values=-1)
+    kernel = functools.partial(_kernel, bps=bps, block_k=block_k, scale=hd ** -0.5, slots=S)
+    acc, m_i, l_i = pl.pallas_call(
+        kernel,
+        grid=(B, nkv, n_tiles, n_split),
+        in_specs=[pl.BlockSpec((None, bm), lambda b, h, r, s: (b, r)),
+                  pl.BlockSpec((None, None, bm, hd), lambda b, h, r, s: (b, h, r, 0)),
+                  pl.BlockSpec((None, S, None, hd), lambda b, h, r, s: (b, 0, h, 0)),
+                  pl.BlockSpec((None, S, None, hd), lambda b, h, r, s: (b, 0, h, 0))],
+        out_specs=[pl.BlockSpec((None, None, None, bm, hd), lambda b, h, r, s: (b, h, s, r, 0)),
+                   pl.BlockSpec((None, None, None, bm), lambda b, h, r, s: (b, h, s, r)),
+                   pl.BlockSpec((None, None, None, bm), lambda b, h, r, s: (b, h, s, r))],
+        out_shape=[jax.ShapeDtypeStruct((B, nkv, n_split, M, hd), jnp.float32),
+                   jax.ShapeDtypeStruct((B, nkv, n_split, M), jnp.float32),
+                   jax.ShapeDtypeStruct((B, nkv, n_split, M), jnp.float32)],
+        compiler_params=plt.CompilerParams(num_warps=p.num_warps, num_stages=p.num_stages),
+        interpret=interpret,
+        name="causal_attention",
+    )(qpos, qg, k_cache, v_cache)
+    out = wa.combine_splits(acc, m_i, l_i)  # [B, nkv, M, hd] f32
+    out = out[:, :, :T * G].astype(q.dtype).reshape(B, nkv, T, G, hd)
+    return jnp.moveaxis(out, 1, 2).reshape(B, T, nh, hd)
+
+
+def causal_attend(q, k_cache, v_cache, q_pos, *, backend: str = "auto", interpret: bool = False):
+    """The trunk's and the native MTP head's attention over their KV caches: the kernel in a program lowered for
+    cuda, the blocked reference elsewhere (dispatch.run); see the module docstring."""
+    kernel = functools.partial(causal_attend_pallas, interpret=interpret)
+    reason = unsupported_reason(q, k_cache, q_pos)
+    return dispatch.run("causal attention", kernel, causal_attend_reference, reason, backend, q, k_cache, v_cache,
+                        q_pos)

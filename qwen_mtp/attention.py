@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.causal_attention import causal_attend
 
+from . import spmd
 from .config import ModelConfig
 from .ops import linear, rmsnorm_1pw
 from .rope import apply_rope, rope_cos_sin
@@ -56,5 +57,7 @@ def attention_layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, ro
     positions = pos[:, None] + jnp.arange(T, dtype=pos.dtype)[None]
     q, k, v, gate = project_qkv(x, w, cfg, positions + rope_offset)
     cache = write_kv(cache, k, v, pos)
-    o = causal_attend(q, cache.k, cache.v, positions)  # blocked over the cache, up to the furthest position
+    # blocked over the cache, up to the furthest position: the Pallas kernel in a program lowered for cuda, its
+    # pure-JAX reference elsewhere; under a mesh, per (row, kv head) shard (spmd.py)
+    o = spmd.causal(q, cache.k, cache.v, positions, causal_attend)
     return output(o, gate, w), cache

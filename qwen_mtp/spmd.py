@@ -7,7 +7,8 @@ Pallas kernel is a custom call it cannot look inside: given sharded operands it 
                 split (row parallel: local partial products, then one psum over `model`, in f32), rows of x
                 split over `data` where they divide;
   windowed      the draft head's windowed attention, split over batch rows (`data`) and kv heads (`model`),
-                each shard attending over its own heads of its own rows: no communication.
+                each shard attending over its own heads of its own rows: no communication;
+  causal        the trunk's and the native head's causal attention over their KV caches, split the same way.
 The mesh is the one `generate` runs under (jax.set_mesh(model.mesh)); with none, or nothing split, the kernel
 call is made as it is. Leaf module: the mesh-axis names and the batch rule live here, sharding.py builds on them.
 """
@@ -79,3 +80,17 @@ def windowed(q, ring_k, ring_v, new_k, new_v, start, call):
         return call(*args)
     t = P(dax, None, hax, None)
     return jax.shard_map(call, mesh=mesh, in_specs=(t, t, t, t, t, P(dax)), out_specs=t, check_vma=False)(*args)
+
+
+def causal(q, k_cache, v_cache, q_pos, call):
+    """The causal attention over a KV cache per (row, kv head) shard; call(q, k_cache, v_cache, q_pos) is the
+    kernel dispatch (causal_attention.causal_attend)."""
+    mesh = active_mesh()
+    args = (q, k_cache, v_cache, q_pos)
+    if mesh is None:
+        return call(*args)
+    dax, hax = batch_axis(mesh, q.shape[0]), heads_axis(mesh, k_cache.shape[2])
+    if dax is None and hax is None:
+        return call(*args)
+    t = P(dax, None, hax, None)
+    return jax.shard_map(call, mesh=mesh, in_specs=(t, t, t, P(dax, None)), out_specs=t, check_vma=False)(*args)

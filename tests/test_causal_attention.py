@@ -146,3 +146,50 @@ def test_greedy_output_is_unchanged_at_a_long_context(long_prompt, monkeypatch, 
     np.testing.assert_array_equal(blocked[1], blocked[0])  # and speculative equals plain
     assert len(set(blocked[0][0].tolist())) > 5  # real text, not one repeated id
     report(f"long context (2600 / 1900 tokens, blocks 128 / 256): plain, native and W64 identical to dense")
+
+
+# ----------------------------------------------------------------------- the Pallas kernel (interpret mode)
+KERNEL_CASES = [  # (B, T, S, nkv, G, hd, starts, block_k, splits)
+    (1, 1, 64, 2, 2, 16, [40], 16, 1),
+    (2, 5, 100, 2, 2, 16, [7, 90], 16, 2),  # ragged verify rows, S not a multiple of the block, two parts
+    (2, 37, 96, 2, 2, 16, [0, 50], 16, 1),  # a prefill chunk: several row tiles
+    (1, 3, 300, 1, 4, 32, [290], 32, 3),    # the last part runs past the cache (masked loads)
+]
+
+
+@pytest.mark.parametrize("B,T,S,nkv,G,hd,starts,block_k,splits", KERNEL_CASES)
+def test_kernel_matches_reference(B, T, S, nkv, G, hd, starts, block_k, splits):
+    q, k, v, q_pos = _case(5, B, T, S, nkv, G, hd, starts)
+    with jax.default_matmul_precision("highest"):
+        want = _dense(q, k, v, q_pos)
+    got = ca.causal_attend_pallas(q, k, v, q_pos, block_k=block_k, num_splits=splits, interpret=True)
+    abs_err, rel_err = _err(got, want)
+    assert rel_err < 1e-4 or abs_err < 1e-5, (abs_err, rel_err)
+
+
+@pytest.mark.parametrize("dtype,kv_dtype,tol", [(jnp.bfloat16, None, 2e-2), (jnp.bfloat16, jnp.float8_e4m3fn, 2e-2),
+                                                (jnp.float32, jnp.float8_e4m3fn, 1e-5)])
+def test_kernel_bf16_and_fp8_cache(dtype, kv_dtype, tol):
+    q, k, v, q_pos = _case(6, 2, 4, 130, 2, 2, 16, [3, 120], dtype, kv_dtype)
+    assert ca.unsupported_reason(q, k, q_pos) is None
+    got = ca.causal_attend_pallas(q, k, v, q_pos, block_k=16, num_splits=2, interpret=True)
+    want = _dense(q, k, v, q_pos)
+    assert got.dtype == q.dtype and _err(got, want)[0] < tol * 4
+
+
+def test_kernel_never_reads_future_blocks():
+    q, k, v, q_pos = _case(7, 1, 2, 256, 1, 2, 16, [20])
+    k = k.at[:, 48:].set(jnp.nan)  # wholly after slot 21, in blocks of 16
+    v = v.at[:, 48:].set(jnp.nan)
+    got = ca.causal_attend_pallas(q, k, v, q_pos, block_k=16, num_splits=1, interpret=True)
+    assert bool(jnp.all(jnp.isfinite(got)))
+
+
+def test_unsupported_shapes_take_the_reference(monkeypatch):
+    from kernels_pallas import dispatch
+    monkeypatch.setattr(dispatch, "_warned", set())
+    q, k, v, q_pos = _case(8, 1, 2, 40, 1, 2, 24, [30])  # head_dim 24
+    assert "head_dim 24" in ca.unsupported_reason(q, k, q_pos)
+    with pytest.warns(UserWarning, match="head_dim 24"):
+        got = ca.causal_attend(q, k, v, q_pos, backend="pallas", interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ca.causal_attend_reference(q, k, v, q_pos)))

@@ -39,6 +39,7 @@ from tests.test_kernel_quant_matmul import _inputs as quant_inputs
 from tests.test_kernel_windowed_attention import CASES as INTERPRET_CASES
 
 KERNEL = "windowed_draft_attention"
+CAUSAL = "causal_attention"  # the trunk's and the native head's attention (kernels_pallas/causal_attention.py)
 SDS = jax.ShapeDtypeStruct
 i32 = lambda *s: SDS(s, jnp.int32)
 
@@ -130,9 +131,19 @@ def _head_cache(cfg, dtype, spec):
                                                  k=spec.k))
 
 
-def _kernels_expected(spec):
-    # the head's attention runs in the draft steps (k > 1) and in the refill: two call sites with a window
-    return [KERNEL] * (1 + (spec.k > 1)) if spec.window is not None else []
+def _n_attn(cfg):
+    return cfg.layer_types.count("full_attention")
+
+
+def _check_round_kernels(calls, spec):
+    """A round's kernels: the verify's causal attention (one lowered function for all the trunk's attention
+    layers, whose shapes are the same; a call site per distinct shape) and the head's attention in the draft
+    steps (k > 1) and in the refill, windowed (two shapes: 1 and k + 1 rows) or causal (native)."""
+    assert CAUSAL in calls, calls
+    if spec.window is not None:
+        assert set(calls) == {CAUSAL, KERNEL} and calls.count(KERNEL) == 1 + (spec.k > 1), calls
+    else:
+        assert set(calls) == {CAUSAL}, calls
 
 
 def _spec_program(cfg, dtype, spec, sampling, platform="cuda"):
@@ -154,12 +165,13 @@ ENTRY_CONFIGS = ["shipped", "Qwen3.5-27B", "Qwen3.5-35B-A3B"]
 def test_prefill_and_head_fill_lower_for_cuda(name):
     cfg, dtype = _config(name)
     w = weight_shapes(cfg, dtype)
-    assert kernel_calls(export_for(_prefill_chunk, w, cfg, i32(B, CHUNK), _state(cfg, dtype), i32(B), i32(B))) == []
+    prefill = export_for(_prefill_chunk, w, cfg, i32(B, CHUNK), _state(cfg, dtype), i32(B), i32(B))
+    assert kernel_calls(prefill) == [CAUSAL]  # every attention layer calls the one lowered kernel function
     hidden = SDS((B, CHUNK, cfg.hidden_size), dtype)
     for spec in (NATIVE, WINDOWED):
         exported = export_for(_mtp_chunk, w, cfg, i32(B, CHUNK), hidden, _head_cache(cfg, dtype, spec), i32(B),
                               window=spec.window, sinks=spec.sinks)
-        assert kernel_calls(exported) == ([KERNEL] if spec.window else [])
+        assert kernel_calls(exported) == ([KERNEL] if spec.window else [CAUSAL])
     export_for(_keep_last, SDS((B, CHUNK, cfg.hidden_size), dtype), SDS((B, cfg.hidden_size), dtype), i32(B), i32(B))
     export_for(_logits, w, SDS((B, cfg.hidden_size), dtype))
     export_for(_first_token, w, SDS((B, cfg.hidden_size), dtype), jax.eval_shape(lambda: jax.random.PRNGKey(0)),
@@ -169,8 +181,8 @@ def test_prefill_and_head_fill_lower_for_cuda(name):
 @pytest.mark.parametrize("name", ENTRY_CONFIGS)
 def test_plain_decode_loop_lowers_for_cuda(name):
     cfg, dtype = _config(name)
-    assert kernel_calls(_plain_program(cfg, dtype, GREEDY)) == []
-    assert kernel_calls(_plain_program(cfg, dtype, SAMPLED, keep_logits=True)) == []
+    assert kernel_calls(_plain_program(cfg, dtype, GREEDY)) == [CAUSAL]
+    assert kernel_calls(_plain_program(cfg, dtype, SAMPLED, keep_logits=True)) == [CAUSAL]
 
 
 @pytest.mark.parametrize("name", ENTRY_CONFIGS)
@@ -179,13 +191,14 @@ def test_plain_decode_loop_lowers_for_cuda(name):
                          ids=["native", "windowed", "windowed-sampled", "native-sampled", "windowed-k1"])
 def test_speculative_loop_lowers_for_cuda(name, spec, sampling):
     cfg, dtype = _config(name)
-    assert kernel_calls(_spec_program(cfg, dtype, spec, sampling)) == _kernels_expected(spec)
+    _check_round_kernels(kernel_calls(_spec_program(cfg, dtype, spec, sampling)), spec)
 
 
 def test_full_depth_27b_speculative_loop_lowers_for_cuda():
     cfg, dtype = _config("27B-full-depth")
     assert cfg.num_layers == 64
-    assert kernel_calls(_spec_program(cfg, dtype, WINDOWED, SAMPLED)) == [KERNEL, KERNEL]
+    _check_round_kernels(kernel_calls(_spec_program(cfg, dtype, WINDOWED, SAMPLED)), WINDOWED)
+    assert _n_attn(cfg) == 16
 
 
 def test_windowed_program_lowered_for_cpu_holds_the_reference():
@@ -363,7 +376,8 @@ def test_quantized_27b_speculative_loop_lowers_for_cuda():
     exported = export_spec_decode(cfg, dtype, WINDOWED, GREEDY, batch=1, cache_len=CACHE, cap=CAP, weights=weights,
                                   kv_dtype="float8_e4m3fn")
     calls = kernel_calls(exported)
-    assert calls.count(KERNEL) == 2 and set(calls) == {KERNEL, "quant_matmul_int4"}, calls
+    assert calls.count(KERNEL) == 2 and set(calls) == {KERNEL, CAUSAL, "quant_matmul_int4"}, calls
+    assert calls.count(CAUSAL) == 1  # the verify's attention (every layer's) reads the fp8 trunk cache too
     text = exported.mlir_module()
     ring = WINDOWED.sinks + WINDOWED.window + WINDOWED.k
     attn = [line for line in text.splitlines() if "xla.gpu.triton" in line and f"x{ring}x" in line]
@@ -376,3 +390,39 @@ def test_quantized_27b_speculative_loop_lowers_for_cuda():
         K, N = w.shape
         packed = f"tensor<{w.q.shape[0]}x{N}xui8>"
         assert packed in kernel_operands and f"tensor<{K}x{N}xbf16>" not in text, (w.shape, packed)
+
+
+# ------------------------------------------------------------------------ the causal attention kernel
+def _causal_args(B, T, nh, nkv, hd, S, dtype, kv_dtype=None):
+    kv = SDS((B, S, nkv, hd), kv_dtype or dtype)
+    return SDS((B, T, nh, hd), dtype), kv, kv, i32(B, T)
+
+
+# a 256-row prefill chunk at 128K and 1M slots, a decode step at 1M, the k = 8 verify at batch 8; every model's
+# heads; an fp8 cache
+CAUSAL_REAL = ([(m, 1, 256, 131072, jnp.bfloat16, None) for m in REAL_HEADS]
+               + [("27B", 1, 256, 1 << 20, jnp.bfloat16, None), ("27B", 1, 1, 1 << 20, jnp.bfloat16, None),
+                  ("27B", 8, 9, 131072, jnp.bfloat16, None), ("27B", 1, 9, 131072, jnp.bfloat16, jnp.float8_e4m3fn),
+                  ("27B", 1, 256, 131072, jnp.float32, None)])
+
+
+def test_causal_kernel_lowers_and_compiles_for_sm90_at_real_shapes(report):
+    from kernels_pallas import causal_attention as ca
+    if importlib.util.find_spec("triton") is None:
+        pytest.fail("the `triton` package is missing: pip install -e '.[test]' installs it")
+    kernels = []
+    for model, b, t, S, dtype, kv_dtype in CAUSAL_REAL:
+        nh, nkv = REAL_HEADS[model]
+        args = _causal_args(b, t, nh, nkv, 256, S, dtype, kv_dtype)
+        assert ca.unsupported_reason(args[0], args[1], args[3]) is None
+        exported = export_for(lambda *a: ca.causal_attend(*a), *args)
+        assert kernel_calls(exported) == [CAUSAL]
+        assert kernel_calls(export_for(lambda *a: ca.causal_attend(*a), *args, platform="cpu")) == []
+        (kernel,) = triton_kernels(exported)
+        kernels.append(kernel)
+    for (model, b, t, S, dtype, kv_dtype), kernel, r in zip(CAUSAL_REAL, kernels, compile_sm90(kernels)):
+        label = f"{model} B{b} T{t} S{S} {jnp.dtype(dtype).name}" + (" fp8 cache" if kv_dtype else "")
+        assert r["error"] is None, (label, r["error"])
+        report(f"sm_90 compile, causal attention {label}: grid {kernel.grid}, shared {r['shared']} B, "
+               f"{r['registers']} registers, {r['stack']} B spilled")
+        assert 0 < r["shared"] <= SM90_SHARED_LIMIT and r["stack"] <= (0 if dtype == jnp.bfloat16 else 256), (label, r)

@@ -31,7 +31,7 @@ if __name__ == "__main__":
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-KERNEL, QMM = "windowed_draft_attention", "quant_matmul_int4"
+KERNEL, QMM, CAUSAL = "windowed_draft_attention", "quant_matmul_int4", "causal_attention"
 DATA, MODEL, BATCH, CACHE, CAP = 2, 4, 2, 2048, 64
 
 
@@ -67,7 +67,7 @@ def check() -> dict:
 
     report = manual_report(exported)
     names = [k.name for k in report.kernels]
-    assert set(names) == {QMM, KERNEL} and names.count(KERNEL) == 2, names
+    assert set(names) == {QMM, KERNEL, CAUSAL} and names.count(KERNEL) == 2, names
     assert all(k.manual for k in report.kernels), [k.name for k in report.kernels if not k.manual]
     operands = {t for k in report.kernels for t in k.operands}
 

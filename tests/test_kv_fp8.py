@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import qwen_mtp
+from kernels_pallas.masked_attention import attend
 from kernels_pallas.windowed_attention import unsupported_reason, windowed_attend
 from qwen_mtp import attention
 from qwen_mtp.lowering import export_for, kernel_calls, triton_kernels
@@ -114,7 +115,7 @@ def _unrounded_attention_layer(x, w, cfg, cache, pos, rope_offset: int = 0):
     cache = attention.write_kv(cache, k, v, pos)
     view = attention.write_kv(KVCache(cache.k.astype(q.dtype), cache.v.astype(q.dtype)), k, v, pos)
     key_ok = jnp.arange(cache.k.shape[1], dtype=pos.dtype)[None, None, :] <= positions[:, :, None]
-    return attention.output(attention.attend(q, view.k, view.v, key_ok), gate, w), cache
+    return attention.output(attend(q, view.k, view.v, key_ok), gate, w), cache
 
 
 @pytest.fixture(scope="module")

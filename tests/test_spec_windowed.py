@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import qwen_mtp
-from qwen_mtp.attention import attend, output, project_qkv
+from kernels_pallas.masked_attention import attend
+from qwen_mtp.attention import output, project_qkv
 from qwen_mtp.generate import prefill
 from qwen_mtp.mlp import feed_forward
 from qwen_mtp.model import lm_logits
