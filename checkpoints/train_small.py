@@ -1,9 +1,17 @@
 """Train the small Qwen3.5-architecture model that ships with qwen-mtp, with its one-layer MTP head.
 
-    python -m checkpoints.train_small [--out checkpoints/qwen3_5_small] [--steps 400] [--seed 0]
+    python -m checkpoints.train_small [--out checkpoints/qwen3_5_small] [--steps 400] [--distill-steps 0]
+                                      [--seed 0] [--state-dir DIR] [--resume] [--save-minutes 5]
+                                      [--stop-after N] [--no-plot]
 
-The defaults are the shipped run (400 steps of 16 x 256 tokens, about 30 minutes on 2 CPU cores);
---minutes instead sizes the step count from a timed probe (machine-dependent, so not bit-reproducible).
+The defaults are the shipped run's (400 steps of 16 x 256 tokens, about 30 minutes on 2 CPU cores). The whole
+training state (parameters, optimiser state, the batch sampler's position, the log, the tokenizer) is saved to
+--state-dir (default .<out name>.train_state beside --out; checkpoints/train_state.py) every --save-minutes and
+at every eval; --resume continues the run saved there with the same result as one that never stopped (same
+settings required), so a run can be stopped (Ctrl-C, --stop-after) and continued across sessions. A progress bar
+shows the running losses; train_log.json (every step's losses, the evals) and train_loss.png (the loss curves)
+are written into --out beside the model at every eval. --distill-steps then trains the MTP head alone to agree
+with its frozen trunk (`distill_step`: self-distillation on the trunk's own next-next-token distribution).
 
 Data: the Python standard library sources of the interpreter that runs this script
 (`sysconfig.get_paths()["stdlib"]`, site-packages excluded); the files in HELD_OUT are never trained on
@@ -39,6 +47,7 @@ import numpy as np
 from checkpoints.corpus import (EOS, HELD_OUT, encode, held_out_text, read_texts,  # noqa: F401 - re-exported
                                 source_files, stdlib_root)
 from qwen_mtp.config import parse_config
+from qwen_mtp.errors import ArgumentError
 from qwen_mtp.model import forward, lm_logits
 from qwen_mtp.mtp import init_mtp_cache, mtp_forward
 from qwen_mtp.state import init_state
@@ -49,6 +58,7 @@ SEQ = 256
 BATCH = 16
 MTP_WEIGHT = 0.5
 LR = 3e-3
+DISTILL_LR = 1e-3
 WARMUP = 60
 
 CONFIG = {
@@ -206,84 +216,236 @@ def eval_windows(ids, seq=SEQ, n_max=128):
     return ids[:n * (seq + 1)].reshape(n, seq + 1)
 
 
-# ---------------------------------------------------------------------------------------------------- main
-def main(argv=None):
-    from tqdm import tqdm
+# ------------------------------------------------------------------------------------- head self-distillation
+def _head_logits(head, weights, cfg, x, hidden):
+    """The head's logits over x with the trunk's (frozen) post-norm hidden: rows t = 0..T-2."""
+    B, T1 = x.shape
+    T = T1 - 1
+    w = weights.replace(mtp=head)
+    out, _, _ = mtp_forward(w, cfg, x[:, 1:T], hidden[:, :T - 1], init_mtp_cache(cfg, B, T - 1, jnp.float32),
+                            jnp.zeros((B,), jnp.int32))
+    return lm_logits(weights, out)
 
+
+@partial(jax.jit, static_argnames=("cfg", "opt"), donate_argnames=("head", "opt_state"))
+def distill_step(head, opt_state, weights, x, cfg, opt):
+    """One step of the MTP head alone, trained to agree with its own trunk (self-distillation), the trunk frozen:
+    for row t (embed(x[t+1]) and the trunk's hidden at t) the cross-entropy of the head's distribution against
+    the trunk's distribution for the token after x[t+1] (what a verify chooses from), not the data's x[t+2].
+    Returns (head, opt_state, (loss, the head's top-1 agreement with the trunk's argmax))."""
+    import optax
+
+    B, T1 = x.shape
+    T = T1 - 1
+    state = init_state(cfg, B, T, jnp.float32)
+    zeros = jnp.zeros((B,), jnp.int32)
+    hidden, _ = forward(weights, cfg, x[:, :T], state, zeros, jnp.full((B,), T, jnp.int32), gdn_mode="chunk_fast")
+    hidden = jax.lax.stop_gradient(hidden)
+    target = jax.nn.softmax(jax.lax.stop_gradient(lm_logits(weights, hidden))[:, 1:].astype(jnp.float32), axis=-1)
+
+    def loss_fn(h):
+        logits = _head_logits(h, weights, cfg, x, hidden)
+        loss = -jnp.mean(jnp.sum(target * jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), axis=-1))
+        return loss, jnp.mean(jnp.argmax(logits, -1) == jnp.argmax(target, -1))
+
+    (loss, agree), grads = jax.value_and_grad(loss_fn, has_aux=True)(head)
+    updates, opt_state = opt.update(grads, opt_state, head)
+    return optax.apply_updates(head, updates), opt_state, (loss, agree)
+
+
+def make_distill_optimizer(total_steps, lr=DISTILL_LR):
+    import optax
+
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, min(WARMUP, max(1, total_steps // 5)),
+                                               max(total_steps, 2), lr * 0.05)
+    decay_mask = lambda w: jax.tree_util.tree_map(lambda p: p.ndim >= 2, w)
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask)), sched
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def train(out, steps: int = 400, *, seed: int = 0, eval_every: int = 50, distill_steps: int = 0,
+          state_dir=None, resume: bool = False, save_minutes: float = 5.0, stop_after: int | None = None,
+          config: dict | None = None, max_files: int | None = None, batch_size: int = BATCH, seq: int = SEQ,
+          plot: bool = True, log=print):
+    """The training run (main's body). steps language-modelling steps (trunk + MTP_WEIGHT x head loss), then
+    distill_steps steps of the head alone against its frozen trunk (distill_step). The whole state is saved to
+    state_dir (train_state.py) every save_minutes, at every eval and at the end; resume=True continues from its
+    newest step with the same result as an uninterrupted run. stop_after: end (saving the state) after that many
+    steps in all, a run to be resumed later. config / max_files / batch_size / seq: smaller runs (tests).
+    Returns the log (also written to out/train_log.json with its loss-curve plot out/train_loss.png)."""
+    from tqdm import tqdm
+    from tokenizers import Tokenizer
+
+    from checkpoints import train_state
     from checkpoints.hf_write import save_checkpoint
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(Path(__file__).parent / "qwen3_5_small"))
-    ap.add_argument("--steps", type=int, default=400, help="training steps (the shipped run: 400)")
-    ap.add_argument("--minutes", type=float, default=0.0, help="instead of --steps: a time budget; the step count "
-                    "is set from a timed probe so the cosine schedule ends on time")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval-every", type=int, default=50)
-    args = ap.parse_args(argv)
-    from qwen_mtp.extras import require
-    require("python -m checkpoints.train_small", "train")  # before any work
-    out = Path(args.out)
-    jax.config.update("jax_default_matmul_precision", "float32")
+    out = Path(out)
+    state_dir = Path(state_dir) if state_dir is not None else out.parent / f".{out.name}.train_state"
+    config = dict(CONFIG if config is None else config)
+    settings = dict(steps=steps, seed=seed, distill_steps=distill_steps, max_files=max_files, batch=batch_size,
+                    seq=seq, config=config)
+    found = train_state.latest(state_dir) if resume else None
+    if resume and found is None:
+        raise ArgumentError("--resume", f"a saved training state in {state_dir}", "none")
+    if found is not None:
+        train_state.check_resumable(state_dir, settings, found[1])
+    elif state_dir.exists() and train_state.step_folders(state_dir):
+        raise ArgumentError("--state-dir", f"an empty folder for a new run, or --resume to continue the run in it",
+                            f"{state_dir} holds a saved run")
 
     root = stdlib_root()
     train_rels, held_rels = source_files(root)
+    if max_files is not None:
+        train_rels = train_rels[:max_files]
     t0 = time.time()
     train_texts, held_texts = read_texts(root, train_rels), read_texts(root, held_rels)
-    tok = train_tokenizer(train_texts)
+    tok_file = state_dir / "tokenizer.json"
+    if found is not None:
+        tok = Tokenizer.from_file(str(tok_file))
+    else:
+        tok = train_tokenizer(train_texts, config["vocab_size"])
+        state_dir.mkdir(parents=True, exist_ok=True)
+        tok.save(str(tok_file))
     train_ids, held_ids = encode(tok, train_texts), encode(tok, held_texts)
-    print(f"data: {len(train_texts)} train files ({train_ids.size} tokens), {len(held_texts)} held-out files "
-          f"({held_ids.size} tokens), tokenizer {tok.get_vocab_size()} ids in {time.time() - t0:.0f}s")
+    log(f"data: {len(train_texts)} train files ({train_ids.size} tokens), {len(held_texts)} held-out files "
+        f"({held_ids.size} tokens), tokenizer {tok.get_vocab_size()} ids in {time.time() - t0:.0f}s")
 
-    cfg = parse_config(CONFIG)
-    weights = init_weights(cfg, jax.random.PRNGKey(args.seed))
+    cfg = parse_config(config)
+    weights = init_weights(cfg, jax.random.PRNGKey(seed))
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(weights))
-    rng = np.random.default_rng(args.seed)
-    held = eval_windows(held_ids)
+    rng = np.random.default_rng(seed)
+    held = eval_windows(held_ids, seq)
+    opt, sched = make_optimizer(steps)
+    d_opt, d_sched = make_distill_optimizer(distill_steps)
+    total = steps + distill_steps
+    history = dict(config=config, seed=seed, steps=steps, distill_steps=distill_steps, batch=batch_size, seq=seq,
+                   mtp_weight=MTP_WEIGHT, lr=LR, distill_lr=DISTILL_LR, train_files=len(train_texts),
+                   train_tokens=int(train_ids.size), held_out=list(held_rels), held_out_tokens=int(held_ids.size),
+                   n_params=int(n_params), evals=[], losses=[], resumed_at=[])
+    step = 0
+    if found is not None:
+        folder, meta = found
+        step = int(meta["step"])
+        opt_state = opt.init(weights) if meta["phase"] == "lm" else d_opt.init(weights.mtp)
+        arrays = train_state.restore(folder, {"weights": weights, "opt_state": opt_state})
+        weights, opt_state = arrays["weights"], arrays["opt_state"]
+        rng.bit_generator.state = meta["rng"]
+        history = meta["log"]
+        history["resumed_at"].append(step)
+        log(f"resumed {state_dir} at step {step} of {total}")
+    else:
+        opt_state = opt.init(weights) if steps else d_opt.init(weights.mtp)
+    log(f"model: {n_params / 1e6:.2f}M parameters; {steps} steps of {batch_size}x{seq} tokens"
+        + (f", then {distill_steps} head self-distillation steps" if distill_steps else ""))
 
     def batch():
-        starts = rng.integers(0, train_ids.size - SEQ - 1, BATCH)
-        return jnp.asarray(np.stack([train_ids[s:s + SEQ + 1] for s in starts]))
+        starts = rng.integers(0, train_ids.size - seq - 1, batch_size)
+        return jnp.asarray(np.stack([train_ids[s:s + seq + 1] for s in starts]))
 
-    steps, timing = args.steps, ""
-    if args.minutes:  # time a few steps with a throwaway optimizer state to size the run
-        probe_opt, _ = make_optimizer(1000)
-        w_probe = init_weights(cfg, jax.random.PRNGKey(args.seed))
-        s_probe = probe_opt.init(w_probe)
-        w_probe, s_probe, _ = train_step(w_probe, s_probe, batch(), cfg, probe_opt)
-        t = time.time()
-        for _ in range(3):
-            w_probe, s_probe, aux = train_step(w_probe, s_probe, batch(), cfg, probe_opt)
-        jax.block_until_ready(aux)
-        step_s = (time.time() - t) / 3
-        del w_probe, s_probe
-        rng = np.random.default_rng(args.seed)  # the real run draws the same batches whatever the probe took
-        eval_s = len(held) / BATCH * step_s / 3
-        per_step = step_s * (1 + 1 / args.eval_every) + eval_s / args.eval_every
-        steps = max(WARMUP + 50, int(args.minutes * 60 / per_step))
-        timing = f"{step_s:.2f}s/step x "
-    print(f"model: {n_params / 1e6:.2f}M parameters; {timing}{steps} steps of {BATCH}x{SEQ} tokens")
+    def save_state():
+        phase = "lm" if step < steps or (step == steps and not distill_steps) else "distill"
+        train_state.save(state_dir, step, {"weights": weights, "opt_state": opt_state},
+                         {"phase": phase, "rng": rng.bit_generator.state, "log": history, "settings": settings})
 
-    opt, sched = make_optimizer(steps)
-    opt_state = opt.init(weights)
-    log = dict(config=CONFIG, seed=args.seed, steps=steps, batch=BATCH, seq=SEQ, mtp_weight=MTP_WEIGHT, lr=LR,
-               train_files=len(train_texts), train_tokens=int(train_ids.size), held_out=list(held_rels),
-               held_out_tokens=int(held_ids.size), n_params=int(n_params), evals=[])
-    bar = tqdm(range(1, steps + 1), desc="train", mininterval=5)
+    def publish():
+        save_checkpoint(out, weights, cfg, config, dtype=ml_dtypes.bfloat16)
+        tok.save(str(out / "tokenizer.json"))
+        (out / "train_log.json").write_text(json.dumps(history, indent=1) + "\n")
+        if plot:
+            plot_losses(history, out / "train_loss.png")
+
+    last_save = time.time()
+    running = {}
+    bar = tqdm(range(step + 1, total + 1), desc="train", mininterval=5, initial=step, total=total)
     for step in bar:
-        weights, opt_state, (trunk, mtp, acc) = train_step(weights, opt_state, batch(), cfg, opt)
-        if step % 20 == 0:
-            bar.set_postfix(trunk=f"{float(trunk):.3f}", mtp=f"{float(mtp):.3f}", lr=f"{float(sched(step)):.1e}")
-        if step % args.eval_every == 0 or step == steps:
-            e_trunk, e_mtp, e_acc = evaluate(weights, cfg, held)
-            log["evals"].append(dict(step=step, tokens=step * BATCH * SEQ, train_trunk=float(trunk),
-                                     train_mtp=float(mtp), eval_trunk=e_trunk, eval_mtp=e_mtp, eval_mtp_acc=e_acc,
-                                     minutes=(time.time() - t0) / 60))
-            tqdm.write(f"step {step}: held-out trunk loss {e_trunk:.3f}, MTP loss {e_mtp:.3f}, "
-                       f"MTP top-1 {e_acc:.3f}")
-            save_checkpoint(out, weights, cfg, CONFIG, dtype=ml_dtypes.bfloat16)
-            tok.save(str(out / "tokenizer.json"))
-            (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
-    print(f"wrote {out} after {(time.time() - t0) / 60:.1f} min")
+        if step <= steps:
+            weights, opt_state, (trunk, mtp, acc) = train_step(weights, opt_state, batch(), cfg, opt)
+            rec = dict(step=step, trunk=float(trunk), mtp=float(mtp))
+        else:
+            if step == steps + 1:  # the head's own optimiser, from here on
+                opt_state = d_opt.init(weights.mtp)
+            head, opt_state, (dl, agree) = distill_step(weights.mtp, opt_state, weights, batch(), cfg, d_opt)
+            weights = weights.replace(mtp=head)
+            rec = dict(step=step, distill=float(dl), agree=float(agree))
+        history["losses"].append(rec)
+        for k, v in rec.items():
+            if k != "step":
+                running[k] = v if k not in running else 0.95 * running[k] + 0.05 * v
+        bar.set_postfix({k: f"{v:.3f}" for k, v in running.items()}, refresh=False)
+        if step % eval_every == 0 or step == total:
+            e_trunk, e_mtp, e_acc = evaluate(weights, cfg, held, batch_size)
+            history["evals"].append(dict(step=step, tokens=step * batch_size * seq, eval_trunk=e_trunk,
+                                         eval_mtp=e_mtp, eval_mtp_acc=e_acc, minutes=(time.time() - t0) / 60,
+                                         **{k: v for k, v in rec.items() if k != "step"}))
+            tqdm.write(f"step {step}: held-out trunk loss {e_trunk:.3f}, MTP loss {e_mtp:.3f}, MTP top-1 {e_acc:.3f}")
+            publish()
+        if step % eval_every == 0 or step == total or time.time() - last_save > 60 * save_minutes \
+                or step == stop_after:
+            save_state()
+            last_save = time.time()
+        if stop_after is not None and step >= stop_after:
+            log(f"stopped after step {step} of {total}: continue with --resume")
+            return history
+    log(f"wrote {out} after {(time.time() - t0) / 60:.1f} min")
+    return history
+
+
+def plot_losses(history, path):
+    """The loss curves (training losses per step, smoothed; held-out evals as points) as a small PNG."""
+    import matplotlib
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    rows = history["losses"]
+    for key, label in (("trunk", "train trunk"), ("mtp", "train MTP"), ("distill", "head distillation")):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if pts:
+            x, y = zip(*pts)
+            k = max(1, len(y) // 50)
+            smooth = np.convolve(y, np.ones(k) / k, mode="valid")
+            ax.plot(x[k - 1:], smooth, label=label, lw=1)
+    ev = history["evals"]
+    if ev:
+        ax.plot([e["step"] for e in ev], [e["eval_trunk"] for e in ev], "o", ms=3, label="held-out trunk")
+        ax.plot([e["step"] for e in ev], [e["eval_mtp"] for e in ev], "s", ms=3, label="held-out MTP")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(Path(__file__).parent / "qwen3_5_small"))
+    ap.add_argument("--steps", type=int, default=400, help="language-modelling steps (the shipped run: 400)")
+    ap.add_argument("--distill-steps", type=int, default=0, help="then steps of the MTP head alone, trained to "
+                    "agree with its frozen trunk (default 0)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--state-dir", default=None, help="where the training state is saved (default: "
+                    ".<out name>.train_state beside --out)")
+    ap.add_argument("--resume", action="store_true", help="continue the run saved in --state-dir")
+    ap.add_argument("--save-minutes", type=float, default=5.0, help="save the training state this often")
+    ap.add_argument("--stop-after", type=int, default=None, help="stop (state saved) after this many steps")
+    ap.add_argument("--no-plot", action="store_true", help="no loss-curve PNG (needs matplotlib otherwise)")
+    args = ap.parse_args(argv)
+    for name in ("steps", "distill_steps", "eval_every"):
+        if getattr(args, name) < (1 if name == "eval_every" else 0):
+            raise ArgumentError(f"--{name.replace('_', '-')}", "an integer >= 0" if name != "eval_every"
+                                else "an integer >= 1", str(getattr(args, name)))
+    from qwen_mtp.extras import require
+    # before any work: optax, and matplotlib unless --no-plot
+    require("python -m checkpoints.train_small" + ("" if args.no_plot else " (its loss-curve plot: --no-plot to "
+            "go without matplotlib)"), "train", ["optax"] if args.no_plot else None)
+    jax.config.update("jax_default_matmul_precision", "float32")
+    train(args.out, args.steps, seed=args.seed, eval_every=args.eval_every, distill_steps=args.distill_steps,
+          state_dir=args.state_dir, resume=args.resume, save_minutes=args.save_minutes, stop_after=args.stop_after,
+          plot=not args.no_plot)
+    return 0
 
 
 if __name__ == "__main__":

@@ -211,10 +211,39 @@ def causal_attend_pallas(q, k_cache, v_cache, q_pos, block_k: int | None = None,
     return jnp.moveaxis(out, 1, 2).reshape(B, T, nh, hd)
 
 
-def causal_attend(q, k_cache, v_cache, q_pos, *, backend: str = "auto", interpret: bool = False):
-    """The trunk's and the native MTP head's attention over their KV caches: the kernel in a program lowered for
-    cuda, the blocked reference elsewhere (dispatch.run); see the module docstring."""
+def _dispatch(q, k_cache, v_cache, q_pos, backend, interpret):
     kernel = functools.partial(causal_attend_pallas, interpret=interpret)
     reason = unsupported_reason(q, k_cache, q_pos)
     return dispatch.run("causal attention", kernel, causal_attend_reference, reason, backend, q, k_cache, v_cache,
                         q_pos)
+
+
+def _dense_causal(q, k_cache, v_cache, q_pos):
+    key_ok = jnp.arange(k_cache.shape[1], dtype=q_pos.dtype)[None, None, :] <= q_pos[:, :, None]
+    return attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), key_ok)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attend(q, k_cache, v_cache, q_pos, backend, interpret):
+    return _dispatch(q, k_cache, v_cache, q_pos, backend, interpret)
+
+
+def _attend_fwd(q, k_cache, v_cache, q_pos, backend, interpret):
+    return _dispatch(q, k_cache, v_cache, q_pos, backend, interpret), (q, k_cache, v_cache, q_pos)
+
+
+def _attend_bwd(backend, interpret, res, g):
+    q, k_cache, v_cache, q_pos = res
+    _, vjp = jax.vjp(lambda q, k, v: _dense_causal(q, k, v, q_pos), q, k_cache, v_cache)
+    return (*vjp(g), None)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def causal_attend(q, k_cache, v_cache, q_pos, *, backend: str = "auto", interpret: bool = False):
+    """The trunk's and the native MTP head's attention over their KV caches: the kernel in a program lowered for
+    cuda, the blocked reference elsewhere (dispatch.run); see the module docstring. Differentiable (training
+    runs the trunk through it): the gradient is the dense form's, so that neither the kernel nor the reference's
+    dynamic-length loop is ever differentiated."""
+    return _attend(q, k_cache, v_cache, q_pos, backend, interpret)

@@ -3,7 +3,8 @@ installed before any work starts: a missing one is a MissingExtraError naming th
 command line prints as one line with exit status 2.
 
     plot       matplotlib                   analyze-window --plot
-    train      optax                        python -m checkpoints.train_small (retraining the shipped model)
+    train      optax, matplotlib            python -m checkpoints.train_small (retraining the shipped model; the
+                                            loss-curve plot, --no-plot to go without matplotlib)
     notebooks  nbclient, nbformat, ipykernel, matplotlib
                                             executing notebooks/*.ipynb (python -m notebooks.run)
     test       the above, pytest, torch, transformers, hypothesis, ...
@@ -19,7 +20,7 @@ from .errors import MissingExtraError
 
 EXTRAS = {
     "plot": ("matplotlib",),
-    "train": ("optax",),
+    "train": ("optax", "matplotlib"),
     "notebooks": ("nbclient", "nbformat", "ipykernel", "matplotlib"),
     "test": ("pytest", "torch", "transformers", "hypothesis"),
 }

@@ -193,3 +193,16 @@ def test_unsupported_shapes_take_the_reference(monkeypatch):
     with pytest.warns(UserWarning, match="head_dim 24"):
         got = ca.causal_attend(q, k, v, q_pos, backend="pallas", interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ca.causal_attend_reference(q, k, v, q_pos)))
+
+
+def test_gradients_are_the_dense_forms():
+    """Training differentiates the trunk through causal_attend: its gradient is the dense form's (the kernel and
+    the blocked loop are never differentiated)."""
+    q, k, v, q_pos = _case(9, 2, 6, 40, 1, 2, 16, [3, 30])
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, q_pos)))
+    with jax.default_matmul_precision("highest"):
+        got = jax.grad(loss(ca.causal_attend), argnums=(0, 1, 2))(q, k, v)
+        want = jax.grad(loss(_dense), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(want[1]).max()) > 1e-3
