@@ -47,7 +47,10 @@
    end of a 128K and of a 1M-slot cache, a decode step and a k = 8 verify at 128K and 1M; timed beside the
    reference (XLA) and, for the decode step, jax.nn.dot_product_attention with cuDNN (key_value_seq_lengths:
    the one case it can express without a materialised mask), with achieved GB/s (bytes = the visible K and V
-   slots, queries and output, each moved once). `--long-only` runs just this part.
+   slots, queries and output, each moved once); then end to end, a 27B slice (4 real layers, bf16 random
+   weights) prefilling a 128K and a 1M-token prompt and decoding 16 tokens: prefill tokens/s and TPOT (a context
+   whose caches do not fit is refused before allocating and reported). `--long-only` runs just this part (the
+   end-to-end form is not in the full run: its 1M prefill alone may take minutes).
 Exits non-zero if any check fails.
 
 On the lent H200 run it from the repository root as it is, with the image's python3 (its jax, the CUDA 13
@@ -647,6 +650,39 @@ def check_causal(cases, interpret, timings):
     return failures
 
 
+def check_long_context_27b(layers=4, contexts=(131072, 1 << 20), new=16):
+    """Item 8, end to end: a Qwen3.5-27B slice of `layers` real layers (bf16 random weights, max_position_embeddings
+    raised to the context) prefills a prompt of each context length and decodes `new` tokens, plain greedy:
+    prefill tokens/s and TPOT. A context whose caches do not fit is reported as refused (InsufficientMemoryError).
+    GPU only; 0 failures unless a run raises something else."""
+    import dataclasses
+
+    import qwen_mtp
+    from qwen_mtp import real_shapes
+
+    if jax.default_backend() != "gpu":
+        print("long context 27B slice: GPU only (skipped)", flush=True)
+        return 0
+    failures = 0
+    for n in contexts:
+        cfg = dataclasses.replace(real_shapes.config("Qwen3.5-27B", layers=layers),
+                                  max_position_embeddings=n + new)
+        model = _random_model(cfg, f"27B slice {layers} layers", quant=None, dtype="bfloat16")
+        ids = np.random.default_rng(n).integers(1, cfg.vocab_size, n)
+        try:
+            qwen_mtp.precompile(model, ids, new, eos_token_id=[])
+            st = qwen_mtp.generate(model, ids, new, eos_token_id=[]).stats
+            print(f"long context, 27B slice {layers} layers, {n} tokens: prefill {n / st.prefill_s:.0f} tokens/s "
+                  f"({st.prefill_s:.1f} s), decode TPOT {1e3 * st.tpot_s:.2f} ms", flush=True)
+        except qwen_mtp.InsufficientMemoryError as e:
+            print(f"long context, {n} tokens: refused ({e})", flush=True)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            print(f"long context, {n} tokens: FAIL {type(e).__name__}: {str(e)[:300]}", flush=True)
+            failures += 1
+        del model
+    return failures
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--interpret", action="store_true", help="kernels in interpret mode (CPU smoke test)")
@@ -668,6 +704,7 @@ def main(argv=None):
         failures += check_causal(CAUSAL_SMALL, args.interpret, timings=False)
         if not args.interpret:
             failures += check_causal(CAUSAL_LONG, False, timings=True)
+            failures += check_long_context_27b()
         print(f"{'OK' if not failures else f'FAIL ({failures})'} in {time.perf_counter() - t0:.0f} s", flush=True)
         return 1 if failures else 0
     if args.tp_only or args.e2e27b_only:
