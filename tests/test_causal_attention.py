@@ -133,6 +133,7 @@ def test_greedy_output_is_unchanged_at_a_long_context(long_prompt, monkeypatch, 
     # blocks small enough that prefill chunks and every decode step walk several of them
     monkeypatch.setattr(ca, "PREFILL_BLOCK", 128)
     monkeypatch.setattr(ca, "DECODE_BLOCK", 256)
+    monkeypatch.setattr(ca, "DENSE_FEW_QUERY_BYTES", 0)  # decode and verify blocked too
     jax.clear_caches()
     blocked = run()
     monkeypatch.setattr(ca, "PREFILL_BLOCK", 1 << 20)  # one part holds the cache: the dense form
