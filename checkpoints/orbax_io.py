@@ -367,11 +367,14 @@ def _target(folder: Path, cfg, meta: dict):
         if not isinstance(m, dict) or not {"kind", "shape", "block"} <= set(m):
             raise CheckpointError(meta_file, name, "{kind, shape, block}", repr(m))
         kind, block = m["kind"], m["block"]
-        if kind not in KINDS:
+        if not isinstance(kind, str) or kind not in KINDS:
             raise CheckpointError(meta_file, name, f"a quant kind in {list(KINDS)}", repr(kind))
         if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b >= 1 for b in block)) \
                 or (kind == "int4" and block[0] % 2):
             raise CheckpointError(meta_file, name, "block [bk, bn] of integers >= 1 (bk even for int4)", repr(block))
+        if not (isinstance(m["shape"], list) and all(isinstance(d, int) and not isinstance(d, bool)
+                                                     for d in m["shape"])):
+            raise CheckpointError(meta_file, name, "shape: a list of integers", repr(m["shape"]))
         if tuple(m["shape"]) != tuple(shape):
             raise CheckpointError(cfg_file, name, f"shape {list(shape)} (from config.json)",
                                   f"shape {m['shape']} in the saved arrays")

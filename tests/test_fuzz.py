@@ -313,3 +313,19 @@ def test_cli_flags(flags):
     assert "Traceback" not in err.getvalue()
     if rc == 2:
         assert "error" in err.getvalue()
+
+
+@pytest.mark.parametrize("field,value", [("shape", None), ("shape", [48, "x"]), ("kind", ["int4"])])
+def test_orbax_quantized_entry_of_the_wrong_type(orbax_saved, tmp_path, field, value):
+    """The cases the fuzzer found (a quantized leaf's shape None: TypeError from deep inside restore)."""
+    from checkpoints import orbax_io
+    _, saved = orbax_saved
+    folder = tmp_path / "m"
+    shutil.copytree(saved, folder)
+    f = folder / orbax_io.META
+    meta = json.loads(f.read_text())
+    name = sorted(meta["quantized"])[0]
+    meta["quantized"][name][field] = value
+    f.write_text(json.dumps(meta))
+    with pytest.raises(qwen_mtp.CheckpointError, match=name):
+        qwen_mtp.load(folder)
