@@ -68,6 +68,12 @@ def plan(T: int, S: int) -> tuple:
     return PREFILL_BLOCK, 1
 
 
+def _dense_causal(q, k_cache, v_cache, q_pos):
+    """The dense masked form: every slot scored, those past each query's position masked."""
+    key_ok = jnp.arange(k_cache.shape[1], dtype=q_pos.dtype)[None, None, :] <= q_pos[:, :, None]
+    return attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), key_ok)
+
+
 def causal_attend_reference(q, k_cache, v_cache, q_pos, *, block: int | None = None, split: int | None = None):
     """Pure JAX: the blocked online softmax described in the module docstring."""
     B, T, nh, hd = q.shape
@@ -78,9 +84,7 @@ def causal_attend_reference(q, k_cache, v_cache, q_pos, *, block: int | None = N
     block, split = block or b0, split or s0
     part = block * split
     if S <= part or small:  # the dense form (an explicit block forces the blocked one past one part)
-        slots = jnp.arange(S, dtype=q_pos.dtype)
-        key_ok = slots[None, None, :] <= q_pos[:, :, None]
-        return attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), key_ok)
+        return _dense_causal(q, k_cache, v_cache, q_pos)
 
     prec = precision_for(q.dtype)
     qg = q.reshape(B, T, nkv, G, hd)
@@ -146,28 +150,17 @@ def _kernel(qpos_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, bps, block_
     part = pl.program_id(3)
     q = q_ref[...]  # [bm, hd], input dtype
     qpos = qpos_ref[...]  # [bm] the cache position of each query row; -1 for padding
-    prec = jax.lax.Precision.HIGHEST  # IEEE f32 dots for f32 inputs (Triton's DEFAULT is TF32)
     first_block = part * bps
     # the blocks of this part that hold a slot some query of the tile sees: the loop stops there
     n = jnp.clip(jnp.max(qpos) // block_k + 1 - first_block, 0, bps)
 
     def block(j, carry):
-        m_i, l_i, acc = carry
         first = (first_block + j) * block_k
         slot = first + jnp.arange(block_k, dtype=jnp.int32)
         inside = (slot < slots)[:, None]
-        k = plt.load(k_ref.at[pl.ds(first, block_k), :], mask=inside, other=0.0).astype(q.dtype)
-        v = plt.load(v_ref.at[pl.ds(first, block_k), :], mask=inside, other=0.0).astype(q.dtype)
-        s = jnp.dot(q, k.T, precision=prec, preferred_element_type=jnp.float32) * scale  # [bm, block_k]
-        ok = slot[None, :] <= qpos[:, None]
-        s = jnp.where(ok, s, -jnp.inf)
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.where(ok, jnp.exp(s - m_safe[:, None]), 0.0)
-        corr = jnp.where(m_i == -jnp.inf, 0.0, jnp.exp(m_i - m_safe))
-        l_i = l_i * corr + jnp.sum(p, axis=1)
-        acc = acc * corr[:, None] + jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
-        return m_new, l_i, acc
+        k = plt.load(k_ref.at[pl.ds(first, block_k), :], mask=inside, other=0.0)
+        v = plt.load(v_ref.at[pl.ds(first, block_k), :], mask=inside, other=0.0)
+        return wa.online_block(carry, q, k, v, slot[None, :] <= qpos[:, None], scale)
 
     bm, hd = q.shape
     carry = (jnp.full((bm,), -jnp.inf, jnp.float32), jnp.zeros((bm,), jnp.float32), jnp.zeros((bm, hd), jnp.float32))
@@ -223,11 +216,6 @@ def _dispatch(q, k_cache, v_cache, q_pos, backend, interpret):
     reason = unsupported_reason(q, k_cache, q_pos)
     return dispatch.run("causal attention", kernel, causal_attend_reference, reason, backend, q, k_cache, v_cache,
                         q_pos)
-
-
-def _dense_causal(q, k_cache, v_cache, q_pos):
-    key_ok = jnp.arange(k_cache.shape[1], dtype=q_pos.dtype)[None, None, :] <= q_pos[:, :, None]
-    return attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), key_ok)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

@@ -156,29 +156,35 @@ def plan(B, T, nh, nkv, hd, L, itemsize=2, block_k=None, num_splits=None, num_wa
     return Plan(bm, n_tiles, block_k, bps, num_splits, num_warps, num_stages)
 
 
+def online_block(carry, q, k, v, ok, scale):
+    """One block of a flash-attention loop inside a kernel: (m, l, acc) [bm], [bm], [bm, hd] f32 updated with
+    keys k / values v [block, hd] (upcast to q's dtype in registers: an fp8 cache, else a no-op) where ok
+    [bm, block]. HIGHEST: IEEE f32 dots for f32 inputs (Triton lowers DEFAULT to TF32); for bf16 / f16 inputs it
+    changes nothing (their products are exact in the f32 accumulator). Shared by this kernel and
+    causal_attention.py's."""
+    m_i, l_i, acc = carry
+    prec = HIGHEST
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
+    s = jnp.dot(q, k.T, precision=prec, preferred_element_type=jnp.float32) * scale  # [bm, block]
+    s = jnp.where(ok, s, -jnp.inf)
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.where(ok, jnp.exp(s - m_safe[:, None]), 0.0)
+    corr = jnp.where(m_i == -jnp.inf, 0.0, jnp.exp(m_i - m_safe))
+    l_i = l_i * corr + jnp.sum(p, axis=1)
+    acc = acc * corr[:, None] + jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
+    return m_new, l_i, acc
+
+
 def _kernel(qrow_ref, newest_ref, newrow_ref, q_ref, rk_ref, rv_ref, nk_ref, nv_ref, acc_ref, m_ref, l_ref, *,
             sinks, ring, window, bps, block_k, scale, last_split, slots):
     part = pl.program_id(3)
     q = q_ref[...]  # [bm, hd], input dtype
-    # HIGHEST: IEEE f32 dots for f32 inputs (Triton lowers DEFAULT to TF32); for bf16 / f16 inputs it changes
-    # nothing (their products are exact in the f32 accumulator)
-    prec = HIGHEST
     qrow = qrow_ref[...]  # [bm] logical row of each query row; -1 for padding
     newest = newest_ref[...]  # [block_k], all equal to start - 1
 
     def update(carry, k, v, key_row):
-        m_i, l_i, acc = carry
-        k, v = k.astype(q.dtype), v.astype(q.dtype)  # an fp8 ring: upcast in registers (else a no-op)
-        s = jnp.dot(q, k.T, precision=prec, preferred_element_type=jnp.float32) * scale  # [bm, block]
-        ok = visible(key_row[None, :], qrow[:, None], window, sinks)
-        s = jnp.where(ok, s, -jnp.inf)
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.where(ok, jnp.exp(s - m_safe[:, None]), 0.0)
-        corr = jnp.where(m_i == -jnp.inf, 0.0, jnp.exp(m_i - m_safe))
-        l_i = l_i * corr + jnp.sum(p, axis=1)
-        acc = acc * corr[:, None] + jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
-        return m_new, l_i, acc
+        return online_block(carry, q, k, v, visible(key_row[None, :], qrow[:, None], window, sinks), scale)
 
     def ring_block(j, carry):
         # rk_ref / rv_ref are this (row, kv head)'s whole ring [slots, hd], read in place (strided by the kv

@@ -68,29 +68,28 @@ def quant_linear(x, q, scale, spec, k: int, block, call):
                          check_vma=False)(x, q, scale)
 
 
-def windowed(q, ring_k, ring_v, new_k, new_v, start, call):
-    """The draft head's windowed attention per (row, kv head) shard; call(q, ring_k, ring_v, new_k, new_v,
-    start) is the kernel dispatch (windowed_attend)."""
+def _per_row_and_head(call, args, kv_heads: int, in_specs):
+    """call(*args) per (batch row, kv head) shard under the active mesh, or as it is when there is none or
+    nothing splits; in_specs(t, dax) gives the operands' specs from the [B, T, heads, hd] spec t."""
     mesh = active_mesh()
-    args = (q, ring_k, ring_v, new_k, new_v, start)
     if mesh is None:
         return call(*args)
-    dax, hax = batch_axis(mesh, q.shape[0]), heads_axis(mesh, ring_k.shape[2])
+    dax, hax = batch_axis(mesh, args[0].shape[0]), heads_axis(mesh, kv_heads)
     if dax is None and hax is None:
         return call(*args)
     t = P(dax, None, hax, None)
-    return jax.shard_map(call, mesh=mesh, in_specs=(t, t, t, t, t, P(dax)), out_specs=t, check_vma=False)(*args)
+    return jax.shard_map(call, mesh=mesh, in_specs=in_specs(t, dax), out_specs=t, check_vma=False)(*args)
+
+
+def windowed(q, ring_k, ring_v, new_k, new_v, start, call):
+    """The draft head's windowed attention per (row, kv head) shard; call(q, ring_k, ring_v, new_k, new_v,
+    start) is the kernel dispatch (windowed_attend)."""
+    return _per_row_and_head(call, (q, ring_k, ring_v, new_k, new_v, start), ring_k.shape[2],
+                             lambda t, dax: (t, t, t, t, t, P(dax)))
 
 
 def causal(q, k_cache, v_cache, q_pos, call):
     """The causal attention over a KV cache per (row, kv head) shard; call(q, k_cache, v_cache, q_pos) is the
     kernel dispatch (causal_attention.causal_attend)."""
-    mesh = active_mesh()
-    args = (q, k_cache, v_cache, q_pos)
-    if mesh is None:
-        return call(*args)
-    dax, hax = batch_axis(mesh, q.shape[0]), heads_axis(mesh, k_cache.shape[2])
-    if dax is None and hax is None:
-        return call(*args)
-    t = P(dax, None, hax, None)
-    return jax.shard_map(call, mesh=mesh, in_specs=(t, t, t, P(dax, None)), out_specs=t, check_vma=False)(*args)
+    return _per_row_and_head(call, (q, k_cache, v_cache, q_pos), k_cache.shape[2],
+                             lambda t, dax: (t, t, t, P(dax, None)))
