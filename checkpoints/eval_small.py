@@ -1,7 +1,11 @@
 """Held-out evaluation of the shipped model: trunk loss, MTP loss, teacher-forced alpha_1, speculative AL at
-k = 1..6 from real generation, each against the trivial repeat-last-token drafter.
+k = 1..6 from real generation (alpha_j with 95% Wilson intervals), each against the trivial repeat-last-token
+drafter; and what a user reads: the share of distinct 4-grams in 128 greedy tokens after each of ten held-out
+prompts (a looping model repeats its 4-grams), and the README example's greedy continuation of
+`def fibonacci(n):` with the most times one line of it repeats.
 
     python -m checkpoints.eval_small [--model checkpoints/qwen3_5_small] [--prompts 8] [--new 96]
+                                     [--quality-only] [--write]
 
 The held-out files (train_small.HELD_OUT) were never seen by the tokenizer or the model. Writes eval.json
 next to the checkpoint when --write is given.
@@ -20,6 +24,7 @@ import numpy as np
 
 from checkpoints.corpus import encode, read_texts, source_files, stdlib_root
 from checkpoints.train_small import SEQ, eval_windows, losses_from_logits, teacher_forced_logits
+from qwen_mtp.analysis import alpha_intervals, wilson
 
 
 def _hits(x, trunk_logits, mtp_logits):
@@ -60,6 +65,59 @@ def repeat_last_al(tokens, k):
     return emitted / max(rounds, 1)
 
 
+README_PROMPT = "def fibonacci(n):"
+QUALITY_PROMPTS = 10
+QUALITY_PROMPT_TOKENS = 32
+QUALITY_NEW = 128
+
+
+def distinct_4gram_share(tokens) -> float:
+    """Distinct 4-grams over all 4-grams of a token sequence (1.0: no 4-gram repeats; a loop drives it to 0)."""
+    grams = [tuple(tokens[i:i + 4]) for i in range(len(tokens) - 3)]
+    return len(set(grams)) / len(grams) if grams else float("nan")
+
+
+def max_line_repeats(text: str) -> int:
+    """How many times the most repeated non-blank line of a text occurs in it."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return max((lines.count(ln) for ln in set(lines)), default=0)
+
+
+def quality_prompts(tok):
+    """QUALITY_PROMPTS prompts of QUALITY_PROMPT_TOKENS tokens, each from its own held-out file: the start of the
+    file's first top-level `def` or `class` line (the file's start where it has none)."""
+    root = stdlib_root()
+    _, held = source_files(root)
+    prompts = []
+    for rel, text in zip(held, read_texts(root, held)):
+        at = next((i for i, ln in enumerate(text.splitlines(keepends=True))
+                   if ln.startswith(("def ", "class "))), None)
+        start = 0 if at is None else len("".join(text.splitlines(keepends=True)[:at]))
+        ids = tok.encode(text[start:]).ids[:QUALITY_PROMPT_TOKENS]
+        if len(ids) == QUALITY_PROMPT_TOKENS:
+            prompts.append((rel, ids))
+        if len(prompts) == QUALITY_PROMPTS:
+            break
+    return prompts
+
+
+def sample_quality(model, tok) -> dict:
+    """Greedy continuations a user reads: distinct-4-gram shares of QUALITY_NEW tokens after each quality
+    prompt, and the README prompt's continuation (128 tokens, the CLI's default) with its most repeated line."""
+    from qwen_mtp import generate
+
+    prompts = quality_prompts(tok)
+    out = generate(model, [ids for _, ids in prompts], QUALITY_NEW, eos_token_id=[])
+    shares = [distinct_4gram_share([int(t) for t in row]) for row in out.tokens]
+    readme = generate(model, [tok.encode(README_PROMPT).ids], QUALITY_NEW)
+    text = README_PROMPT + tok.decode([int(t) for t in readme.tokens[0]])
+    return dict(distinct_4gram_prompts=[rel for rel, _ in prompts], distinct_4gram_shares=shares,
+                distinct_4gram_mean=float(np.mean(shares)), distinct_4gram_min=float(np.min(shares)),
+                readme_prompt=README_PROMPT, readme_continuation=text,
+                readme_max_line_repeats=max_line_repeats(text),
+                readme_distinct_4gram=distinct_4gram_share([int(t) for t in readme.tokens[0]]))
+
+
 def held_out_ids(tok):
     root = stdlib_root()
     _, held = source_files(root)
@@ -81,7 +139,8 @@ def evaluate(model, tok, n_prompts=8, prompt_len=128, new=96, ks=range(1, 7), se
         ml.append(float(m))
         hh, rh, cnt = hh + int(a), rh + int(b), cnt + int(c)
     res = dict(held_out_tokens=int(ids.size), eval_windows=int(len(windows)), trunk_loss=float(np.mean(tl)),
-               mtp_loss=float(np.mean(ml)), alpha1_teacher_forced=hh / cnt, alpha1_repeat_last=rh / cnt)
+               mtp_loss=float(np.mean(ml)), alpha1_teacher_forced=hh / cnt,
+               alpha1_teacher_forced_ci=list(wilson(hh, cnt)), alpha1_repeat_last=rh / cnt)
 
     rng = np.random.default_rng(seed)
     starts = rng.integers(0, ids.size - prompt_len - 1, n_prompts)
@@ -90,31 +149,48 @@ def evaluate(model, tok, n_prompts=8, prompt_len=128, new=96, ks=range(1, 7), se
     plain = run(None)
     res["batch"] = n_prompts
     res["plain_decode_tok_s"] = plain.stats.decode_tokens_per_s
-    res["al"], res["alpha"], res["tok_s"], res["al_repeat_last"] = {}, {}, {}, {}
+    res["al"], res["alpha"], res["alpha_ci"], res["tok_s"], res["al_repeat_last"] = {}, {}, {}, {}, {}
     for k in ks:
         r = run(SpecConfig(k=k))
         assert np.array_equal(r.tokens, plain.tokens), f"speculative k={k} differs from plain greedy"
         res["al"][k] = r.stats.acceptance_length
         res["alpha"][k] = [float(a) for a in r.stats.alpha]
+        res["alpha_ci"][k] = [[lo, hi, succ, n] for _, lo, hi, succ, n in alpha_intervals(r.stats)]
         res["tok_s"][k] = r.stats.decode_tokens_per_s
         res["al_repeat_last"][k] = float(np.mean([repeat_last_al(list(p[-1:]) + list(row), k)
                                                   for p, row in zip(prompts, plain.tokens)]))
+    res.update(sample_quality(model, tok))
     return res
+
+
+def quality_report(res) -> str:
+    shares = " ".join(f"{x:.2f}" for x in res["distinct_4gram_shares"])
+    return (f"distinct 4-grams in {QUALITY_NEW} greedy tokens after {len(res['distinct_4gram_shares'])} held-out "
+            f"prompts: mean {res['distinct_4gram_mean']:.3f}, min {res['distinct_4gram_min']:.3f} ({shares})\n"
+            f"README prompt, greedy {QUALITY_NEW} tokens (distinct 4-grams {res['readme_distinct_4gram']:.2f}, most "
+            f"repeated line x{res['readme_max_line_repeats']}):\n"
+            + "\n".join("    " + ln for ln in res["readme_continuation"].splitlines()))
 
 
 def report(res) -> str:
     lines = [f"held-out: {res['held_out_tokens']} tokens; trunk loss {res['trunk_loss']:.3f}, "
              f"MTP loss {res['mtp_loss']:.3f} (nats/token)",
-             f"teacher-forced alpha_1: MTP head {res['alpha1_teacher_forced']:.3f}, "
-             f"repeat-last-token {res['alpha1_repeat_last']:.3f}",
+             f"teacher-forced alpha_1: MTP head {res['alpha1_teacher_forced']:.3f} "
+             + ("(95% Wilson {:.3f}-{:.3f}), ".format(*res["alpha1_teacher_forced_ci"])
+                if "alpha1_teacher_forced_ci" in res else ", ")
+             + f"repeat-last-token {res['alpha1_repeat_last']:.3f}",
              f"greedy generation, {res['batch']} held-out prompts decoded as one batch; every k equal to plain greedy",
              "| k | AL (MTP head) | AL (repeat-last-token) | alpha_j (MTP head) | decode tok/s | vs plain |",
              "| --- | --- | --- | --- | --- | --- |"]
     for k in res["al"]:
-        alphas = " ".join(f"{a:.2f}" for a in res["alpha"][k])
+        cis = res.get("alpha_ci", {}).get(k)
+        alphas = " ".join(f"{a:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if cis else "")
+                          for a, ci in zip(res["alpha"][k], cis or res["alpha"][k]))
         lines.append(f"| {k} | {res['al'][k]:.2f} | {res['al_repeat_last'][k]:.2f} | {alphas} | "
                      f"{res['tok_s'][k]:.0f} | {res['tok_s'][k] / res['plain_decode_tok_s']:.2f}x |")
     lines.append(f"plain greedy decode: {res['plain_decode_tok_s']:.0f} tok/s")
+    if "distinct_4gram_shares" in res:
+        lines.append(quality_report(res))
     return "\n".join(lines)
 
 
@@ -127,8 +203,13 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--write", action="store_true", help="write eval.json next to the checkpoint")
+    ap.add_argument("--quality-only", action="store_true", help="only the greedy-sample figures (4-grams, README "
+                    "prompt), not written")
     args = ap.parse_args(argv)
     model = qwen_mtp.load(args.model)
+    if args.quality_only:
+        print(quality_report(sample_quality(model, load_tokenizer(args.model))))
+        return
     res = evaluate(model, load_tokenizer(args.model), n_prompts=args.prompts, new=args.new)
     print(report(res))
     if args.write:

@@ -179,10 +179,10 @@ def losses(weights, cfg, x, gdn_mode="chunk_fast"):
     return losses_from_logits(x, *teacher_forced_logits(weights, cfg, x, gdn_mode))
 
 
-def make_optimizer(total_steps):
+def make_optimizer(total_steps, lr=LR, warmup=WARMUP):
     import optax
 
-    sched = optax.warmup_cosine_decay_schedule(0.0, LR, WARMUP, max(total_steps, WARMUP + 1), LR * 0.05)
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(total_steps, warmup + 1), lr * 0.05)
     decay_mask = lambda w: jax.tree_util.tree_map(lambda p: p.ndim >= 2, w)
     return optax.chain(optax.clip_by_global_norm(1.0),
                        optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask)), sched
@@ -263,16 +263,54 @@ def make_distill_optimizer(total_steps, lr=DISTILL_LR):
                        optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask)), sched
 
 
+# ---------------------------------------------------------------------------------------------- warm start
+def _run_summary(log: dict, path) -> dict:
+    ev = log.get("evals") or [{}]
+    last = ev[-1]
+    return dict(from_folder=str(path), steps=log.get("steps"), distill_steps=log.get("distill_steps", 0),
+                batch=log.get("batch"), seq=log.get("seq"), lr=log.get("lr"), seed=log.get("seed"),
+                tokens=int(log.get("steps") or 0) * int(log.get("batch") or 0) * int(log.get("seq") or 0),
+                eval_trunk=last.get("eval_trunk"), eval_mtp=last.get("eval_mtp"))
+
+
+def read_init_source(folder, config: dict) -> dict:
+    """The weights (f32), tokenizer and lineage of a checkpoint folder this script published, for init_from.
+    Its config.json must be the run's config (same architecture and vocabulary) and its tokenizer.json and
+    train_log.json must be there: otherwise an ArgumentError naming the folder and what differs."""
+    import qwen_mtp
+
+    folder = Path(folder)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "train_log.json"):
+        if not (folder / name).is_file():
+            raise ArgumentError("--init-from", f"a folder this script wrote, with {name}", f"{folder} without it")
+    saved = json.loads((folder / "config.json").read_text())
+    differ = sorted(k for k in config if k not in ("dtype",) and saved.get(k) != config[k])
+    if differ:
+        k = differ[0]
+        raise ArgumentError("--init-from", f"{folder}/config.json with {k} = {config[k]!r} (the run's config)",
+                            f"{saved.get(k)!r}" + (f" (and {len(differ) - 1} more fields differ)" if len(differ) > 1
+                                                   else ""))
+    log = json.loads((folder / "train_log.json").read_text())
+    weights = qwen_mtp.load(folder, dtype="float32").weights
+    lineage = list(log.get("lineage", [])) + [_run_summary(log, folder)]
+    return dict(weights=weights, lineage=lineage)
+
+
 # ---------------------------------------------------------------------------------------------------- main
 def train(out, steps: int = 400, *, seed: int = 0, eval_every: int = 50, distill_steps: int = 0,
           state_dir=None, resume: bool = False, save_minutes: float = 5.0, stop_after: int | None = None,
           config: dict | None = None, max_files: int | None = None, batch_size: int = BATCH, seq: int = SEQ,
-          plot: bool = True, log=print):
+          init_from=None, lr: float = LR, warmup: int = WARMUP, plot: bool = True, log=print):
     """The training run (main's body). steps language-modelling steps (trunk + MTP_WEIGHT x head loss), then
     distill_steps steps of the head alone against its frozen trunk (distill_step). The whole state is saved to
     state_dir (train_state.py) every save_minutes, at every eval and at the end; resume=True continues from its
     newest step with the same result as an uninterrupted run. stop_after: end (saving the state) after that many
     steps in all, a run to be resumed later. config / max_files / batch_size / seq: smaller runs (tests).
+    init_from: a checkpoint folder this script published (config.json, model.safetensors, tokenizer.json,
+    train_log.json): the run starts from its weights and tokenizer instead of a random init, with a fresh
+    optimiser (warmup steps up to lr, then cosine) - how training continues from the shipped model in a later
+    session, where the saved state of the earlier run is gone. Its lineage (the earlier runs' steps, tokens and
+    last held-out losses) is kept in the log.
     Returns the log (also written to out/train_log.json with its loss-curve plot out/train_loss.png)."""
     from tqdm import tqdm
     from tokenizers import Tokenizer
@@ -284,7 +322,8 @@ def train(out, steps: int = 400, *, seed: int = 0, eval_every: int = 50, distill
     state_dir = Path(state_dir) if state_dir is not None else out.parent / f".{out.name}.train_state"
     config = dict(CONFIG if config is None else config)
     settings = dict(steps=steps, seed=seed, distill_steps=distill_steps, max_files=max_files, batch=batch_size,
-                    seq=seq, config=config)
+                    seq=seq, config=config, lr=lr, warmup=warmup,
+                    init_from=None if init_from is None else str(Path(init_from).resolve()))
     found = train_state.latest(state_dir) if resume else None
     if resume and found is None:
         raise ArgumentError("--resume", f"a saved training state in {state_dir}", "none")
@@ -301,8 +340,14 @@ def train(out, steps: int = 400, *, seed: int = 0, eval_every: int = 50, distill
     t0 = time.time()
     train_texts, held_texts = read_texts(root, train_rels), read_texts(root, held_rels)
     tok_file = state_dir / "tokenizer.json"
+    source = None
     if found is not None:
         tok = Tokenizer.from_file(str(tok_file))
+    elif init_from is not None:
+        source = read_init_source(init_from, config)
+        tok = Tokenizer.from_file(str(Path(init_from) / "tokenizer.json"))
+        state_dir.mkdir(parents=True, exist_ok=True)
+        tok.save(str(tok_file))
     else:
         tok = train_tokenizer(train_texts, config["vocab_size"])
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -313,16 +358,19 @@ def train(out, steps: int = 400, *, seed: int = 0, eval_every: int = 50, distill
 
     cfg = parse_config(config)
     weights = init_weights(cfg, jax.random.PRNGKey(seed))
+    if source is not None:
+        weights = source["weights"]
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(weights))
     rng = np.random.default_rng(seed)
     held = eval_windows(held_ids, seq)
-    opt, sched = make_optimizer(steps)
+    opt, sched = make_optimizer(steps, lr, warmup)
     d_opt, d_sched = make_distill_optimizer(distill_steps)
     total = steps + distill_steps
     history = dict(config=config, seed=seed, steps=steps, distill_steps=distill_steps, batch=batch_size, seq=seq,
-                   mtp_weight=MTP_WEIGHT, lr=LR, distill_lr=DISTILL_LR, train_files=len(train_texts),
+                   mtp_weight=MTP_WEIGHT, lr=lr, warmup=warmup, distill_lr=DISTILL_LR, train_files=len(train_texts),
                    train_tokens=int(train_ids.size), held_out=list(held_rels), held_out_tokens=int(held_ids.size),
-                   n_params=int(n_params), evals=[], losses=[], resumed_at=[])
+                   n_params=int(n_params), evals=[], losses=[], resumed_at=[],
+                   lineage=[] if source is None else source["lineage"])
     step = 0
     if found is not None:
         folder, meta = found
@@ -431,6 +479,10 @@ def main(argv=None):
     ap.add_argument("--resume", action="store_true", help="continue the run saved in --state-dir")
     ap.add_argument("--save-minutes", type=float, default=5.0, help="save the training state this often")
     ap.add_argument("--stop-after", type=int, default=None, help="stop (state saved) after this many steps")
+    ap.add_argument("--init-from", default=None, help="start from the weights and tokenizer of a checkpoint this "
+                    "script published (e.g. the shipped model) instead of a random init: training continued")
+    ap.add_argument("--lr", type=float, default=LR, help=f"peak learning rate (default {LR})")
+    ap.add_argument("--warmup", type=int, default=WARMUP, help=f"warmup steps (default {WARMUP})")
     ap.add_argument("--no-plot", action="store_true", help="no loss-curve PNG (needs matplotlib otherwise)")
     args = ap.parse_args(argv)
     for name in ("steps", "distill_steps", "eval_every"):
@@ -444,7 +496,7 @@ def main(argv=None):
     jax.config.update("jax_default_matmul_precision", "float32")
     train(args.out, args.steps, seed=args.seed, eval_every=args.eval_every, distill_steps=args.distill_steps,
           state_dir=args.state_dir, resume=args.resume, save_minutes=args.save_minutes, stop_after=args.stop_after,
-          plot=not args.no_plot)
+          init_from=args.init_from, lr=args.lr, warmup=args.warmup, plot=not args.no_plot)
     return 0
 
 

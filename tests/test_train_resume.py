@@ -74,3 +74,36 @@ def test_resume_with_other_settings_or_over_a_saved_run_is_refused(runs):
         train_small.train(root / "x", 4, state_dir=root / "parted_state", **RUN)
     with pytest.raises(ArgumentError, match="--resume"):
         train_small.train(root / "y", 4, state_dir=root / "nothing_here", resume=True, **RUN)
+
+
+def test_a_run_continues_from_a_published_checkpoint(runs, tmp_path):
+    """--init-from: the weights, tokenizer and lineage of a folder this script wrote (how training continues
+    from the shipped model in a later session). With lr 0 the one step leaves the weights as they were loaded,
+    so the published checkpoint equals the source bitwise (the probe: the source is a trained, non-random run)."""
+    root, whole, _ = runs
+    warm = train_small.train(tmp_path / "warm", 1, state_dir=tmp_path / "warm_state", init_from=root / "whole",
+                             lr=0.0, **{**RUN, "distill_steps": 0})
+    assert warm["lineage"][-1]["steps"] == 4 and warm["lineage"][-1]["distill_steps"] == 2
+    assert warm["lineage"][-1]["eval_trunk"] == whole["evals"][-1]["eval_trunk"]
+    assert (tmp_path / "warm" / "tokenizer.json").read_text() == (root / "whole" / "tokenizer.json").read_text()
+    a, b = _weights(root / "whole"), _weights(tmp_path / "warm")
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
+        assert np.array_equal(np.asarray(x), np.asarray(y)), jax.tree_util.keystr(path)
+    # the same run without init_from publishes its random init, which is not the source's weights
+    train_small.train(tmp_path / "fresh", 1, state_dir=tmp_path / "fresh_state", lr=0.0, **{**RUN, "distill_steps": 0})
+    fresh = _weights(tmp_path / "fresh")
+    assert not all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a),
+                                                                               jax.tree.leaves(fresh)))
+
+
+def test_init_from_a_folder_of_another_config_or_without_its_files_is_refused(runs, tmp_path):
+    root, _, _ = runs
+    with pytest.raises(ArgumentError, match="hidden_size"):
+        train_small.train(tmp_path / "a", 1, state_dir=tmp_path / "a_state", init_from=root / "whole",
+                          **{**RUN, "config": {**TINY, "hidden_size": 48}})
+    import shutil
+    src = shutil.copytree(root / "whole", tmp_path / "no_log")
+    (src / "train_log.json").unlink()
+    with pytest.raises(ArgumentError, match="train_log.json"):
+        train_small.train(tmp_path / "b", 1, state_dir=tmp_path / "b_state", init_from=src, **RUN)
+    assert not any((tmp_path / n).exists() for n in ("a", "a_state", "b", "b_state"))  # nothing half-written
