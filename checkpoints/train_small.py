@@ -2,9 +2,11 @@
 
     python -m checkpoints.train_small [--out checkpoints/qwen3_5_small] [--steps 400] [--distill-steps 0]
                                       [--seed 0] [--state-dir DIR] [--resume] [--save-minutes 5]
-                                      [--stop-after N] [--no-plot]
+                                      [--stop-after N] [--init-from FOLDER] [--lr 3e-3] [--warmup 60] [--no-plot]
 
-The defaults are the shipped run's (400 steps of 16 x 256 tokens, about 30 minutes on 2 CPU cores). The whole
+The defaults are the shipped model's first run (400 steps of 16 x 256 tokens, about 30 minutes on 2 CPU cores);
+the shipped weights continue it twice with --init-from (train_log.json's lineage and the README give the
+commands: 600 more steps at lr 2e-3, then 100 steps of head self-distillation). The whole
 training state (parameters, optimiser state, the batch sampler's position, the log, the tokenizer) is saved to
 --state-dir (default .<out name>.train_state beside --out; checkpoints/train_state.py) every --save-minutes and
 at every eval; --resume continues the run saved there with the same result as one that never stopped (same
@@ -270,7 +272,9 @@ def _run_summary(log: dict, path) -> dict:
     return dict(from_folder=str(path), steps=log.get("steps"), distill_steps=log.get("distill_steps", 0),
                 batch=log.get("batch"), seq=log.get("seq"), lr=log.get("lr"), seed=log.get("seed"),
                 tokens=int(log.get("steps") or 0) * int(log.get("batch") or 0) * int(log.get("seq") or 0),
-                eval_trunk=last.get("eval_trunk"), eval_mtp=last.get("eval_mtp"))
+                eval_trunk=last.get("eval_trunk"), eval_mtp=last.get("eval_mtp"),
+                evals=[{k: e.get(k) for k in ("step", "eval_trunk", "eval_mtp", "eval_mtp_acc")}
+                       for e in log.get("evals", [])])
 
 
 def read_init_source(folder, config: dict) -> dict:
