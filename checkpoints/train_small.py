@@ -493,6 +493,10 @@ def main(argv=None):
         if getattr(args, name) < (1 if name == "eval_every" else 0):
             raise ArgumentError(f"--{name.replace('_', '-')}", "an integer >= 0" if name != "eval_every"
                                 else "an integer >= 1", str(getattr(args, name)))
+    if not (math.isfinite(args.lr) and args.lr >= 0):
+        raise ArgumentError("--lr", "a finite learning rate >= 0", str(args.lr))
+    if args.warmup < 0:
+        raise ArgumentError("--warmup", "an integer >= 0", str(args.warmup))
     from qwen_mtp.extras import require
     # before any work: optax, and matplotlib unless --no-plot
     require("python -m checkpoints.train_small" + ("" if args.no_plot else " (its loss-curve plot: --no-plot to "

@@ -107,3 +107,12 @@ def test_init_from_a_folder_of_another_config_or_without_its_files_is_refused(ru
     with pytest.raises(ArgumentError, match="train_log.json"):
         train_small.train(tmp_path / "b", 1, state_dir=tmp_path / "b_state", init_from=src, **RUN)
     assert not any((tmp_path / n).exists() for n in ("a", "a_state", "b", "b_state"))  # nothing half-written
+
+
+@pytest.mark.parametrize("argv, flag", [(["--lr", "-1"], "--lr"), (["--lr", "nan"], "--lr"),
+                                        (["--warmup", "-2"], "--warmup")])
+def test_bad_learning_rate_or_warmup_is_refused_before_any_work(argv, flag, monkeypatch, capsys):
+    from qwen_mtp.extras import run_script
+    monkeypatch.setattr(train_small, "train", lambda *a, **k: pytest.fail("work started before the check"))
+    assert run_script(train_small.main, argv) == 2
+    assert flag in capsys.readouterr().err
