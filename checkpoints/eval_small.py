@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from functools import partial
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from checkpoints.corpus import encode, read_texts, source_files, stdlib_root
+from checkpoints.corpus import HELD_OUT, encode, read_texts, source_files, stdlib_root
 from checkpoints.train_small import SEQ, eval_windows, losses_from_logits, teacher_forced_logits
 from qwen_mtp.analysis import alpha_intervals, wilson
 
@@ -84,16 +85,14 @@ def max_line_repeats(text: str) -> int:
 
 
 def quality_prompts(tok):
-    """QUALITY_PROMPTS prompts of QUALITY_PROMPT_TOKENS tokens, each from its own held-out file: the start of the
-    file's first top-level `def` or `class` line (the file's start where it has none)."""
+    """QUALITY_PROMPTS prompts of QUALITY_PROMPT_TOKENS tokens, each from its own held-out file (in HELD_OUT's
+    order): the start of the file's first top-level `def` or `class` line (the file's start where it has none)."""
     root = stdlib_root()
-    _, held = source_files(root)
     prompts = []
-    for rel, text in zip(held, read_texts(root, held)):
-        at = next((i for i, ln in enumerate(text.splitlines(keepends=True))
-                   if ln.startswith(("def ", "class "))), None)
-        start = 0 if at is None else len("".join(text.splitlines(keepends=True)[:at]))
-        ids = tok.encode(text[start:]).ids[:QUALITY_PROMPT_TOKENS]
+    for rel in HELD_OUT:
+        text = (root / rel).read_text(encoding="utf-8")
+        first = re.search(r"^(def|class) ", text, re.MULTILINE)
+        ids = tok.encode(text[first.start() if first else 0:]).ids[:QUALITY_PROMPT_TOKENS]
         if len(ids) == QUALITY_PROMPT_TOKENS:
             prompts.append((rel, ids))
         if len(prompts) == QUALITY_PROMPTS:
@@ -183,9 +182,9 @@ def report(res) -> str:
              "| k | AL (MTP head) | AL (repeat-last-token) | alpha_j (MTP head) | decode tok/s | vs plain |",
              "| --- | --- | --- | --- | --- | --- |"]
     for k in res["al"]:
-        cis = res.get("alpha_ci", {}).get(k)
-        alphas = " ".join(f"{a:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if cis else "")
-                          for a, ci in zip(res["alpha"][k], cis or res["alpha"][k]))
+        cis = res.get("alpha_ci", {}).get(k) or [None] * len(res["alpha"][k])  # eval.json of before the intervals
+        alphas = " ".join(f"{a:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+                          for a, ci in zip(res["alpha"][k], cis))
         lines.append(f"| {k} | {res['al'][k]:.2f} | {res['al_repeat_last'][k]:.2f} | {alphas} | "
                      f"{res['tok_s'][k]:.0f} | {res['tok_s'][k] / res['plain_decode_tok_s']:.2f}x |")
     lines.append(f"plain greedy decode: {res['plain_decode_tok_s']:.0f} tok/s")

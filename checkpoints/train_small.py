@@ -294,10 +294,12 @@ def read_init_source(folder, config: dict) -> dict:
         raise ArgumentError("--init-from", f"{folder}/config.json with {k} = {config[k]!r} (the run's config)",
                             f"{saved.get(k)!r}" + (f" (and {len(differ) - 1} more fields differ)" if len(differ) > 1
                                                    else ""))
+    from tokenizers import Tokenizer
+
     log = json.loads((folder / "train_log.json").read_text())
     weights = qwen_mtp.load(folder, dtype="float32").weights
     lineage = list(log.get("lineage", [])) + [_run_summary(log, folder)]
-    return dict(weights=weights, lineage=lineage)
+    return dict(weights=weights, tokenizer=Tokenizer.from_file(str(folder / "tokenizer.json")), lineage=lineage)
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -349,7 +351,7 @@ def train(out, steps: int = 400, *, seed: int = 0, eval_every: int = 50, distill
         tok = Tokenizer.from_file(str(tok_file))
     elif init_from is not None:
         source = read_init_source(init_from, config)
-        tok = Tokenizer.from_file(str(Path(init_from) / "tokenizer.json"))
+        tok = source["tokenizer"]
         state_dir.mkdir(parents=True, exist_ok=True)
         tok.save(str(tok_file))
     else:
