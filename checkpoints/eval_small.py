@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from checkpoints.corpus import HELD_OUT, encode, read_texts, source_files, stdlib_root
+from checkpoints.corpus import HELD_OUT, encode, held_out_texts, stdlib_root
 from checkpoints.train_small import SEQ, eval_windows, losses_from_logits, teacher_forced_logits
 from qwen_mtp.analysis import alpha_intervals, wilson
 
@@ -118,9 +118,8 @@ def sample_quality(model, tok) -> dict:
 
 
 def held_out_ids(tok):
-    root = stdlib_root()
-    _, held = source_files(root)
-    return encode(tok, read_texts(root, held))
+    """The held-out files as train_small evaluates them: one stream, each file followed by EOS."""
+    return encode(tok, held_out_texts())
 
 
 def evaluate(model, tok, n_prompts=8, prompt_len=128, new=96, ks=range(1, 7), seed=0):

@@ -2,7 +2,8 @@
 
     python -m checkpoints.train_small [--out checkpoints/qwen3_5_small] [--steps 400] [--distill-steps 0]
                                       [--seed 0] [--state-dir DIR] [--resume] [--save-minutes 5]
-                                      [--stop-after N] [--init-from FOLDER] [--lr 3e-3] [--warmup 60] [--no-plot]
+                                      [--stop-after N] [--init-from FOLDER] [--lr 3e-3] [--warmup 60]
+                                      [--corpus stdlib|library] [--no-plot]
 
 The defaults are the shipped model's first run (400 steps of 16 x 256 tokens, about 30 minutes on 2 CPU cores);
 the shipped weights continue it twice with --init-from (train_log.json's lineage and the README give the
@@ -17,8 +18,10 @@ with its frozen trunk (`distill_step`: self-distillation on the trunk's own next
 
 Data: the Python standard library sources of the interpreter that runs this script
 (`sysconfig.get_paths()["stdlib"]`, site-packages excluded); the files in HELD_OUT are never trained on
-(neither the tokenizer nor the model sees them) and are the evaluation set. Everything is seeded; the file
-order is sorted, so the same interpreter gives the same data.
+(neither the tokenizer nor the model sees them) and are the evaluation set. `--corpus library` trains on the
+library code alone (corpus.is_library: no test suites, no encodings/ codec tables, no pydoc_data help text; 2.7M
+of the 9.3M tokens), what the held-out files are. Everything is seeded; the file order is sorted, so the same
+interpreter gives the same data.
 
 Model: the Qwen3.5 text architecture (`model_type` qwen3_5_text) from CONFIG: 8 layers in the 3:1 pattern
 (3 Gated DeltaNet layers, then one gated full-attention layer), tied embeddings, plus the one-layer MTP
@@ -46,7 +49,7 @@ import ml_dtypes
 import jax.numpy as jnp
 import numpy as np
 
-from checkpoints.corpus import (EOS, HELD_OUT, encode, held_out_text, read_texts,  # noqa: F401 - re-exported
+from checkpoints.corpus import (CORPORA, EOS, HELD_OUT, encode, held_out_text, read_texts,  # noqa: F401 - re-exported
                                 source_files, stdlib_root)
 from qwen_mtp.config import parse_config
 from qwen_mtp.errors import ArgumentError
@@ -271,6 +274,7 @@ def _run_summary(log: dict, path) -> dict:
     last = ev[-1]
     return dict(from_folder=str(path), steps=log.get("steps"), distill_steps=log.get("distill_steps", 0),
                 batch=log.get("batch"), seq=log.get("seq"), lr=log.get("lr"), seed=log.get("seed"),
+                corpus=log.get("corpus", "stdlib"),
                 tokens=int(log.get("steps") or 0) * int(log.get("batch") or 0) * int(log.get("seq") or 0),
                 eval_trunk=last.get("eval_trunk"), eval_mtp=last.get("eval_mtp"),
                 evals=[{k: e.get(k) for k in ("step", "eval_trunk", "eval_mtp", "eval_mtp_acc")}
@@ -306,7 +310,8 @@ def read_init_source(folder, config: dict) -> dict:
 def train(out, steps: int = 400, *, seed: int = 0, eval_every: int = 50, distill_steps: int = 0,
           state_dir=None, resume: bool = False, save_minutes: float = 5.0, stop_after: int | None = None,
           config: dict | None = None, max_files: int | None = None, batch_size: int = BATCH, seq: int = SEQ,
-          init_from=None, lr: float = LR, warmup: int = WARMUP, plot: bool = True, log=print):
+          init_from=None, lr: float = LR, warmup: int = WARMUP, corpus: str = "stdlib", plot: bool = True,
+          log=print):
     """The training run (main's body). steps language-modelling steps (trunk + MTP_WEIGHT x head loss), then
     distill_steps steps of the head alone against its frozen trunk (distill_step). The whole state is saved to
     state_dir (train_state.py) every save_minutes, at every eval and at the end; resume=True continues from its
@@ -317,6 +322,8 @@ def train(out, steps: int = 400, *, seed: int = 0, eval_every: int = 50, distill
     optimiser (warmup steps up to lr, then cosine) - how training continues from the shipped model in a later
     session, where the saved state of the earlier run is gone. Its lineage (the earlier runs' steps, tokens and
     last held-out losses) is kept in the log.
+    corpus: the training text, corpus.CORPORA ("stdlib", the whole standard library, or "library", without its
+    test suites, codec tables and help text); the held-out files are the same for both.
     Returns the log (also written to out/train_log.json with its loss-curve plot out/train_loss.png)."""
     from tqdm import tqdm
     from tokenizers import Tokenizer
@@ -328,7 +335,7 @@ def train(out, steps: int = 400, *, seed: int = 0, eval_every: int = 50, distill
     state_dir = Path(state_dir) if state_dir is not None else out.parent / f".{out.name}.train_state"
     config = dict(CONFIG if config is None else config)
     settings = dict(steps=steps, seed=seed, distill_steps=distill_steps, max_files=max_files, batch=batch_size,
-                    seq=seq, config=config, lr=lr, warmup=warmup,
+                    seq=seq, config=config, lr=lr, warmup=warmup, corpus=corpus,
                     init_from=None if init_from is None else str(Path(init_from).resolve()))
     found = train_state.latest(state_dir) if resume else None
     if resume and found is None:
@@ -340,7 +347,7 @@ def train(out, steps: int = 400, *, seed: int = 0, eval_every: int = 50, distill
                             f"{state_dir} holds a saved run")
 
     root = stdlib_root()
-    train_rels, held_rels = source_files(root)
+    train_rels, held_rels = source_files(root, corpus)
     if max_files is not None:
         train_rels = train_rels[:max_files]
     t0 = time.time()
@@ -359,7 +366,7 @@ def train(out, steps: int = 400, *, seed: int = 0, eval_every: int = 50, distill
         state_dir.mkdir(parents=True, exist_ok=True)
         tok.save(str(tok_file))
     train_ids, held_ids = encode(tok, train_texts), encode(tok, held_texts)
-    log(f"data: {len(train_texts)} train files ({train_ids.size} tokens), {len(held_texts)} held-out files "
+    log(f"data ({corpus}): {len(train_texts)} train files ({train_ids.size} tokens), {len(held_texts)} held-out files "
         f"({held_ids.size} tokens), tokenizer {tok.get_vocab_size()} ids in {time.time() - t0:.0f}s")
 
     cfg = parse_config(config)
@@ -373,7 +380,8 @@ def train(out, steps: int = 400, *, seed: int = 0, eval_every: int = 50, distill
     d_opt, d_sched = make_distill_optimizer(distill_steps)
     total = steps + distill_steps
     history = dict(config=config, seed=seed, steps=steps, distill_steps=distill_steps, batch=batch_size, seq=seq,
-                   mtp_weight=MTP_WEIGHT, lr=lr, warmup=warmup, distill_lr=DISTILL_LR, train_files=len(train_texts),
+                   mtp_weight=MTP_WEIGHT, lr=lr, warmup=warmup, distill_lr=DISTILL_LR, corpus=corpus,
+                   train_files=len(train_texts),
                    train_tokens=int(train_ids.size), held_out=list(held_rels), held_out_tokens=int(held_ids.size),
                    n_params=int(n_params), evals=[], losses=[], resumed_at=[],
                    lineage=[] if source is None else source["lineage"])
@@ -489,6 +497,8 @@ def main(argv=None):
                     "script published (e.g. the shipped model) instead of a random init: training continued")
     ap.add_argument("--lr", type=float, default=LR, help=f"peak learning rate (default {LR})")
     ap.add_argument("--warmup", type=int, default=WARMUP, help=f"warmup steps (default {WARMUP})")
+    ap.add_argument("--corpus", choices=CORPORA, default="stdlib", help="the training text: the whole standard "
+                    "library (default), or its library code alone, without test suites, codec tables and help text")
     ap.add_argument("--no-plot", action="store_true", help="no loss-curve PNG (needs matplotlib otherwise)")
     args = ap.parse_args(argv)
     for name in ("steps", "distill_steps", "eval_every"):
@@ -506,7 +516,7 @@ def main(argv=None):
     jax.config.update("jax_default_matmul_precision", "float32")
     train(args.out, args.steps, seed=args.seed, eval_every=args.eval_every, distill_steps=args.distill_steps,
           state_dir=args.state_dir, resume=args.resume, save_minutes=args.save_minutes, stop_after=args.stop_after,
-          init_from=args.init_from, lr=args.lr, warmup=args.warmup, plot=not args.no_plot)
+          init_from=args.init_from, lr=args.lr, warmup=args.warmup, corpus=args.corpus, plot=not args.no_plot)
     return 0
 
 

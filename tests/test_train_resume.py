@@ -70,6 +70,9 @@ def test_resume_with_other_settings_or_over_a_saved_run_is_refused(runs):
     root, _, _ = runs
     with pytest.raises(ArgumentError, match="--seed"):
         train_small.train(root / "parted", 4, state_dir=root / "parted_state", resume=True, **{**RUN, "seed": 1})
+    with pytest.raises(ArgumentError, match="--corpus"):
+        train_small.train(root / "parted", 4, state_dir=root / "parted_state", resume=True,
+                          **{**RUN, "corpus": "library"})
     with pytest.raises(ArgumentError, match="--state-dir"):
         train_small.train(root / "x", 4, state_dir=root / "parted_state", **RUN)
     with pytest.raises(ArgumentError, match="--resume"):
@@ -116,3 +119,21 @@ def test_bad_learning_rate_or_warmup_is_refused_before_any_work(argv, flag, monk
     monkeypatch.setattr(train_small, "train", lambda *a, **k: pytest.fail("work started before the check"))
     assert run_script(train_small.main, argv) == 2
     assert flag in capsys.readouterr().err
+
+
+def test_the_library_corpus_is_the_stdlib_without_test_suites_codec_tables_and_help_text():
+    """--corpus library: what is dropped is every file under a test-suite folder (test/, tests/, idle_test/),
+    encodings/ and pydoc_data/; every other training file stays, and the held-out files are the same."""
+    from checkpoints import corpus
+    stdlib, held = corpus.source_files(corpus="stdlib")
+    library, held_lib = corpus.source_files(corpus="library")
+    assert held_lib == held and set(library) < set(stdlib)
+    dropped = set(stdlib) - set(library)
+    assert all(any(p in ("test", "tests", "idle_test") for p in r.split("/")[:-1])
+               or r.split("/")[0] in ("encodings", "pydoc_data") for r in dropped)
+    gone = {"test/test_bisect.py", "encodings/cp1252.py", "pydoc_data/topics.py"}
+    assert gone <= set(stdlib) and gone <= dropped
+    assert {"doctest.py", "unittest/case.py", "json/scanner.py", "email/message.py"} <= set(library)
+    assert len(dropped) > len(library)  # the probe: most files are dropped, and these are real paths
+    with pytest.raises(ArgumentError, match="corpus"):
+        corpus.source_files(corpus="tests")
