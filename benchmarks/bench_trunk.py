@@ -79,7 +79,7 @@ def main(argv=None):
     with torch.no_grad():
         hf(x)
         t_pre, _ = best(lambda: hf(x), args.repeats)
-        gen = lambda: hf.generate(x, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False,
+        gen = lambda: hf.generate(x, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, repetition_penalty=1.0,
                                   eos_token_id=None, pad_token_id=0)
         gen()
         t_gen, out = best(gen, args.repeats)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from . import compile_cache, program_cache
-from .errors import ArgumentError, QwenMTPError
+from .errors import ArgumentError, ConfigError, QwenMTPError
 from .state import KV_DTYPE_NAMES
 from .stats import fmt, format_alphas
 
@@ -34,6 +34,29 @@ def load_tokenizer(model_path):
     if not file.is_file():
         raise ArgumentError("--model", f"a checkpoint folder with a tokenizer.json ({file})", "no tokenizer.json")
     return Tokenizer.from_file(str(file))
+
+
+def generation_repetition_penalty(model_path) -> float | None:
+    """The `repetition_penalty` of the model folder's generation_config.json (Hugging Face's file of decoding
+    defaults), or None when the folder has no such file or the file no such key. Only this key is read: the
+    folder's temperature / top-k / top-p do not change the CLI's greedy default."""
+    import json
+
+    file = Path(model_path) / "generation_config.json"
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(file, "(the whole file)", "a JSON object", f"unreadable JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(file, "(the whole file)", "a JSON object", type(data).__name__)
+    r = data.get("repetition_penalty")
+    if r is None:
+        return None
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < float("inf"):
+        raise ConfigError(file, "repetition_penalty", "a finite number > 0 (1 = off)", repr(r))
+    return float(r)
 
 
 class TextStream:
@@ -212,6 +235,10 @@ def cmd_generate(args) -> int:
         mesh_text = "model=-1"  # one job over every device of every process: tensor parallel
     mesh = None if mesh_text is None else parse_mesh(mesh_text)  # a bad --mesh fails before anything loads
     path = Path(args.model) if args.model else default_model_path()
+    penalty, penalty_from = args.repetition_penalty, "--repetition-penalty"
+    if penalty is None:  # read (and a bad file refused) before the weights load
+        penalty, penalty_from = generation_repetition_penalty(path), "generation_config.json"
+    penalty = 1.0 if penalty is None else penalty
     model = load(path, quant=args.quant, group_size=args.group_size, mesh=mesh)  # each process reads its slices
     if mesh is not None:
         print("\n".join(("[mesh] " if i == 0 else "       ") + line
@@ -221,7 +248,7 @@ def cmd_generate(args) -> int:
     if ids.size == 0:
         raise ArgumentError("prompt", "text that encodes to at least one token", repr(args.prompt))
     sampling_kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                       kv_dtype=args.kv_dtype)
+                       kv_dtype=args.kv_dtype, repetition_penalty=penalty)
     make_spec = lambda k: SpecConfig(k=k, window=args.window, sinks=args.sinks)
     if args.no_spec:
         spec = None
@@ -255,6 +282,8 @@ def cmd_generate(args) -> int:
     if mesh is not None:
         line += (f", mesh data={mesh.shape['data']} model={mesh.shape['model']}"
                  + (f" over {jax.process_count()} processes" if jax.process_count() > 1 else ""))
+    if penalty != 1.0:
+        line += f", repetition penalty {penalty:g} ({penalty_from})"
     if spec is None:
         line += ", plain decoding"
     else:
@@ -264,6 +293,16 @@ def cmd_generate(args) -> int:
         line += f", k={spec.k} ({win}), AL {fmt(s.acceptance_length)}, alpha_j [{format_alphas(s.alpha)}]"
     print(line, file=stderr if args.stats_to_stderr else stdout, flush=True)
     return 0
+
+
+def _penalty_arg(value: str) -> float:
+    try:
+        r = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0 (1 = off), found {value!r}") from None
+    if not 0 < r < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0 (1 = off), found {value!r}")
+    return r
 
 
 def _windows_arg(value: str):
@@ -437,6 +476,10 @@ def build_parser():
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=_nonneg_int, default=0, help="0 = off")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--repetition-penalty", type=_penalty_arg, default=None, metavar="R", help="divide the logit of every "
+                   "id already in the text by R when positive, multiply when negative (Hugging Face's rule; 1 = "
+                   "off; speculative output stays exactly the plain output). Default: the model folder's "
+                   "generation_config.json repetition_penalty, else 1")
     g.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard the model over a device mesh: "
                    "tensor parallel over M devices, batch rows over D (the first D x M devices; an axis left out "
                    "has size 1, model=-1 takes the devices left). Default: one device, or model=-1 with several "

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from . import penalty
 from .errors import ArgumentError
 from .ops import logits
 from .quant import QuantArray
@@ -209,10 +210,13 @@ def draft_logits(dv: DraftVocab, m):
     return logits(m, dv.lm_head)
 
 
-def pick(dv: DraftVocab, m, sampling, key, vocab_size: int):
+def pick(dv: DraftVocab, m, sampling, key, vocab_size: int, seen=None):
     """One draft per row from the head output m [B, H]: (d [B] int32 full-vocabulary ids, q [B, V] the draft
-    distribution over the full vocabulary, zero outside dv.ids; None when greedy)."""
+    distribution over the full vocabulary, zero outside dv.ids; None when greedy). seen [B, V]: the context's
+    ids under a repetition penalty (penalty.py), None without one."""
     logits = draft_logits(dv, m)
+    if seen is not None:
+        logits = penalty.apply(logits, seen[:, dv.ids], sampling)
     if sampling.greedy:
         return dv.ids[jnp.argmax(logits, axis=-1)], None
     q_sub = probs(logits, sampling)

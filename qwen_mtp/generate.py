@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import memory, nonfinite, program_cache, sharding
+from . import memory, nonfinite, penalty, program_cache, sharding
 from .config import ModelConfig
 from .errors import ArgumentError, NonFiniteError
 from .model import forward, lm_logits
@@ -307,11 +307,18 @@ def _concat_time(parts, length):
 
 
 @partial(jax.jit, static_argnames=("sampling",))
-def _first_token(weights, last, key, sampling):
-    """The logits [B, V] after the prompt, the token chosen from them, and whether they are all finite [B]."""
+def _first_token(weights, last, key, seen=None, *, sampling):
+    """The logits [B, V] after the prompt, the token chosen from them (under the repetition penalty over the
+    prompt's ids `seen` [B, V], penalty.py), and whether they are all finite [B]."""
     with jax.named_scope("first_token"):
         logits = lm_logits(weights, last)
-        return logits, choose(key, logits, sampling), jnp.all(jnp.isfinite(logits), axis=-1)
+        picked = logits if seen is None else penalty.apply(logits, seen, sampling)
+        return logits, choose(key, picked, sampling), jnp.all(jnp.isfinite(logits), axis=-1)
+
+
+@partial(jax.jit, static_argnames=("vocab_size", "sampling"))
+def _prompt_seen(tokens, lens, vocab_size, sampling):
+    return penalty.prompt_seen(tokens, lens, vocab_size, sampling)
 
 
 class PlainCarry(NamedTuple):
@@ -325,16 +332,19 @@ class PlainCarry(NamedTuple):
     key: jax.Array
     i: jax.Array  # () tokens per row so far (the next column of out)
     bad: jax.Array  # [B] the new token whose logits held a NaN / Inf (the row is frozen there); BIG: none
+    seen: jax.Array  # [B, V] the ids in each row's context so far (the repetition penalty's); [B, 0] without one
 
 
 @partial(jax.jit, static_argnames=("cap", "keep_logits"))
-def _plain_start(first, first_logits, pos, key, eos, pad_id, cap, keep_logits) -> PlainCarry:
+def _plain_start(first, first_logits, pos, key, eos, pad_id, cap, keep_logits, seen=None) -> PlainCarry:
+    """seen: the prompt's ids [B, V] under a repetition penalty (the first token is added), None without one."""
     B, V = first_logits.shape
+    seen = penalty.empty(B) if seen is None or seen.shape[1] == 0 else seen.at[jnp.arange(B), first].set(True)
     out = jnp.full((B, cap), pad_id, jnp.int32).at[:, 0].set(first)
     logits = jnp.zeros((B, cap if keep_logits else 1, V), jnp.float32).at[:, 0].set(first_logits)
     done = jnp.any(first[:, None] == eos[None, :], axis=-1)
     return PlainCarry(first, pos, out, logits, jnp.ones((B,), jnp.int32), done, key, jnp.int32(1),
-                      jnp.full((B,), BIG, jnp.int32))
+                      jnp.full((B,), BIG, jnp.int32), seen)
 
 
 @partial(jax.jit, static_argnames=("cfg", "keep_logits", "sampling"), donate_argnames=("state", "carry"))
@@ -349,14 +359,14 @@ def _plain_decode(weights, cfg, state, carry: PlainCarry, eos, pad_id, max_new, 
         return (i < max_new) & (i < until) & ~jnp.all(c[1].done)
 
     def body(c):
-        state, (tok, pos, out, logits_buf, n_out, done, key, i, bad) = c
+        state, (tok, pos, out, logits_buf, n_out, done, key, i, bad, seen) = c
         with jax.named_scope("step"):  # the trunk; "pick": lm_head and the choice (profiling.py's phases)
             hidden, state = forward(weights, cfg, tok[:, None], state, pos, jnp.ones((B,), jnp.int32),
                                     gdn_mode="step")
         with jax.named_scope("pick"):
             logits = lm_logits(weights, hidden[:, 0])
             key, sub = jax.random.split(key)
-            nxt = choose(sub, logits, sampling)
+            nxt = choose(sub, penalty.apply(logits, seen, sampling), sampling)
         with jax.named_scope("commit"):
             nonfinite = ~jnp.all(jnp.isfinite(logits), axis=-1) & ~done  # nothing is emitted from these
             bad = jnp.where(nonfinite, i, bad)
@@ -365,7 +375,8 @@ def _plain_decode(weights, cfg, state, carry: PlainCarry, eos, pad_id, max_new, 
                 logits_buf = logits_buf.at[:, i].set(logits)
             n_out = n_out + (~done & ~nonfinite).astype(jnp.int32)
             done = done | nonfinite | is_eos(nxt)
-        return state, PlainCarry(nxt, pos + 1, out, logits_buf, n_out, done, key, i + 1, bad)
+            seen = penalty.add(seen, nxt, sampling)
+        return state, PlainCarry(nxt, pos + 1, out, logits_buf, n_out, done, key, i + 1, bad, seen)
 
     return jax.lax.while_loop(cond, body, (state, carry))
 
@@ -514,12 +525,12 @@ class _Request:
 
 
 def _request(model, prompt_ids, max_new_tokens, spec, temperature, top_k, top_p, seed, eos_token_id,
-             prefill_chunk, return_logits, kv_dtype) -> _Request:
+             prefill_chunk, return_logits, kv_dtype, repetition_penalty=1.0) -> _Request:
     cfg = model.config
     max_new = _check_positive_int("max_new_tokens", max_new_tokens)
     prefill_chunk = _check_chunk(prefill_chunk)
     kv_dtype = resolve_kv_dtype(kv_dtype, model.weights.embed.dtype)
-    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
     if not _is_int(seed):
         raise ArgumentError("seed", "an integer", repr(seed))
     if spec is not None:
@@ -552,7 +563,7 @@ def request_bytes(model, req: _Request) -> dict:
 def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None = None, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id=None,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, return_logits: bool = False, stream=None,
-             kv_dtype=None) -> GenerateResult:
+             kv_dtype=None, repetition_penalty: float = 1.0) -> GenerateResult:
     """Generate up to max_new_tokens per row.
 
     prompt_ids: 1-D ids (B = 1), or a batch (a list of 1-D sequences of any lengths, or a 2-D array).
@@ -572,11 +583,15 @@ def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None 
     reads, a step's own new rows included, is its stored rounded value, so with spec greedy output is still
     exactly plain greedy output under the same kv_dtype (and sampled output keeps its distribution); against a
     compute-dtype cache, fp8 perturbs the logits slightly (tests/test_kv_fp8.py states the bound).
+    repetition_penalty (Hugging Face's, penalty.py; 1 = off): before temperature / top-k / top-p, the logit of
+    every id already in the row (prompt and new tokens) is divided by it when positive, multiplied when negative.
+    Greedy under it is still greedy (argmax of the penalised logits), and with spec the output is still exactly
+    the plain output under the same penalty. return_logits gives the trunk's logits, before the penalty.
     Programs are compiled per power-of-two bucket of max_new_tokens, so nearby lengths reuse one compile;
     `precompile` compiles them ahead of time without running anything.
     """
     req = _request(model, prompt_ids, max_new_tokens, spec, temperature, top_k, top_p, seed, eos_token_id,
-                   prefill_chunk, return_logits, kv_dtype)
+                   prefill_chunk, return_logits, kv_dtype, repetition_penalty)
     if stream is not None and not callable(stream):
         raise ArgumentError("stream", "None or a callable taking a list of per-row id arrays", repr(stream))
     memory.check(model, request_bytes(model, req))  # refused before anything is allocated
@@ -594,14 +609,16 @@ def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None 
 
 def precompile(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None = None, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id=None,
-               prefill_chunk: int = DEFAULT_PREFILL_CHUNK, return_logits: bool = False, kv_dtype=None) -> float:
+               prefill_chunk: int = DEFAULT_PREFILL_CHUNK, return_logits: bool = False, kv_dtype=None,
+               repetition_penalty: float = 1.0) -> float:
     """Compile ahead of time (jitted.lower(...).compile()) every program `generate` would run with these
     arguments, running nothing; the generate call that follows compiles nothing (streamed or not). What decides
     the programs: the batch size, the longest prompt's length, the power-of-two bucket of max_new_tokens, spec,
-    how many EOS ids there are, the sampling flags, kv_dtype, prefill_chunk and return_logits. Returns the seconds
-    it took (with jax's persistent compilation cache on, compile_cache.py, a second process reads them back)."""
+    how many EOS ids there are, the sampling flags (the repetition penalty's value included), kv_dtype,
+    prefill_chunk and return_logits. Returns the seconds it took (with jax's persistent compilation cache on,
+    compile_cache.py, a second process reads them back)."""
     req = _request(model, prompt_ids, max_new_tokens, spec, temperature, top_k, top_p, seed, eos_token_id,
-                   prefill_chunk, return_logits, kv_dtype)
+                   prefill_chunk, return_logits, kv_dtype, repetition_penalty)
     t = time.perf_counter()
     with _under_mesh(model):
         _run(_Compiler(model), model, req, None)
@@ -616,7 +633,8 @@ def program_texts(model, prompt_ids, max_new_tokens: int, **kwargs) -> dict:
     req = _request(model, prompt_ids, max_new_tokens, kwargs.pop("spec", None), kwargs.pop("temperature", 0.0),
                    kwargs.pop("top_k", 0), kwargs.pop("top_p", 1.0), kwargs.pop("seed", 0),
                    kwargs.pop("eos_token_id", None), kwargs.pop("prefill_chunk", DEFAULT_PREFILL_CHUNK),
-                   kwargs.pop("return_logits", False), kwargs.pop("kv_dtype", None))
+                   kwargs.pop("return_logits", False), kwargs.pop("kv_dtype", None),
+                   kwargs.pop("repetition_penalty", 1.0))
     if kwargs:
         raise ArgumentError(", ".join(sorted(kwargs)), "generate's keyword arguments", "unknown ones")
     texts = {}
@@ -639,7 +657,14 @@ def _run(ex, model, req: _Request, stream):
     t0 = time.perf_counter()
     state, last, hidden = prefill(model, rows, req.cache_len, req.prefill_chunk, keep_hidden=spec is not None,
                                   kv_dtype=req.kv_dtype, runner=ex)
-    first_logits, first, first_ok = ex.call(_first_token, weights, last, first_key, sampling=req.sampling)
+    seen = None  # the prompt's ids, under a repetition penalty (penalty.py)
+    if penalty.active(req.sampling):
+        padded = np.zeros((B, int(lens.max())), np.int32)
+        for b, r in enumerate(rows):
+            padded[b, :len(r)] = r
+        seen = ex.call(_prompt_seen, ex.rows(padded), ex.rows(lens), vocab_size=cfg.vocab_size,
+                       sampling=req.sampling)
+    first_logits, first, first_ok = ex.call(_first_token, weights, last, first_key, seen, sampling=req.sampling)
     first_host = ex.host(first)
     if not ex.compile_only:
         ok = ex.host(first_ok)
@@ -664,9 +689,9 @@ def _run(ex, model, req: _Request, stream):
     pos = ex.rows(lens)
     if spec is None:
         carry = ex.call(_plain_start, first, first_logits, pos, key, eos, pad_id, cap=req.cap,
-                        keep_logits=req.return_logits)
+                        keep_logits=req.return_logits, seen=seen)
     else:
-        carry = ex.call(spec_start, first, bridge, pos, key, eos, pad_id, max_new, cap=req.cap, spec=spec)
+        carry = ex.call(spec_start, first, bridge, pos, key, eos, pad_id, max_new, cap=req.cap, spec=spec, seen=seen)
     few = B * (1 if spec is None else spec.k + 1) <= FEW_ROWS
     plain_loop, spec_loop = (_plain_decode_few_rows, spec_decode_few_rows) if few else (_plain_decode, spec_decode)
     until, segment = (1, 1) if stream is not None else (int(_ALL), 0)

@@ -1,4 +1,5 @@
-"""Token selection: greedy, or temperature / top-k / top-p sampling from a processed distribution.
+"""Token selection: greedy, or temperature / top-k / top-p sampling from a processed distribution. The
+repetition penalty (penalty.py) is applied to the logits before either.
 
 The same `probs` function shapes both the trunk's distribution p and the draft's q, so speculative
 rejection sampling reproduces plain sampling from p exactly.
@@ -19,15 +20,19 @@ class Sampling:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
+    repetition_penalty: float = 1.0  # 1: off; applied before the rest (penalty.py)
 
     def __post_init__(self):
-        t, k, p = self.temperature, self.top_k, self.top_p
+        t, k, p, r = self.temperature, self.top_k, self.top_p, self.repetition_penalty
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0 or t == float("inf"):
             raise ArgumentError("temperature", "a finite number >= 0 (0 = greedy)", repr(t))
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ArgumentError("top_k", "an integer >= 0 (0 = off)", repr(k))
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
             raise ArgumentError("top_p", "a number in (0, 1] (1 = off)", repr(p))
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < float("inf"):
+            raise ArgumentError("repetition_penalty", "a finite number > 0 (1 = off)", repr(r))
+        object.__setattr__(self, "repetition_penalty", float(r))  # 1 and 1.0: one program
 
     @property
     def greedy(self) -> bool:

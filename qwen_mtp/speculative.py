@@ -10,7 +10,8 @@ m1 = the head's bridge output MTP(embed(x), trunk hidden at pos-1) already compu
   4. roll back: each GDN layer continues from its state after position pos+n (rollback.py);
   5. refill the head's KV for the committed rows from the TRUNK's hiddens: rows pos..pos+n get
      (d_1..d_n, bonus) with trunk hiddens g_0..g_n; the output at row pos+n is the next round's bridge.
-EOS and max_new_tokens cut the emitted tokens exactly; finished rows are frozen. A row whose verify logits (the
+Under a repetition penalty (penalty.py) every verify row i is penalised with the context through d_i, so the
+output is still the plain loop's under the same penalty. EOS and max_new_tokens cut the emitted tokens exactly; finished rows are frozen. A row whose verify logits (the
 rows its tokens come from) hold a NaN / Inf emits nothing that round and is frozen with `bad` set; generate then
 raises NonFiniteError (nonfinite.py).
 With an fp8 KV cache (generate(kv_dtype=...), state.py) the verify's k+1 rows read each other, and themselves,
@@ -26,7 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import draft_vocab
+from . import draft_vocab, penalty
 from .errors import ArgumentError
 from .model import forward, lm_logits
 from .mtp import mtp_forward
@@ -61,14 +62,20 @@ class SpecConfig:
                                 repr(self.sinks))
 
 
-def _draft(weights, cfg, mcache, m1, pos, spec, sampling, key):
-    """Returns drafts D [B, k], their draft distributions Q [B, k, V] (None when greedy), the head cache."""
+def _draft(weights, cfg, mcache, m1, pos, spec, sampling, key, seen=None):
+    """Returns drafts D [B, k], their draft distributions Q [B, k, V] (None when greedy), the head cache.
+    seen [B, V]: the context's ids under a repetition penalty (penalty.py); each draft is penalised with it and
+    the drafts before it, as the verify will be."""
+    use_seen = seen is not None and penalty.active(sampling)
 
     @jax.named_scope("pick")  # the draft's lm_head and choice: a stage of profiling.py
-    def pick(m, key):
+    def pick(m, key, seen):
         if weights.draft_vocab is not None:  # a reduced draft vocabulary (draft_vocab.py): q zero outside it
-            return draft_vocab.pick(weights.draft_vocab, m, sampling, key, cfg.vocab_size)
+            return draft_vocab.pick(weights.draft_vocab, m, sampling, key, cfg.vocab_size,
+                                    seen if use_seen else None)
         logits = lm_logits(weights, m)
+        if use_seen:
+            logits = penalty.apply(logits, seen, sampling)
         if sampling.greedy:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
         q = probs(logits, sampling)
@@ -76,20 +83,22 @@ def _draft(weights, cfg, mcache, m1, pos, spec, sampling, key):
 
     k = spec.k
     keys = jax.random.split(key, k)
-    d1, q1 = pick(m1, keys[0])
+    seen = seen if use_seen else penalty.empty(m1.shape[0])
+    d1, q1 = pick(m1, keys[0], seen)
 
     def step(carry, xs):
-        d_prev, m_prev, mcache = carry
+        d_prev, m_prev, mcache, seen = carry
         j, key = xs  # draft index j = 1..k-1 (0-based), head row / slot pos - 1 + j
         m, mcache, _ = mtp_forward(weights, cfg, d_prev[:, None], m_prev[:, None], mcache, pos - 1 + j,
                                    window=spec.window, sinks=spec.sinks)
-        d, q = pick(m[:, 0], key)
-        return (d, m[:, 0], mcache), (d, q)
+        seen = penalty.add(seen, d_prev, sampling) if use_seen else seen
+        d, q = pick(m[:, 0], key, seen)
+        return (d, m[:, 0], mcache, seen), (d, q)
 
     if k == 1:
         D, Q = d1[:, None], (None if q1 is None else q1[:, None])
         return D, Q, mcache
-    (_, _, mcache), (ds, qs) = jax.lax.scan(step, (d1, m1, mcache), (jnp.arange(1, k), keys[1:]))
+    (_, _, mcache, _), (ds, qs) = jax.lax.scan(step, (d1, m1, mcache, seen), (jnp.arange(1, k), keys[1:]))
     D = jnp.concatenate([d1[:, None], ds.T], axis=1)
     Q = None if q1 is None else jnp.concatenate([q1[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
     return D, Q, mcache
@@ -133,17 +142,20 @@ class SpecCarry(NamedTuple):
     hits: jax.Array  # [k] per draft position, how often its own test passed
     rounds: jax.Array  # () rounds run so far
     bad: jax.Array  # [B] the new token whose logits held a NaN / Inf (the row is frozen there); BIG: none
+    seen: jax.Array  # [B, V] the ids in each row's context so far (the repetition penalty's); [B, 0] without one
 
 
 @partial(jax.jit, static_argnames=("cap", "spec"))
-def spec_start(first, bridge, pos, key, eos, pad_id, max_new, cap, spec: SpecConfig) -> SpecCarry:
+def spec_start(first, bridge, pos, key, eos, pad_id, max_new, cap, spec: SpecConfig, seen=None) -> SpecCarry:
     """first [B]: the first new token (at positions pos [B]); bridge [B, H]: the head's output for it.
-    max_new (traced) <= cap (static buffer size)."""
+    max_new (traced) <= cap (static buffer size). seen: the prompt's ids [B, V] under a repetition penalty (the
+    first token is added), None without one."""
     B, k = first.shape[0], spec.k
+    seen = penalty.empty(B) if seen is None or seen.shape[1] == 0 else seen.at[jnp.arange(B), first].set(True)
     out = jnp.full((B, cap + k + 1), pad_id, jnp.int32).at[:, 0].set(first)
     done = jnp.any(first[:, None] == eos, axis=-1) | (max_new <= 1)
     return SpecCarry(pos, first, bridge, out, jnp.ones((B,), jnp.int32), done, key, jnp.zeros((k + 1,), jnp.int32),
-                     jnp.zeros((k,), jnp.int32), jnp.int32(0), jnp.full((B,), BIG, jnp.int32))
+                     jnp.zeros((k,), jnp.int32), jnp.int32(0), jnp.full((B,), BIG, jnp.int32), seen)
 
 
 @partial(jax.jit, static_argnames=("cfg", "spec", "sampling"), donate_argnames=("state", "mcache", "carry"))
@@ -161,10 +173,10 @@ def spec_decode(weights, cfg, state, mcache, carry: SpecCarry, eos, max_new, unt
 
     def body(c):
         state, mcache, cr = c
-        pos, x, m1, out, n_out, done, key, hist, hits, rounds, bad = cr
+        pos, x, m1, out, n_out, done, key, hist, hits, rounds, bad, seen = cr
         key, k_draft, k_acc = jax.random.split(key, 3)
         with jax.named_scope("draft"):
-            D, Q, mcache = _draft(weights, cfg, mcache, m1, pos, spec, sampling, k_draft)
+            D, Q, mcache = _draft(weights, cfg, mcache, m1, pos, spec, sampling, k_draft, seen)
 
         with jax.named_scope("verify"):
             tokens = jnp.concatenate([x[:, None], D], axis=1)  # [B, k+1]
@@ -172,7 +184,9 @@ def spec_decode(weights, cfg, state, mcache, carry: SpecCarry, eos, max_new, unt
                                         gdn_mode="step_all")
             logits = lm_logits(weights, hidden)
         with jax.named_scope("accept"):
-            n, bonus, passed = _accept(D, Q, logits, sampling, k_acc)
+            # row i is chosen under the context the plain loop would have there: seen | {d_1..d_i}
+            picked = penalty.apply(logits, penalty.verify_seen(seen, D, sampling), sampling)
+            n, bonus, passed = _accept(D, Q, picked, sampling, k_acc)
 
         with jax.named_scope("commit"):
             # emitted this round: d_1..d_n, bonus; cut at the first EOS and at max_new
@@ -191,6 +205,7 @@ def spec_decode(weights, cfg, state, mcache, carry: SpecCarry, eos, max_new, unt
             active = ~done
             hist = hist + jnp.zeros((k + 1,), jnp.int32).at[n].add(active.astype(jnp.int32))
             hits = hits + jnp.sum(passed & active[:, None], axis=0).astype(jnp.int32)
+            seen = penalty.add_many(seen, emitted, idx[None] < cnt[:, None], sampling)
 
         # roll back the GDN states to the accepted count; refill the head's KV from the trunk's hiddens
         with jax.named_scope("rollback"):
@@ -205,7 +220,7 @@ def spec_decode(weights, cfg, state, mcache, carry: SpecCarry, eos, max_new, unt
         new_done = done | (hit_eos & active) | (n_out >= max_new) | nonfinite
         pos = jnp.where(done, pos, pos + n + 1)
         x = jnp.where(done, x, bonus)
-        return state, mcache, SpecCarry(pos, x, m1, out, n_out, new_done, key, hist, hits, rounds + 1, bad)
+        return state, mcache, SpecCarry(pos, x, m1, out, n_out, new_done, key, hist, hits, rounds + 1, bad, seen)
 
     cond = lambda c: ~jnp.all(c[2].done) & (c[2].rounds < until)
     return jax.lax.while_loop(cond, body, (state, mcache, carry))
