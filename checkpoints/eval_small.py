@@ -2,10 +2,12 @@
 k = 1..6 from real generation (alpha_j with 95% Wilson intervals), each against the trivial repeat-last-token
 drafter; and what a user reads: the share of distinct 4-grams in 128 greedy tokens after each of ten held-out
 prompts (a looping model repeats its 4-grams), and the README example's greedy continuation of
-`def fibonacci(n):` with the most times one line of it repeats.
+`def fibonacci(n):` with the most times one line of it repeats; then the sample figures and AL (k = 1..4)
+again, greedy under the repetition penalty the CLI uses (the folder's generation_config.json, or
+--repetition-penalty; with --quality-only a comma list compares several).
 
     python -m checkpoints.eval_small [--model checkpoints/qwen3_5_small] [--prompts 8] [--new 96]
-                                     [--quality-only] [--write]
+                                     [--quality-only] [--repetition-penalty R[,R...]] [--write]
 
 The held-out files (train_small.HELD_OUT) were never seen by the tokenizer or the model. Writes eval.json
 next to the checkpoint when --write is given.
@@ -100,15 +102,17 @@ def quality_prompts(tok):
     return prompts
 
 
-def sample_quality(model, tok) -> dict:
+def sample_quality(model, tok, repetition_penalty=1.0) -> dict:
     """Greedy continuations a user reads: distinct-4-gram shares of QUALITY_NEW tokens after each quality
-    prompt, and the README prompt's continuation (128 tokens, the CLI's default) with its most repeated line."""
+    prompt, and the README prompt's continuation (128 tokens, the CLI's default) with its most repeated line;
+    greedy under `repetition_penalty` (1: plain argmax)."""
     from qwen_mtp import generate
 
     prompts = quality_prompts(tok)
-    out = generate(model, [ids for _, ids in prompts], QUALITY_NEW, eos_token_id=[])
+    out = generate(model, [ids for _, ids in prompts], QUALITY_NEW, eos_token_id=[],
+                   repetition_penalty=repetition_penalty)
     shares = [distinct_4gram_share([int(t) for t in row]) for row in out.tokens]
-    readme = generate(model, [tok.encode(README_PROMPT).ids], QUALITY_NEW)
+    readme = generate(model, [tok.encode(README_PROMPT).ids], QUALITY_NEW, repetition_penalty=repetition_penalty)
     text = README_PROMPT + tok.decode([int(t) for t in readme.tokens[0]])
     return dict(distinct_4gram_prompts=[rel for rel, _ in prompts], distinct_4gram_shares=shares,
                 distinct_4gram_mean=float(np.mean(shares)), distinct_4gram_min=float(np.min(shares)),
@@ -122,7 +126,27 @@ def held_out_ids(tok):
     return encode(tok, held_out_texts())
 
 
-def evaluate(model, tok, n_prompts=8, prompt_len=128, new=96, ks=range(1, 7), seed=0):
+def penalised_al(model, prompts, new, repetition_penalty, ks):
+    """{k: (AL, alpha_j)} of greedy speculative decoding under a repetition penalty on `prompts` (each k
+    checked equal to plain greedy under the same penalty)."""
+    from qwen_mtp import SpecConfig, generate
+
+    run = lambda spec: [generate(model, prompts, new, spec=spec, eos_token_id=[],
+                                 repetition_penalty=repetition_penalty) for _ in range(2)][-1]  # 1st compiles
+    plain = run(None)
+    out = {"plain_decode_tok_s": plain.stats.decode_tokens_per_s, "al": {}, "alpha": {}, "tok_s": {}}
+    for k in ks:
+        r = run(SpecConfig(k=k))
+        assert np.array_equal(r.tokens, plain.tokens), f"speculative k={k} differs from plain greedy under the penalty"
+        out["al"][k] = r.stats.acceptance_length
+        out["alpha"][k] = [float(a) for a in r.stats.alpha]
+        out["tok_s"][k] = r.stats.decode_tokens_per_s
+    return out
+
+
+def evaluate(model, tok, n_prompts=8, prompt_len=128, new=96, ks=range(1, 7), seed=0, repetition_penalty=None):
+    """repetition_penalty: also the sample figures and AL (k = 1..4) greedy under this penalty (the model
+    folder's generation_config.json default, what the CLI uses), in res["penalised"]."""
     from qwen_mtp import SpecConfig, generate
 
     w, cfg = model.weights, model.config
@@ -158,6 +182,10 @@ def evaluate(model, tok, n_prompts=8, prompt_len=128, new=96, ks=range(1, 7), se
         res["al_repeat_last"][k] = float(np.mean([repeat_last_al(list(p[-1:]) + list(row), k)
                                                   for p, row in zip(prompts, plain.tokens)]))
     res.update(sample_quality(model, tok))
+    if repetition_penalty is not None and repetition_penalty != 1.0:
+        res["penalised"] = dict(repetition_penalty=repetition_penalty,
+                                **penalised_al(model, prompts, new, repetition_penalty, [k for k in ks if k <= 4]),
+                                **sample_quality(model, tok, repetition_penalty))
     return res
 
 
@@ -189,12 +217,33 @@ def report(res) -> str:
     lines.append(f"plain greedy decode: {res['plain_decode_tok_s']:.0f} tok/s")
     if "distinct_4gram_shares" in res:
         lines.append(quality_report(res))
+    if "penalised" in res:
+        p = res["penalised"]
+        lines.append(f"\ngreedy under repetition penalty {p['repetition_penalty']:g} (generation_config.json), same "
+                     f"prompts; every k equal to plain greedy under it")
+        lines.append("| k | AL (MTP head) | alpha_j | decode tok/s | vs plain |")
+        lines.append("| --- | --- | --- | --- | --- |")
+        for k in p["al"]:
+            lines.append(f"| {k} | {p['al'][k]:.2f} | {' '.join(f'{a:.2f}' for a in p['alpha'][k])} | "
+                         f"{p['tok_s'][k]:.0f} | {p['tok_s'][k] / p['plain_decode_tok_s']:.2f}x |")
+        lines.append(f"plain greedy decode: {p['plain_decode_tok_s']:.0f} tok/s")
+        lines.append(quality_report(p))
     return "\n".join(lines)
+
+
+def _penalties(text):
+    try:
+        out = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of numbers > 0, found {text!r}") from None
+    if not all(0 < r < float("inf") for r in out):
+        raise argparse.ArgumentTypeError(f"expected numbers > 0, found {text!r}")
+    return out
 
 
 def main(argv=None):
     import qwen_mtp
-    from qwen_mtp.cli import default_model_path, load_tokenizer
+    from qwen_mtp.cli import default_model_path, generation_repetition_penalty, load_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(default_model_path()))
@@ -203,12 +252,20 @@ def main(argv=None):
     ap.add_argument("--write", action="store_true", help="write eval.json next to the checkpoint")
     ap.add_argument("--quality-only", action="store_true", help="only the greedy-sample figures (4-grams, README "
                     "prompt), not written")
+    ap.add_argument("--repetition-penalty", type=_penalties, default=None, metavar="R[,R...]", help="the "
+                    "penalised figures at R (default: the folder's generation_config.json repetition_penalty); "
+                    "with --quality-only, a comma list compares several")
     args = ap.parse_args(argv)
     model = qwen_mtp.load(args.model)
+    penalties = args.repetition_penalty or [generation_repetition_penalty(args.model) or 1.0]
     if args.quality_only:
-        print(quality_report(sample_quality(model, load_tokenizer(args.model))))
+        for r in sorted(set([1.0] + penalties)):
+            print(f"\n== repetition penalty {r:g}\n" + quality_report(sample_quality(model, load_tokenizer(args.model), r)))
         return
-    res = evaluate(model, load_tokenizer(args.model), n_prompts=args.prompts, new=args.new)
+    if len(penalties) > 1:
+        ap.error("--repetition-penalty takes one value without --quality-only")
+    res = evaluate(model, load_tokenizer(args.model), n_prompts=args.prompts, new=args.new,
+                   repetition_penalty=penalties[0])
     print(report(res))
     if args.write:
         (Path(args.model) / "eval.json").write_text(json.dumps(res, indent=1) + "\n")

@@ -31,7 +31,8 @@ MTP_WEIGHT x the head's cross-entropy on the token after next (row t: embed(x[t+
 post-norm hidden at t predict x[t+2]).
 
 Training runs in f32; the checkpoint is written in bf16 (16 MB instead of 32; load() upcasts to f32 by
-default). Writes config.json, model.safetensors (with mtp.*), tokenizer.json and train_log.json into --out.
+default). Writes config.json, model.safetensors (with mtp.*), tokenizer.json, generation_config.json (greedy with
+REPETITION_PENALTY) and train_log.json into --out.
 """
 
 from __future__ import annotations
@@ -281,6 +282,17 @@ def _run_summary(log: dict, path) -> dict:
                        for e in log.get("evals", [])])
 
 
+# the published folder's decoding default (generation_config.json, Hugging Face's file; the CLI reads its
+# repetition_penalty): greedy argmax of this small model loops, and 1.3 was chosen by
+# `python -m checkpoints.eval_small --quality-only --repetition-penalty 1.05,1.1,1.15,1.2,1.3,1.5` (README)
+REPETITION_PENALTY = 1.3
+
+
+def generation_config(config) -> dict:
+    return {"do_sample": False, "repetition_penalty": REPETITION_PENALTY, "eos_token_id": config["eos_token_id"],
+            "pad_token_id": config.get("pad_token_id", config["eos_token_id"])}
+
+
 def read_init_source(folder, config: dict) -> dict:
     """The weights (f32), tokenizer and lineage of a checkpoint folder this script published, for init_from.
     Its config.json must be the run's config (same architecture and vocabulary) and its tokenizer.json and
@@ -413,6 +425,7 @@ def train(out, steps: int = 400, *, seed: int = 0, eval_every: int = 50, distill
     def publish():
         save_checkpoint(out, weights, cfg, config, dtype=ml_dtypes.bfloat16)
         tok.save(str(out / "tokenizer.json"))
+        (out / "generation_config.json").write_text(json.dumps(generation_config(config), indent=1) + "\n")
         (out / "train_log.json").write_text(json.dumps(history, indent=1) + "\n")
         if plot:
             plot_losses(history, out / "train_loss.png")
