@@ -336,7 +336,7 @@ class PlainCarry(NamedTuple):
 
 
 @partial(jax.jit, static_argnames=("cap", "keep_logits"))
-def _plain_start(first, first_logits, pos, key, eos, pad_id, cap, keep_logits, seen=None) -> PlainCarry:
+def _plain_start(first, first_logits, pos, key, eos, pad_id, seen=None, *, cap, keep_logits) -> PlainCarry:
     """seen: the prompt's ids [B, V] under a repetition penalty (the first token is added), None without one."""
     B, V = first_logits.shape
     seen = penalty.empty(B) if seen is None or seen.shape[1] == 0 else seen.at[jnp.arange(B), first].set(True)
@@ -353,6 +353,7 @@ def _plain_decode(weights, cfg, state, carry: PlainCarry, eos, pad_id, max_new, 
     `until` tokens per row in all (a streaming caller calls again with a larger one). Returns (state, carry)."""
     B = carry.tok.shape[0]
     is_eos = lambda t: jnp.any(t[:, None] == eos[None, :], axis=-1)
+    penalty.check_seen(carry.seen, sampling, cfg.vocab_size)
 
     def cond(c):
         i = c[1].i

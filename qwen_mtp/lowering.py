@@ -83,12 +83,13 @@ def with_shardings(tree, shardings):
 
 
 def spec_decode_args(cfg, dtype, spec, *, batch: int, cache_len: int, cap: int, weights=None, kv_dtype=None,
-                     mesh=None):
+                     mesh=None, sampling=None):
     """The abstract arguments of speculative.spec_decode (weights, trunk state, the head's cache, the loop's
     SpecCarry as speculative.spec_start makes it for a buffer of `cap` tokens, eos, max_new, until), nothing
     allocated. With `mesh`, each carries the sharding generate gives it on that mesh: weights by the rule table,
-    states and per-row arrays split over data (and heads over model), the rest replicated."""
-    from . import sharding
+    states and per-row arrays split over data (and heads over model), the rest replicated. `sampling` with a
+    repetition penalty: the carry holds the [batch, vocab] context ids it needs (penalty.py)."""
+    from . import penalty, sharding
     from .speculative import spec_start
 
     SDS, i32 = jax.ShapeDtypeStruct, jnp.int32
@@ -107,11 +108,12 @@ def spec_decode_args(cfg, dtype, spec, *, batch: int, cache_len: int, cap: int, 
         rows = lambda shape, dt: SDS(shape, dt, sharding=sharding.rows_sharding(mesh, batch, len(shape)))
         rep = lambda shape, dt: SDS(shape, dt, sharding=sharding.replicated(mesh))
     eos, scalar = rep((1,), i32), rep((), i32)
+    seen = rows((batch, cfg.vocab_size), jnp.bool_) if sampling is not None and penalty.active(sampling) else None
     carry = jax.eval_shape(partial(spec_start, cap=cap, spec=spec), rows((batch,), i32),
                            rows((batch, cfg.hidden_size), dtype), rows((batch,), i32), rep(key.shape, key.dtype),
-                           eos, scalar, scalar)
+                           eos, scalar, scalar, seen=seen)
     # per-row fields split over data like the rows they come from; the key, histograms and counter replicated
-    per_row = ("pos", "x", "m1", "out", "n_out", "done")
+    per_row = ("pos", "x", "m1", "out", "n_out", "done", "seen")
     carry = carry._replace(**{f: (rows if f in per_row else rep)(getattr(carry, f).shape, getattr(carry, f).dtype)
                               for f in carry._fields})
     return (weights, state, head, carry, eos, scalar, scalar)
@@ -129,7 +131,7 @@ def export_spec_decode(cfg, dtype, spec, sampling, *, batch: int, cache_len: int
     from . import sharding
 
     args = spec_decode_args(cfg, dtype, spec, batch=batch, cache_len=cache_len, cap=cap, weights=weights,
-                            kv_dtype=kv_dtype, mesh=mesh)
+                            kv_dtype=kv_dtype, mesh=mesh, sampling=sampling)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(sharding.check_mesh(mesh)):
         return export_for(spec_decode, args[0], cfg, *args[1:], platform=platform, spec=spec, sampling=sampling)
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .errors import ArgumentError
+
 
 def active(sampling) -> bool:
     return sampling.repetition_penalty != 1.0
@@ -22,6 +24,15 @@ def active(sampling) -> bool:
 def empty(batch: int):
     """The `seen` of a call without a penalty."""
     return jnp.zeros((batch, 0), jnp.bool_)
+
+
+def check_seen(seen, sampling, vocab_size: int) -> None:
+    """A decode loop's carry must hold the context ids [B, V] under a penalty, and none ([B, 0]) without one
+    (checked as the loop is traced: a carry made without the prompt's ids would penalise nothing)."""
+    want = vocab_size if active(sampling) else 0
+    if seen.shape[-1] != want:
+        raise ArgumentError("carry.seen", f"[batch, {want}] with repetition_penalty "
+                            f"{sampling.repetition_penalty:g} (the start function's seen=)", str(tuple(seen.shape)))
 
 
 def prompt_seen(tokens, lens, vocab_size: int, sampling):

@@ -168,6 +168,7 @@ def spec_decode(weights, cfg, state, mcache, carry: SpecCarry, eos, max_new, unt
     B = carry.x.shape[0]
     k = spec.k
     rows = jnp.arange(B)
+    penalty.check_seen(carry.seen, sampling, cfg.vocab_size)
     idx = jnp.arange(k + 1)
     is_eos = lambda t: jnp.any(t[..., None] == eos, axis=-1)
 

@@ -25,6 +25,7 @@ from kernels_pallas import quant_matmul as qmm
 from kernels_pallas.windowed_attention import unsupported_reason, windowed_attend, windowed_attend_pallas
 from qwen_mtp import quant, real_shapes
 from qwen_mtp.config import load_config
+from qwen_mtp.errors import ArgumentError
 from qwen_mtp.generate import (_first_token, _keep_last, _logits, _mtp_chunk, _plain_decode, _plain_start,
                                _prefill_chunk)
 from qwen_mtp.lowering import (SM90_SHARED_LIMIT, compile_sm90, export_for, export_spec_decode, kernel_calls,
@@ -192,6 +193,43 @@ def test_plain_decode_loop_lowers_for_cuda(name):
 def test_speculative_loop_lowers_for_cuda(name, spec, sampling):
     cfg, dtype = _config(name)
     _check_round_kernels(kernel_calls(_spec_program(cfg, dtype, spec, sampling)), spec)
+
+
+PENALISED = {"greedy": Sampling(repetition_penalty=1.3),
+             "sampled": Sampling(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1)}
+
+
+@pytest.mark.parametrize("name", ENTRY_CONFIGS)
+def test_repetition_penalty_programs_lower_for_cuda(name):
+    """The programs generate adds under a repetition penalty: the prompt's ids, the first token, the plain loop
+    and the speculative loop with the [B, vocab] context in their carries (penalty.py)."""
+    from qwen_mtp.generate import _prompt_seen
+
+    cfg, dtype = _config(name)
+    s = PENALISED["sampled"]
+    export_for(_prompt_seen, i32(B, CHUNK), i32(B), vocab_size=cfg.vocab_size, sampling=s)
+    export_for(_first_token, weight_shapes(cfg, dtype), SDS((B, cfg.hidden_size), dtype),
+               jax.eval_shape(lambda: jax.random.PRNGKey(0)), SDS((B, cfg.vocab_size), jnp.bool_), sampling=s)
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    carry = jax.eval_shape(lambda *a: _plain_start(*a, cap=CAP, keep_logits=False), i32(B),
+                           SDS((B, cfg.vocab_size), jnp.float32), i32(B), key, i32(1), i32(),
+                           SDS((B, cfg.vocab_size), jnp.bool_))
+    assert carry.seen.shape == (B, cfg.vocab_size)
+    plain = export_for(_plain_decode, weight_shapes(cfg, dtype), cfg, _state(cfg, dtype), carry, i32(1), i32(),
+                       i32(), i32(), keep_logits=False, sampling=PENALISED["greedy"])
+    assert kernel_calls(plain) == [CAUSAL]
+    for spec, sampling in ((NATIVE, PENALISED["greedy"]), (WINDOWED, PENALISED["sampled"])):
+        _check_round_kernels(kernel_calls(_spec_program(cfg, dtype, spec, sampling)), spec)
+
+
+def test_a_penalised_loop_without_the_context_is_refused():
+    cfg, dtype = _config("shipped")
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    carry = jax.eval_shape(lambda *a: _plain_start(*a, cap=CAP, keep_logits=False), i32(B),
+                           SDS((B, cfg.vocab_size), jnp.float32), i32(B), key, i32(1), i32())  # no seen=
+    with pytest.raises(ArgumentError, match="carry.seen"):
+        export_for(_plain_decode, weight_shapes(cfg, dtype), cfg, _state(cfg, dtype), carry, i32(1), i32(), i32(),
+                   i32(), keep_logits=False, sampling=PENALISED["greedy"])
 
 
 def test_full_depth_27b_speculative_loop_lowers_for_cuda():
