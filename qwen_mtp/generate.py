@@ -558,7 +558,8 @@ def request_bytes(model, req: _Request) -> dict:
     """The bytes one generate call with this request allocates (memory.request_bytes)."""
     T = int(req.lens.max())
     return memory.request_bytes(model, len(req.rows), req.cache_len, req.kv_dtype, req.spec, req.cap,
-                                req.return_logits, T, _chunk_size(T, req.prefill_chunk))
+                                req.return_logits, T, _chunk_size(T, req.prefill_chunk),
+                                penalty.active(req.sampling))
 
 
 def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None = None, temperature: float = 0.0,

@@ -25,7 +25,7 @@ def _nbytes(tree) -> int:
 
 
 def request_bytes(model, batch: int, cache_len: int, kv_dtype, spec, cap: int, return_logits: bool,
-                  prompt_len: int, prefill_chunk: int) -> dict:
+                  prompt_len: int, prefill_chunk: int, penalised: bool = False) -> dict:
     cfg, dtype = model.config, model.weights.embed.dtype
     state = jax.eval_shape(lambda: init_state(cfg, batch, cache_len, dtype, kv_dtype))
     out = {"trunk state": _nbytes(state)}
@@ -38,6 +38,8 @@ def request_bytes(model, batch: int, cache_len: int, kv_dtype, spec, cap: int, r
         out["verify GDN states"] = (spec.k + 1) * sum(_nbytes(s) for s in state if isinstance(s, GDNState))
     if return_logits:
         out["logits"] = batch * cap * cfg.vocab_size * 4
+    if penalised:  # penalty.py: each row's context ids, and the verify's k + 1 rows of them
+        out["repetition penalty context"] = batch * cfg.vocab_size * (1 if spec is None else spec.k + 2)
     out["total"] = sum(out.values())
     return out
 
