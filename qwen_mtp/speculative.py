@@ -11,7 +11,8 @@ m1 = the head's bridge output MTP(embed(x), trunk hidden at pos-1) already compu
   5. refill the head's KV for the committed rows from the TRUNK's hiddens: rows pos..pos+n get
      (d_1..d_n, bonus) with trunk hiddens g_0..g_n; the output at row pos+n is the next round's bridge.
 Under a repetition penalty (penalty.py) every verify row i is penalised with the context through d_i, so the
-output is still the plain loop's under the same penalty. EOS and max_new_tokens cut the emitted tokens exactly; finished rows are frozen. A row whose verify logits (the
+output is still the plain loop's under the same penalty.
+EOS and max_new_tokens cut the emitted tokens exactly; finished rows are frozen. A row whose verify logits (the
 rows its tokens come from) hold a NaN / Inf emits nothing that round and is frozen with `bad` set; generate then
 raises NonFiniteError (nonfinite.py).
 With an fp8 KV cache (generate(kv_dtype=...), state.py) the verify's k+1 rows read each other, and themselves,
