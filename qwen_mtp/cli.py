@@ -282,8 +282,6 @@ def cmd_generate(args) -> int:
     if mesh is not None:
         line += (f", mesh data={mesh.shape['data']} model={mesh.shape['model']}"
                  + (f" over {jax.process_count()} processes" if jax.process_count() > 1 else ""))
-    if penalty != 1.0:
-        line += f", repetition penalty {penalty:g} ({penalty_from})"
     if spec is None:
         line += ", plain decoding"
     else:
@@ -291,6 +289,8 @@ def cmd_generate(args) -> int:
         dv = model.weights.draft_vocab
         win += "" if dv is None else f", draft vocab {dv.ids.shape[0]}"
         line += f", k={spec.k} ({win}), AL {fmt(s.acceptance_length)}, alpha_j [{format_alphas(s.alpha)}]"
+    if penalty != 1.0:
+        line += f", repetition penalty {penalty:g} ({penalty_from})"
     print(line, file=stderr if args.stats_to_stderr else stdout, flush=True)
     return 0
 

@@ -199,7 +199,7 @@ PENALISED = {"greedy": Sampling(repetition_penalty=1.3),
              "sampled": Sampling(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1)}
 
 
-@pytest.mark.parametrize("name", ENTRY_CONFIGS)
+@pytest.mark.parametrize("name", ["shipped", "Qwen3.5-27B"])  # the penalty's ops do not depend on the MLP
 def test_repetition_penalty_programs_lower_for_cuda(name):
     """The programs generate adds under a repetition penalty: the prompt's ids, the first token, the plain loop
     and the speculative loop with the [B, vocab] context in their carries (penalty.py)."""
