@@ -7,8 +7,13 @@ makes there (the fastest, plain included). Every program is compiled ahead of ti
 
     python benchmarks/bench_spec.py [--model PATH | --random] [--prompt 128] [--new 128] [--repeats 2]
                                     [--batch 1,4,16] [--k 1,2,3,4,5,6] [--mesh data=D,model=M]
+                                    [--repetition-penalty 1.3] [--draft-vocab 1024]
 
 --mesh shards the model over a device mesh after loading (qwen_mtp.shard; the CLI's --mesh syntax).
+--repetition-penalty R decodes greedy under Hugging Face's repetition penalty (default 1: off; the CLI takes
+the shipped folder's generation_config.json value, 1.3). --draft-vocab N drafts over the N most frequent ids
+(load(..., draft_vocab=N); the CLI's default on the shipped model is 1024). Both together measure what
+`python -m qwen_mtp generate --k K` runs.
 """
 
 from __future__ import annotations
@@ -23,6 +28,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
+def _penalty_arg(value):
+    from qwen_mtp.cli import _penalty_arg as check  # the CLI's own validation
+
+    return check(value)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model")
@@ -33,6 +44,10 @@ def main():
     ap.add_argument("--batch", default="1", help="comma list of batch sizes (rows cut from the same text)")
     ap.add_argument("--k", default="1,2,3,4,5,6", help="comma list of k")
     ap.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard the model over this mesh")
+    ap.add_argument("--repetition-penalty", type=_penalty_arg, default=1.0, metavar="R",
+                    help="greedy under this repetition penalty (default 1: off)")
+    ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                    help="draft over the N most frequent ids (default: the full vocabulary)")
     args = ap.parse_args()
     import qwen_mtp
     from qwen_mtp.sharding import parse_mesh
@@ -58,7 +73,10 @@ def main():
         m = hf_tiny.make_hf_model("dense", 8, embed_std=0.6, tie_word_embeddings=True, max_position_embeddings=4096)
         m.save_pretrained(folder)
         hf_tiny.add_mtp(folder, 8, passthrough=3.0)
-    model = qwen_mtp.load(folder)
+    try:
+        model = qwen_mtp.load(folder, draft_vocab=args.draft_vocab)
+    except qwen_mtp.ArgumentError as e:
+        ap.error(str(e))
     if mesh is not None:
         model = qwen_mtp.shard(model, mesh)
         print(model.describe_sharding())
@@ -66,12 +84,16 @@ def main():
         text_ids = np.random.RandomState(0).randint(0, model.config.vocab_size, size=200 + 64 * 16 + args.prompt)
     ks = [int(x) for x in args.k.split(",")]
 
+    kw = dict(eos_token_id=[], repetition_penalty=args.repetition_penalty)
+
     def run(rows, spec):
-        qwen_mtp.precompile(model, rows, args.new, eos_token_id=[], spec=spec)
-        rs = [qwen_mtp.generate(model, rows, args.new, eos_token_id=[], spec=spec) for _ in range(args.repeats)]
+        qwen_mtp.precompile(model, rows, args.new, spec=spec, **kw)
+        rs = [qwen_mtp.generate(model, rows, args.new, spec=spec, **kw) for _ in range(args.repeats)]
         return max(rs, key=lambda r: r.stats.decode_tokens_per_s)
 
-    print(f"model {folder}; prompt {args.prompt}, new {args.new}, greedy; decode tok/s over all rows")
+    extra = "".join([f", repetition penalty {args.repetition_penalty:g}" if args.repetition_penalty != 1 else "",
+                     f", draft vocabulary {args.draft_vocab}" if args.draft_vocab else ""])
+    print(f"model {folder}; prompt {args.prompt}, new {args.new}, greedy{extra}; decode tok/s over all rows")
     for batch in [int(x) for x in args.batch.split(",")]:
         rows = [text_ids[200 + 64 * b:200 + 64 * b + args.prompt] for b in range(batch)]
         base = run(rows, None)
