@@ -16,9 +16,9 @@ verify are computed in one product where plain decoding computes one row at a ti
 rounding and a near-tie may flip: a divergence whose margin is at most NEAR_TIE_BF16 (relative to the top logit,
 see `near_tie`) is classified a near-tie and reported; any other fails the run.
 
---archs N adds N random tiny architectures (dense, MoE, Qwen3-Next; layer patterns, head counts, GDN head counts
-and sizes, partial RoPE, tied or untied embeddings, a random MTP head leaning on the trunk hidden so drafts are
-accepted sometimes), every tensor randomised (norms, A_log, dt_bias and conv taps included), each run on a few
+--archs N adds N random tiny architectures (dense, MoE, Qwen3-Next: the first three one of each; layer patterns,
+head counts, GDN head counts and sizes, partial RoPE, tied or untied embeddings, a random MTP head leaning on the
+trunk hidden so drafts are accepted sometimes), every tensor randomised (norms, A_log, dt_bias and conv taps included), each run on a few
 configurations of random ids (--cases-per-arch, default 2). Dense and MoE architectures go through a Hugging Face
 checkpoint on disk (MoE experts per expert or fused) and the loader, which must give back the drawn weights.
 """
@@ -186,8 +186,10 @@ def run_case(model, case: Case, report: Report) -> list:
 
 # ---------------------------------------------------------------------------------------- random architectures
 def random_arch_config(rng, index: int) -> dict:
-    """A random tiny config.json (dense / MoE / Qwen3-Next) with an MTP head."""
-    kind = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")[int(rng.integers(0, 3))]
+    """A random tiny config.json (dense / MoE / Qwen3-Next) with an MTP head. Architectures 0, 1, 2 are one of
+    each family (so any run of three or more covers all three); later ones draw the family too."""
+    drawn = int(rng.integers(0, 3))
+    kind = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")[index if index < 3 else drawn]
     nh, nkv = [(2, 1), (4, 2), (4, 1), (4, 4), (6, 2)][int(rng.integers(0, 5))]
     hd = int(rng.choice([8, 16]))
     nk, nv = [(1, 1), (1, 2), (2, 2), (2, 4), (1, 3)][int(rng.integers(0, 5))]
