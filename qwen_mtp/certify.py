@@ -18,9 +18,10 @@ see `near_tie`) is classified a near-tie and reported; any other fails the run.
 
 --archs N adds N random tiny architectures (dense, MoE, Qwen3-Next: the first three one of each; layer patterns,
 head counts, GDN head counts and sizes, partial RoPE, tied or untied embeddings, a random MTP head leaning on the
-trunk hidden so drafts are accepted sometimes), every tensor randomised (norms, A_log, dt_bias and conv taps included), each run on a few
-configurations of random ids (--cases-per-arch, default 2). Dense and MoE architectures go through a Hugging Face
-checkpoint on disk (MoE experts per expert or fused) and the loader, which must give back the drawn weights.
+trunk hidden so drafts are accepted sometimes), every tensor randomised (norms, A_log, dt_bias and conv taps
+included), each run on a few configurations of random ids (--cases-per-arch, default 2). Dense and MoE
+architectures go through a Hugging Face checkpoint on disk (MoE experts per expert or fused) and the loader,
+which must give back the drawn weights.
 """
 
 from __future__ import annotations
