@@ -10,7 +10,7 @@ time within the same repeat (robust to load that drifts between repeats). The co
 draft_vocab_counts.npy (python -m checkpoints.draft_vocab_counts).
 
     python benchmarks/bench_draft_vocab.py [--sizes 256,512,1024,2048] [--k 3] [--new 128] [--prompt 128]
-                                           [--prompts 3] [--repeats 3]
+                                           [--prompts 3] [--repeats 3] [--repetition-penalty 1.3]
 
 --shape 0.8b: the Qwen3.5-0.8B shape (vocab 248320, hidden 1024, tied) with random bf16 weights (--dtype), where only the
 draft cost is meaningful (acceptance is not, with random weights): the time of one draft round (k head steps,
@@ -50,7 +50,8 @@ def shipped(args):
     for n in args.sizes:
         models[str(n)] = qwen_mtp.with_draft_vocab(full, n)
     spec = qwen_mtp.SpecConfig(k=args.k)
-    gen = lambda m, p, s: qwen_mtp.generate(m, p, args.new, eos_token_id=[], spec=s)
+    gen = lambda m, p, s: qwen_mtp.generate(m, p, args.new, eos_token_id=[], spec=s,
+                                            repetition_penalty=args.repetition_penalty)
 
     plain = [gen(full, p, None).tokens for p in prompts]
     results = {}
@@ -82,7 +83,8 @@ def shipped(args):
     rounds = draft_round_times(models, args.k, args.prompt + args.new, 20 * args.repeats)
     cover = np.load(Path(folder) / "draft_vocab_counts.npy")
     top = np.sort(cover)[::-1]
-    print(f"model {folder}; {len(prompts)} prompts of {args.prompt} tokens, {args.new} new, batch 1, greedy, "
+    pen = f" under repetition penalty {args.repetition_penalty:g}" if args.repetition_penalty != 1 else ""
+    print(f"model {folder}; {len(prompts)} prompts of {args.prompt} tokens, {args.new} new, batch 1, greedy{pen}, "
           f"k={args.k}; best of {args.repeats} interleaved repeats")
     print("decode tok/s: best repeat; ratio: of the best repeats; paired: median over repeats of the speed ratio "
           "within one repeat; draft round: speculative._draft alone")
@@ -173,6 +175,12 @@ def shape_08b(args):
         print(f"{name:>12s}{1e3 * t:10.2f}{t / times['full']:8.3f}", flush=True)
 
 
+def _penalty_arg(value):
+    from qwen_mtp.cli import _penalty_arg as check  # the CLI's own validation
+
+    return check(value)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=["small", "0.8b"], default="small")
@@ -184,6 +192,9 @@ def main():
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--context", type=int, default=512, help="0.8b: the head's context length")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repetition-penalty", type=_penalty_arg, default=1.0, metavar="R",
+                    help="small: greedy under this repetition penalty (default 1: off; the CLI's default on the "
+                    "shipped model is its generation_config.json's 1.3)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                     help="0.8b: the weights' dtype (XLA's CPU dots are slow in bf16: float32 there)")
     args = ap.parse_args()
