@@ -80,7 +80,7 @@ def shipped(args):
         tokens = sum(r.stats.new_tokens - r.stats.batch for r in rs)
         return al, alpha[0], tokens / sum(r.stats.decode_s for r in rs)
 
-    rounds = draft_round_times(models, args.k, args.prompt + args.new, 20 * args.repeats)
+    rounds = draft_round_times(models, args.k, args.prompt + args.new, 20 * args.repeats, args.repetition_penalty)
     cover = np.load(Path(folder) / "draft_vocab_counts.npy")
     top = np.sort(cover)[::-1]
     pen = f" under repetition penalty {args.repetition_penalty:g}" if args.repetition_penalty != 1 else ""
@@ -121,9 +121,10 @@ def random_model(cfg, seed=0, dtype="bfloat16"):
     return qwen_mtp.Model(config=cfg, weights=weights, path="<random Qwen3.5-0.8B>", dtype=dtype)
 
 
-def draft_round_times(models: dict, k: int, context: int, repeats: int) -> dict:
+def draft_round_times(models: dict, k: int, context: int, repeats: int, penalty: float = 1.0) -> dict:
     """{name: median seconds of one draft round} (speculative._draft: k head steps, batch 1, greedy, a head cache
-    of `context` rows, jitted and compiled first), the models' runs interleaved repeat by repeat."""
+    of `context` rows, jitted and compiled first), the models' runs interleaved repeat by repeat. penalty != 1:
+    the drafts are penalised with a context of the first eighth of the ids, as a penalised round does."""
     import jax
     import jax.numpy as jnp
 
@@ -139,8 +140,12 @@ def draft_round_times(models: dict, k: int, context: int, repeats: int) -> dict:
     mcache = init_mtp_cache(cfg, 1, context + 64, dtype)
     m1 = jax.random.normal(jax.random.PRNGKey(1), (1, cfg.hidden_size), dtype)
     pos = jnp.full((1,), context, jnp.int32)
-    run = lambda m: draft(m.weights, cfg, mcache, m1, pos, spec=spec, sampling=Sampling(),
-                          key=jax.random.PRNGKey(2))[0].block_until_ready()
+    sampling = Sampling(repetition_penalty=penalty)
+    seen = None
+    if penalty != 1.0:
+        seen = jnp.zeros((1, cfg.vocab_size), jnp.bool_).at[0, :cfg.vocab_size // 8].set(True)
+    run = lambda m: draft(m.weights, cfg, mcache, m1, pos, spec=spec, sampling=sampling,
+                          key=jax.random.PRNGKey(2), seen=seen)[0].block_until_ready()
     for m in models.values():
         run(m)  # compile
     times = {name: [] for name in models}
