@@ -83,8 +83,8 @@ def shipped(args):
     rounds = draft_round_times(models, args.k, args.prompt + args.new, 20 * args.repeats, args.repetition_penalty)
     cover = np.load(Path(folder) / "draft_vocab_counts.npy")
     top = np.sort(cover)[::-1]
-    pen = f" under repetition penalty {args.repetition_penalty:g}" if args.repetition_penalty != 1 else ""
-    print(f"model {folder}; {len(prompts)} prompts of {args.prompt} tokens, {args.new} new, batch 1, greedy{pen}, "
+    print(f"model {folder}; {len(prompts)} prompts of {args.prompt} tokens, {args.new} new, batch 1, "
+          f"greedy{_penalty_text(args)}, "
           f"k={args.k}; best of {args.repeats} interleaved repeats")
     print("decode tok/s: best repeat; ratio: of the best repeats; paired: median over repeats of the speed ratio "
           "within one repeat; draft round: speculative._draft alone")
@@ -173,11 +173,15 @@ def shape_08b(args):
         models[str(n)] = qwen_mtp.with_draft_vocab(full, n, counts=counts)
     print(f"Qwen3.5-0.8B shape, random {args.dtype} weights (built in {time.perf_counter() - t0:.0f} s), "
           f"{jax.devices()[0].platform}; one draft round: k={args.k} head steps, batch 1, context {args.context}, "
-          f"greedy; median of {args.repeats}", flush=True)
-    times = draft_round_times(models, args.k, args.context, args.repeats)
+          f"greedy{_penalty_text(args)}; median of {args.repeats}", flush=True)
+    times = draft_round_times(models, args.k, args.context, args.repeats, args.repetition_penalty)
     print(f"{'draft vocab':>12s}{'round ms':>10s}{'ratio':>8s}")
     for name, t in times.items():
         print(f"{name:>12s}{1e3 * t:10.2f}{t / times['full']:8.3f}", flush=True)
+
+
+def _penalty_text(args) -> str:
+    return f" under repetition penalty {args.repetition_penalty:g}" if args.repetition_penalty != 1 else ""
 
 
 def _penalty_arg(value):
@@ -198,8 +202,8 @@ def main():
     ap.add_argument("--context", type=int, default=512, help="0.8b: the head's context length")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--repetition-penalty", type=_penalty_arg, default=1.0, metavar="R",
-                    help="small: greedy under this repetition penalty (default 1: off; the CLI's default on the "
-                    "shipped model is its generation_config.json's 1.3)")
+                    help="greedy under this repetition penalty (default 1: off; the CLI's default on the shipped "
+                    "model is its generation_config.json's 1.3); 0.8b: the draft round alone, penalised")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                     help="0.8b: the weights' dtype (XLA's CPU dots are slow in bf16: float32 there)")
     args = ap.parse_args()

@@ -189,7 +189,7 @@ def run_case(model, case: Case, report: Report) -> list:
 def random_arch_config(rng, index: int) -> dict:
     """A random tiny config.json (dense / MoE / Qwen3-Next) with an MTP head. Architectures 0, 1, 2 are one of
     each family (so any run of three or more covers all three); later ones draw the family too."""
-    drawn = int(rng.integers(0, 3))
+    drawn = int(rng.integers(0, 3))  # drawn for every index, so the rest of the stream does not depend on it
     kind = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")[index if index < 3 else drawn]
     nh, nkv = [(2, 1), (4, 2), (4, 1), (4, 4), (6, 2)][int(rng.integers(0, 5))]
     hd = int(rng.choice([8, 16]))
