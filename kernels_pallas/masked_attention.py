@@ -6,6 +6,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# calls with at most this many query rows (a decode step: 1, a verify: k + 1 for k <= 8) take the block-diagonal
+# form below; more rows (prefill chunks, training) the batched one
+FEW_ROWS = 9
+
 
 def precision_for(dtype):
     """f32 runs at full precision (no TF32 / bf16 passes on GPU); low-precision dtypes use the default."""
@@ -18,6 +22,8 @@ def attend(q, k, v, key_ok):
     q [B, T, nh, hd]; k, v [B, S, nkv, hd]; key_ok [B, T, S] bool (which keys each query may see).
     Scores and softmax in f32; returns [B, T, nh, hd] in q's dtype.
     """
+    if q.shape[1] <= FEW_ROWS:
+        return _attend_block_diagonal(q, k, v, key_ok)
     B, T, nh, hd = q.shape
     nkv = k.shape[2]
     qg = q.reshape(B, T, nkv, nh // nkv, hd)
@@ -27,3 +33,33 @@ def attend(q, k, v, key_ok):
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, precision=precision_for(q.dtype))
     return out.reshape(B, T, nh, hd)
+
+
+def _attend_block_diagonal(q, k, v, key_ok):
+    """attend for few query rows, as two plain batched products over the cache read in place, [S, nkv * hd].
+
+    The batched form contracts per kv head ("btkgd,bskd->bkgts"), and XLA's CPU dot wants the batch dimensions
+    leading: it first copies k and v whole into [B, nkv, S, hd] order, a pass over the cache on every decode step
+    (measured at 32K slots: 6.4 against 2.3 ms per layer in bf16, 20 against 3.6 in f32). Here the queries are
+    spread over a block-diagonal matrix instead, [B, nkv * hd, T * nh] with query head h's column zero outside
+    its kv head h // G's rows, so that scores = k [B, S, nkv * hd] @ it are exactly [B, S, T * nh]; and
+    probs [B, T * nh, S] @ v [B, S, nkv * hd] gives each query head every kv head's output, of which the one of
+    its own kv head is kept. The zero terms add nkv times the multiplications, which a step that reads the whole
+    cache for a few rows has to spare; the products' other terms and the softmax are those of the batched form.
+    """
+    B, T, nh, hd = q.shape
+    S, nkv = k.shape[1], k.shape[2]
+    G = nh // nkv
+    prec = precision_for(q.dtype)
+    qt = jnp.moveaxis(q.reshape(B, T, nkv, G, hd), 4, 1)  # [B, hd, T, nkv, G]
+    own = jnp.eye(nkv, dtype=bool)[:, None, None, :, None]  # [kv head of the row, 1, 1, kv head of the query, 1]
+    q_bd = jnp.where(own, qt[:, None], jnp.zeros((), q.dtype)).reshape(B, nkv * hd, T * nh)
+    scores = jnp.einsum("bsc,bcn->bsn", k.reshape(B, S, nkv * hd), q_bd, precision=prec,
+                        preferred_element_type=jnp.float32) * (hd ** -0.5)
+    scores = jnp.swapaxes(scores, 1, 2).reshape(B, T, nh, S)
+    scores = jnp.where(key_ok[:, :, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(B, T * nh, S)
+    out = jnp.einsum("bns,bsc->bnc", probs, v.reshape(B, S, nkv * hd), precision=prec,
+                     preferred_element_type=jnp.float32)
+    out = jnp.diagonal(out.reshape(B, T, nkv, G, nkv, hd), axis1=2, axis2=4)  # [B, T, G, hd, nkv]: own kv head
+    return jnp.moveaxis(out, 4, 2).reshape(B, T, nh, hd).astype(q.dtype)
