@@ -25,8 +25,8 @@ class GenerateStats:
     batch: int
     prompt_tokens: int  # summed over rows
     new_tokens: int  # summed over rows
-    prefill_s: float
-    decode_s: float
+    prefill_s: float  # the trunk's prefill and the first token, and with spec the MTP head's prefill
+    decode_s: float  # the decode loop alone
     k: int = 0  # draft length; 0 = plain decoding
     rounds: int = 0  # draft/verify rounds summed over rows
     accept_hist: np.ndarray | None = None  # H[n]: rounds with exactly n drafts accepted, n = 0..k
