@@ -1,6 +1,7 @@
 """Long contexts on this machine: prefill tokens/s and prefill memory, decode TPOT, native and Wind-MTP speculative
-TPOT, with the blocked causal attention (kernels_pallas/causal_attention.py) against the dense masked form it
-replaced (`--dense-max`: the contexts the dense form still runs at), all from one run.
+TPOT, with the blocked causal attention (kernels_pallas/causal_attention.py) and the block-diagonal decode
+products (kernels_pallas/masked_attention.py) against the forms they replaced: the dense masked prefill and the
+batched per-kv-head decode products (`--dense-max`: the contexts the old forms still run at), all from one run.
 
     python benchmarks/bench_long_context.py [--contexts 8192,32768,131072] [--dtype bfloat16] [--new 32]
                                             [--dense-max 32768] [--spec-at LARGEST]
@@ -67,6 +68,7 @@ def main(argv=None):
     import jax
 
     import kernels_pallas.causal_attention as ca
+    import kernels_pallas.masked_attention as ma
     import qwen_mtp
     from checkpoints.corpus import held_out_ids
     from qwen_mtp.cli import default_model_path, load_tokenizer
@@ -76,12 +78,20 @@ def main(argv=None):
     base = held_out_ids(load_tokenizer(path))
     limit = model.config.max_position_embeddings - args.new
     contexts = [min(int(c), limit) for c in args.contexts.split(",")]
-    spec_at = {"largest": {max(contexts)}, "all": set(contexts), "none": set()}.get(
-        args.spec_at, {min(int(c), limit) for c in args.spec_at.split(",") if c})
-    blocks = (ca.PREFILL_BLOCK, ca.DECODE_BLOCK)
+    named = {"largest": {max(contexts)}, "all": set(contexts), "none": set()}
+    if args.spec_at in named:
+        spec_at = named[args.spec_at]
+    else:
+        try:
+            spec_at = {min(int(c), limit) for c in args.spec_at.split(",") if c}
+        except ValueError:
+            ap.error(f"--spec-at: expected 'largest', 'all', 'none' or a comma list of contexts, got {args.spec_at!r}")
+    blocks, few = (ca.PREFILL_BLOCK, ca.DECODE_BLOCK), ma.FEW_ROWS
 
     def dense(on: bool):
+        """The old forms: every prefill chunk against the whole cache, and decode in batched products."""
         ca.PREFILL_BLOCK, ca.DECODE_BLOCK = (1 << 30, 1 << 30) if on else blocks
+        ma.FEW_ROWS = 0 if on else few
         jax.clear_caches()
 
     print(f"{path.name} ({args.dtype}), batch 1, {args.new} new tokens per run; blocked attention: prefill blocks "
@@ -112,15 +122,15 @@ def main(argv=None):
 
     mib = lambda b: f"{b / 2 ** 20:.0f} MiB"
     print("\n| context | prefill tok/s blocked | dense | blocked / dense | scratch blocked | dense | KV cache "
-          "| TPOT ms blocked | dense | greedy same |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| TPOT ms now | old | old / now | greedy same |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         d = "prefill_d" in r
         print(f"| {r['context']} | {r['prefill_b']:.0f} | {r['prefill_d']:.0f} | {r['prefill_b'] / r['prefill_d']:.2f}x "
               if d else f"| {r['context']} | {r['prefill_b']:.0f} | - | - ", end="")
         print(f"| {mib(r['scratch_b'])} | {mib(r['scratch_d']) if d else '-'} | {mib(r['kv'])} "
-              f"| {1e3 * r['tpot_b']:.2f} | {1e3 * r['tpot_d']:.2f} | {r['same']} |" if d else
-              f"| {mib(r['scratch_b'])} | - | {mib(r['kv'])} | {1e3 * r['tpot_b']:.2f} | - | - |")
+              f"| {1e3 * r['tpot_b']:.2f} | {1e3 * r['tpot_d']:.2f} | {r['tpot_d'] / r['tpot_b']:.2f}x | {r['same']} |"
+              if d else f"| {mib(r['scratch_b'])} | - | {mib(r['kv'])} | {1e3 * r['tpot_b']:.2f} | - | - | - |")
     spec_rows = [r for r in rows if "tpot_native" in r]
     if spec_rows:
         print(f"\n| context | TPOT ms plain | native k{args.k} (AL) | W{args.window} k{args.k} (AL) | native / plain "
