@@ -58,7 +58,8 @@ DECODE_SPLIT = 4  # blocks per loop step for few queries, each its own partial s
 FEW_QUERIES = 32  # T at or below which a call is decode-like
 # a decode-like call whose dense scores [B, nh, T, S] (f32) fit in this many bytes takes the dense form on a CPU:
 # one product over the cache beats the blocked loop there (measured: 5.0 against 9.1 ms per decode step at an 8K
-# context, 14.6 against 24.2 at 32K); beyond it (a 27B verify over 1M slots: 0.9 GB) the blocked loop bounds
+# context, 14.6 against 24.2 at 32K, with the batched products that masked_attention.py has since replaced for
+# decode by faster ones); beyond it (a 27B verify over 1M slots: 0.9 GB) the blocked loop bounds
 # the memory. Prefill chunks (T > FEW_QUERIES) take the blocked form whenever the cache exceeds one part.
 DENSE_FEW_QUERY_BYTES = 64 << 20
 
