@@ -85,13 +85,14 @@ def main(argv=None):
         try:
             spec_at = {min(int(c), limit) for c in args.spec_at.split(",") if c}
         except ValueError:
-            ap.error(f"--spec-at: expected 'largest', 'all', 'none' or a comma list of contexts, got {args.spec_at!r}")
-    blocks, few = (ca.PREFILL_BLOCK, ca.DECODE_BLOCK), ma.FEW_ROWS
+            ap.error(f"--spec-at: expected 'largest', 'all', 'none' or a comma list of contexts, "
+                     f"got {args.spec_at!r}")
+    blocks, few = (ca.PREFILL_BLOCK, ca.DECODE_BLOCK), ma.BLOCK_DIAGONAL_ROWS
 
     def dense(on: bool):
         """The old forms: every prefill chunk against the whole cache, and decode in batched products."""
         ca.PREFILL_BLOCK, ca.DECODE_BLOCK = (1 << 30, 1 << 30) if on else blocks
-        ma.FEW_ROWS = 0 if on else few
+        ma.BLOCK_DIAGONAL_ROWS = 0 if on else few
         jax.clear_caches()
 
     print(f"{path.name} ({args.dtype}), batch 1, {args.new} new tokens per run; blocked attention: prefill blocks "

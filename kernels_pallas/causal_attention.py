@@ -19,8 +19,8 @@ cache is 25 GB for one layer. Here (`causal_attend_reference`, pure JAX, and the
 - cache blocks are upcast to q's dtype one part at a time (an fp8 cache is never widened whole).
 A cache no longer than one part takes the dense form unchanged (the same program as before for short contexts),
 and so does a decode-like call whose dense scores stay small (DENSE_FEW_QUERY_BYTES: faster on a CPU). A decode
-step's or a verify's dense form (T <= masked_attention.FEW_ROWS) is two plain products over the cache read in
-place, the queries spread over a block-diagonal matrix (masked_attention.py): no per-step copy of the cache.
+step's or a verify's dense form (T <= masked_attention.BLOCK_DIAGONAL_ROWS) is two plain products over the cache
+read in place, the queries spread over a block-diagonal matrix (masked_attention.py): no per-step cache copy.
 Scores and the softmax run in f32; the products in q's dtype with f32 accumulation at the project's precision
 rule (HIGHEST for f32).
 

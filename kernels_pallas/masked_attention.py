@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 # calls with at most this many query rows (a decode step: 1, a verify: k + 1 for k <= 8) take the block-diagonal
 # form below; more rows (prefill chunks, training) the batched one
-FEW_ROWS = 9
+BLOCK_DIAGONAL_ROWS = 9
 
 
 def precision_for(dtype):
@@ -22,7 +22,7 @@ def attend(q, k, v, key_ok):
     q [B, T, nh, hd]; k, v [B, S, nkv, hd]; key_ok [B, T, S] bool (which keys each query may see).
     Scores and softmax in f32; returns [B, T, nh, hd] in q's dtype.
     """
-    if q.shape[1] <= FEW_ROWS:
+    if q.shape[1] <= BLOCK_DIAGONAL_ROWS:
         return _attend_block_diagonal(q, k, v, key_ok)
     B, T, nh, hd = q.shape
     nkv = k.shape[2]

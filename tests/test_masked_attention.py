@@ -1,8 +1,8 @@
 """The dense masked attention (kernels_pallas/masked_attention.py), both of its forms, against attention written
-out in float64 numpy head by head: the block-diagonal form that decode and verify calls take (T <= FEW_ROWS) and
-the batched form of longer calls; GQA groups from 1 to 4 query heads per kv head, ragged masks, bf16. And the
-reason for the block-diagonal form: its compiled CPU program reads the cache in place, where the batched one
-copies it whole first."""
+out in float64 numpy head by head: the block-diagonal form that decode and verify calls take
+(T <= BLOCK_DIAGONAL_ROWS) and the batched form of longer calls; GQA groups from 1 to 4 query heads per kv head,
+ragged masks, bf16. And the reason for the block-diagonal form: its compiled CPU program reads the cache in
+place, where the batched one copies it whole first."""
 
 from __future__ import annotations
 
@@ -44,12 +44,12 @@ def _case(seed, B, T, S, nkv, G, hd, dtype=jnp.float32):
     return q, k, v, jnp.asarray(key_ok)
 
 
-CASES = [  # (B, T, S, nkv, G, hd): T <= FEW_ROWS takes the block-diagonal form
+CASES = [  # (B, T, S, nkv, G, hd): T <= BLOCK_DIAGONAL_ROWS takes the block-diagonal form
     (1, 1, 40, 2, 2, 16),
     (3, 1, 70, 1, 4, 8),   # one kv head: the block-diagonal matrix is the queries themselves
     (2, 4, 50, 4, 1, 16),  # no grouping: every query head its own kv head
     (2, 9, 64, 4, 3, 8),   # the most rows the form takes (a verify at k = 8)
-    (2, 12, 64, 2, 3, 8),  # past FEW_ROWS: the batched form
+    (2, 12, 64, 2, 3, 8),  # past BLOCK_DIAGONAL_ROWS: the batched form
 ]
 
 
@@ -58,7 +58,8 @@ def test_attend_matches_float64_head_by_head(B, T, S, nkv, G, hd):
     q, k, v, key_ok = _case(B * 10 + T, B, T, S, nkv, G, hd)
     want = _numpy_attention(q, k, v, key_ok)
     got = np.asarray(jax.jit(ma.attend)(q, k, v, key_ok), np.float64)
-    assert T > ma.FEW_ROWS or np.array_equal(got, np.asarray(jax.jit(ma._attend_block_diagonal)(q, k, v, key_ok)))
+    few = jax.jit(ma._attend_block_diagonal)
+    assert T > ma.BLOCK_DIAGONAL_ROWS or np.array_equal(got, np.asarray(few(q, k, v, key_ok)))
     abs_err = float(np.max(np.abs(got - want)))
     rel_err = float(np.max(np.abs(got - want) / (np.abs(want) + 1e-6)))
     assert rel_err < 1e-4 or abs_err < 1e-5, (abs_err, rel_err)
@@ -103,9 +104,9 @@ def _cache_copies(T):
 
 
 def test_decode_reads_the_cache_in_place(monkeypatch):
-    assert _cache_copies(1) == [] and _cache_copies(ma.FEW_ROWS) == []
-    # negative control: the batched form (what T > FEW_ROWS takes) copies k and v whole on every call
-    monkeypatch.setattr(ma, "FEW_ROWS", 0)
+    assert _cache_copies(1) == [] and _cache_copies(ma.BLOCK_DIAGONAL_ROWS) == []
+    # negative control: the batched form (what T > BLOCK_DIAGONAL_ROWS takes) copies k and v whole on every call
+    monkeypatch.setattr(ma, "BLOCK_DIAGONAL_ROWS", 0)
     jax.clear_caches()
     try:
         assert len(_cache_copies(1)) >= 2, _cache_copies(1)
