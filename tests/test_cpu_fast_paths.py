@@ -87,8 +87,10 @@ def test_tied_logits_match_the_einsum(dtype, lead):
 # --------------------------------------------------------------------- the compiled decode loop holds the table
 def table_sized_ops(hlo: str, shapes) -> list:
     """Instructions of an optimized HLO module, outside fusion bodies, whose result shape is one of `shapes`
-    (e.g. "f32[4096,256]") and which produce new data: parameters, tuple elements and bitcasts (no data) are
-    left out. A fusion's body computes only what its consumer reads, so a table-shaped op there is fine."""
+    (e.g. "f32[4096,256]"; or a predicate on that text) and which produce new data: parameters, tuple elements
+    and bitcasts (no data) are left out. A fusion's body computes only what its consumer reads, so a
+    table-shaped op there is fine."""
+    wanted = shapes if callable(shapes) else shapes.__contains__
     fused = set(re.findall(r"calls=%([\w.\-]+)", hlo))
     found, current = [], None
     for line in hlo.splitlines():
@@ -99,7 +101,7 @@ def table_sized_ops(hlo: str, shapes) -> list:
         if current is None or current in fused:
             continue
         m = re.match(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+\[[\d,]*\])\{[^}]*\} (\S+?)\(", line)
-        if m and m.group(2) in shapes and m.group(3) not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
+        if m and wanted(m.group(2)) and m.group(3) not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
             found.append(f"{current}: %{m.group(1)} = {m.group(2)} {m.group(3)}")
     return found
 

@@ -6,7 +6,6 @@ place, where the batched one copies it whole first."""
 
 from __future__ import annotations
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 
 import kernels_pallas.masked_attention as ma
+from tests.test_cpu_fast_paths import table_sized_ops
 
 
 def _numpy_attention(q, k, v, key_ok):
@@ -70,15 +70,12 @@ def test_attend_matches_float64_head_by_head(B, T, S, nkv, G, hd):
 
 
 @pytest.mark.parametrize("T", [1, 4])
-def test_block_diagonal_equals_batched_form_in_bf16(T):
+def test_block_diagonal_equals_batched_form_in_bf16(T, monkeypatch):
     q, k, v, key_ok = _case(7, 3, T, 300, 2, 4, 32, jnp.bfloat16)
     want = _numpy_attention(q, k, v, key_ok)
     few = np.asarray(ma._attend_block_diagonal(q, k, v, key_ok), np.float64)
-    B, _, nh, hd = q.shape  # the batched form, forced
-    qg = q.reshape(B, T, 2, nh // 2, hd)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * hd ** -0.5
-    p = jax.nn.softmax(jnp.where(key_ok[:, None, None], s, -jnp.inf), axis=-1).astype(q.dtype)
-    batched = np.asarray(jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(B, T, nh, hd), np.float64)
+    monkeypatch.setattr(ma, "BLOCK_DIAGONAL_ROWS", 0)  # the batched form, forced (eager: no jit cache)
+    batched = np.asarray(ma.attend(q, k, v, key_ok), np.float64)
     # both within bf16 rounding of the exact value, and of each other
     assert float(np.max(np.abs(few - want))) < 2e-2
     assert float(np.max(np.abs(batched - want))) < 2e-2
@@ -86,21 +83,20 @@ def test_block_diagonal_equals_batched_form_in_bf16(T):
 
 
 def _cache_copies(T):
-    """ENTRY instructions of attend's compiled CPU program (bf16, 8192 slots, 2 kv heads) that write an array
-    holding the whole cache (8192 x 2 x 64 elements) other than as a bitcast of it."""
+    """Instructions of attend's compiled CPU program (bf16, 8192 slots, 2 kv heads), outside fusion bodies, that
+    write an array holding the whole cache (8192 x 2 x 64 elements, in any order or dtype) other than as a
+    bitcast of it (test_cpu_fast_paths.table_sized_ops)."""
     B, S, nh, nkv, hd = 1, 8192, 4, 2, 64
     q = jax.ShapeDtypeStruct((B, T, nh, hd), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((B, S, nkv, hd), jnp.bfloat16)
     ok = jax.ShapeDtypeStruct((B, T, S), jnp.bool_)
     text = jax.jit(ma.attend).lower(q, kv, kv, ok).compile().as_text()
-    entry = text[text.index("\nENTRY"):]
-    out = []
-    for line in entry.splitlines():
-        m = re.match(r"\s*(?:ROOT\s+)?%\S+\s*=\s*\w+\[([\d,]*)\]\S*\s+(\w+)\(", line)
-        if m and m.group(2) not in ("bitcast", "parameter") and m.group(1):
-            if int(np.prod([int(d) for d in m.group(1).split(",")])) == S * nkv * hd:
-                out.append(line.strip()[:120])
-    return out
+
+    def cache_sized(shape):  # "bf16[1,8192,2,64]"
+        dims = [int(d) for d in shape[shape.index("[") + 1:-1].split(",") if d]
+        return bool(dims) and int(np.prod(dims)) == S * nkv * hd
+
+    return table_sized_ops(text, cache_sized)
 
 
 def test_decode_reads_the_cache_in_place(monkeypatch):
