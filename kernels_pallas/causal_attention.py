@@ -50,7 +50,7 @@ from jax.experimental.pallas import triton as plt
 
 from . import dispatch
 from . import windowed_attention as wa
-from .masked_attention import attend, precision_for
+from .masked_attention import attend, attend_with_new, precision_for
 
 PREFILL_BLOCK = 512  # slots per block when the call has many queries (prefill chunks)
 DECODE_BLOCK = 1024  # ... and when it has few (decode: 1 row, verify: k + 1 rows)
@@ -77,13 +77,36 @@ def _dense_causal(q, k_cache, v_cache, q_pos):
     return attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), key_ok)
 
 
+def _small_dense(B, T, nh, S):
+    return T <= FEW_QUERIES and B * nh * T * S * 4 <= DENSE_FEW_QUERY_BYTES
+
+
+def takes_dense_form(B: int, T: int, nh: int, S: int) -> bool:
+    """Whether causal_attend_reference (its default plan) runs the dense form for these shapes: a cache no longer
+    than one part, or a decode-like call whose dense scores fit in DENSE_FEW_QUERY_BYTES."""
+    block, split = plan(T, S)
+    return S <= block * split or _small_dense(B, T, nh, S)
+
+
+def causal_attend_before_write(q, k_cache, v_cache, k_new, v_new, q_pos):
+    """causal_attend's dense form for a call whose T new rows k_new, v_new [B, T, nkv, hd] (in the cache dtype)
+    are not yet in the cache: query t sees the cache's slots before q_pos[b, 0] and new rows 0 .. t, which are
+    the slots <= q_pos[b, t] of the cache once they are written at q_pos[b, 0] ... The caller writes them after
+    (attention.attention_layer on a CPU). Pure JAX (masked_attention.attend_with_new)."""
+    T, S = q.shape[1], k_cache.shape[1]
+    key_ok = jnp.arange(S, dtype=q_pos.dtype)[None, None, :] < q_pos[:, :1, None]
+    new_ok = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (q.shape[0], T, T))
+    up = lambda x: x.astype(q.dtype)
+    return attend_with_new(q, up(k_cache), up(v_cache), key_ok, up(k_new), up(v_new), new_ok)
+
+
 def causal_attend_reference(q, k_cache, v_cache, q_pos, *, block: int | None = None, split: int | None = None):
     """Pure JAX: the blocked online softmax described in the module docstring."""
     B, T, nh, hd = q.shape
     S, nkv = k_cache.shape[1], k_cache.shape[2]
     G = nh // nkv
     b0, s0 = plan(T, S)
-    small = block is None and T <= FEW_QUERIES and B * nh * T * S * 4 <= DENSE_FEW_QUERY_BYTES
+    small = block is None and _small_dense(B, T, nh, S)
     block, split = block or b0, split or s0
     part = block * split
     if S <= part or small:  # the dense form (an explicit block forces the blocked one past one part)

@@ -29,7 +29,7 @@ from .errors import ArgumentError, NonFiniteError
 from .model import forward, lm_logits
 from .mtp import init_mtp_cache, mtp_forward, require_mtp
 from .nonfinite import BIG
-from .ops import DECODE_COMPILER_OPTIONS, FEW_ROWS
+from .ops import DECODE_COMPILER_OPTIONS, FEW_ROWS, LOOP_COMPILER_OPTIONS
 from .sampling import Sampling, choose
 from .speculative import SpecConfig, spec_decode, spec_decode_few_rows, spec_start
 from .state import init_state, kv_bytes, resolve_kv_dtype
@@ -354,7 +354,8 @@ def _plain_start(first, first_logits, pos, key, eos, pad_id, seen=None, *, cap, 
                       jnp.full((B,), BIG, jnp.int32), seen)
 
 
-@partial(jax.jit, static_argnames=("cfg", "keep_logits", "sampling"), donate_argnames=("state", "carry"))
+@partial(jax.jit, static_argnames=("cfg", "keep_logits", "sampling"), donate_argnames=("state", "carry"),
+         compiler_options=LOOP_COMPILER_OPTIONS)
 def _plain_decode(weights, cfg, state, carry: PlainCarry, eos, pad_id, max_new, until, keep_logits, sampling):
     """Plain decode steps until every row is done, max_new (traced, <= the buffer size cap) tokens per row, or
     `until` tokens per row in all (a streaming caller calls again with a larger one). Returns (state, carry)."""

@@ -16,12 +16,17 @@ from kernels_pallas.masked_attention import precision_for  # the one precision r
 from .quant import QuantArray
 from .quant import linear as quant_linear
 
-# Compile options of a decode loop (plain or speculative) that multiplies at most FEW_ROWS rows (batch, or
-# batch x (k + 1) in a speculative verify) by each weight matrix: on a CPU, XLA's Eigen splitting such a small
-# GEMM over its thread pool costs more than it saves (2 cores, the shipped model at batch 1: the speculative round
-# at k = 3 went from 2.28 to 1.82 plain steps, the plain step unchanged; benchmarks/bench_round.py). Larger
-# batches and prefill's GEMMs keep the threads. A CPU option: GPUs ignore it.
-DECODE_COMPILER_OPTIONS = {"xla_cpu_multi_thread_eigen": False}
+# Compile options of every decode loop (plain or speculative). On a CPU, XLA's copy insertion by default copies
+# a KV cache whole at each step of the loop that both reads it (the attention) and updates it in place (the new
+# rows); its region analysis proves the read comes first, so the update is done in place (attention.py:
+# write_rows_per_row). A CPU option: GPUs ignore it.
+LOOP_COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+# ... and of a decode loop that multiplies at most FEW_ROWS rows (batch, or batch x (k + 1) in a speculative
+# verify) by each weight matrix: on a CPU, XLA's Eigen splitting such a small GEMM over its thread pool costs more
+# than it saves (2 cores, the shipped model at batch 1: the speculative round at k = 3 went from 2.28 to 1.82
+# plain steps, the plain step unchanged; benchmarks/bench_round.py). Larger batches and prefill's GEMMs keep the
+# threads.
+DECODE_COMPILER_OPTIONS = {**LOOP_COMPILER_OPTIONS, "xla_cpu_multi_thread_eigen": False}
 FEW_ROWS = 32
 
 

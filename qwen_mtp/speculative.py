@@ -33,7 +33,7 @@ from .errors import ArgumentError
 from .model import forward, lm_logits
 from .mtp import mtp_forward
 from .nonfinite import BIG
-from .ops import DECODE_COMPILER_OPTIONS
+from .ops import DECODE_COMPILER_OPTIONS, LOOP_COMPILER_OPTIONS
 from .rollback import select_states
 from .sampling import Sampling, draw, probs
 
@@ -159,7 +159,8 @@ def spec_start(first, bridge, pos, key, eos, pad_id, max_new, cap, spec: SpecCon
                      jnp.zeros((k,), jnp.int32), jnp.int32(0), jnp.full((B,), BIG, jnp.int32), seen)
 
 
-@partial(jax.jit, static_argnames=("cfg", "spec", "sampling"), donate_argnames=("state", "mcache", "carry"))
+@partial(jax.jit, static_argnames=("cfg", "spec", "sampling"), donate_argnames=("state", "mcache", "carry"),
+         compiler_options=LOOP_COMPILER_OPTIONS)
 def spec_decode(weights, cfg, state, mcache, carry: SpecCarry, eos, max_new, until, spec: SpecConfig,
                 sampling: Sampling):
     """Speculative rounds until every row is done or `until` rounds have run in all (carry.rounds), in one

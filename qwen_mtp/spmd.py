@@ -93,3 +93,10 @@ def causal(q, k_cache, v_cache, q_pos, call):
     kernel dispatch (causal_attention.causal_attend)."""
     return _per_row_and_head(call, (q, k_cache, v_cache, q_pos), k_cache.shape[2],
                              lambda t, dax: (t, t, t, P(dax, None)))
+
+
+def causal_before_write(q, k_cache, v_cache, k_new, v_new, q_pos, call):
+    """causal for a call whose new rows are held apart from the cache (causal_attention.
+    causal_attend_before_write), per (row, kv head) shard the same way."""
+    return _per_row_and_head(call, (q, k_cache, v_cache, k_new, v_new, q_pos), k_cache.shape[2],
+                             lambda t, dax: (t, t, t, t, t, P(dax, None)))

@@ -68,6 +68,46 @@ def test_blocked_equals_dense_bf16_and_fp8_cache(dtype, kv_dtype, tol):
     assert abs_err < tol * 4, abs_err
 
 
+@pytest.mark.parametrize("dtype,kv_dtype,B,T,starts", [
+    (jnp.float32, None, 3, 1, [0, 9, 63]),          # decode: a row at slot 0 (sees its own row only), the last slot
+    (jnp.float32, None, 2, 4, [5, 60]),             # a verify: 4 rows, ragged
+    (jnp.bfloat16, None, 2, 9, [0, 31]),            # the most rows the CPU path takes
+    (jnp.float32, jnp.float8_e4m3fn, 2, 3, [2, 40]),  # an fp8 cache: the new rows held apart in fp8
+])
+def test_read_before_write_equals_write_then_read(dtype, kv_dtype, B, T, starts):
+    """causal_attend_before_write over the cache as it was, then the write, gives what the write followed by
+    the dense causal form gives: the same output (up to f32 sums) and the same cache. The slots at and past each
+    row's position hold random values (stale rows, as after a rejected draft) that would change the output if
+    either form let a query see them."""
+    from qwen_mtp.attention import write_kv
+    from qwen_mtp.state import KVCache, to_cache
+    S, nkv, G, hd = 64 + T, 2, 2, 16
+    q, k, v, q_pos = _case(3, B, T, S, nkv, G, hd, starts, dtype, kv_dtype)
+    r = np.random.default_rng(4)
+    k_new = to_cache(jnp.asarray(r.standard_normal((B, T, nkv, hd)) * 2, dtype), k.dtype)
+    v_new = to_cache(jnp.asarray(r.standard_normal((B, T, nkv, hd)) * 2, dtype), v.dtype)
+    pos = q_pos[:, 0]
+    with jax.default_matmul_precision("highest"):
+        written = jax.jit(write_kv)(KVCache(k, v), k_new, v_new, pos)
+        want = _dense(q, written.k, written.v, q_pos)
+        got = jax.jit(ca.causal_attend_before_write)(q, k, v, k_new, v_new, q_pos)
+        # control: a query that also saw the stale slot at its row's position (the old cache's) differs
+        stale = ca.causal_attend_before_write(q, k, v, k_new, v_new, q_pos + 1)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    assert float(np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)))) < tol
+    assert float(np.max(np.abs(np.asarray(stale, np.float64) - np.asarray(want, np.float64)))) > 10 * tol
+    assert float(jnp.std(want.astype(jnp.float32))) > 0.1
+    # the write itself: the CPU's per-row update (as bits or not) and the GPU's scatter write the same cache
+    from qwen_mtp.attention import write_rows_per_row, write_rows_scatter
+    for as_bits in (False, True):
+        for a, b in ((k, k_new), (v, v_new)):
+            per_row = jax.jit(lambda c, u, p: write_rows_per_row(c, u, p, as_bits=as_bits))(a, b, pos)
+            same = np.asarray(per_row).view(np.uint8) == np.asarray(jax.jit(write_rows_scatter)(a, b, pos)).view(
+                np.uint8)
+            assert same.all()
+    assert not np.array_equal(np.asarray(written.k, np.float32), np.asarray(k, np.float32))
+
+
 def test_future_blocks_are_never_read():
     """NaN in every block wholly after the furthest query: the blocked form is finite and exact; the dense form,
     which reads them (0 x NaN), is not."""

@@ -113,14 +113,14 @@ def _spec_loop_hlo(cfg, batch):
     return lowered.compile().as_text()
 
 
-def _plain_loop_hlo(cfg, batch):
+def _plain_loop_hlo(cfg, batch, dtype=jnp.bfloat16):
     SDS, i32 = jax.ShapeDtypeStruct, jnp.int32
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     carry = jax.eval_shape(lambda *a: _plain_start(*a, cap=32, keep_logits=False), SDS((batch,), i32),
                            SDS((batch, cfg.vocab_size), jnp.float32), SDS((batch,), i32), key, SDS((1,), i32),
                            SDS((), i32))
-    state = jax.eval_shape(lambda: init_state(cfg, batch, 128, jnp.bfloat16, None))
-    lowered = _plain_decode_few_rows.lower(weight_shapes(cfg, jnp.bfloat16), cfg, state, carry, SDS((1,), i32),
+    state = jax.eval_shape(lambda: init_state(cfg, batch, 128, dtype, None))
+    lowered = _plain_decode_few_rows.lower(weight_shapes(cfg, dtype), cfg, state, carry, SDS((1,), i32),
                                            SDS((), i32), SDS((), i32), SDS((), i32), keep_logits=False,
                                            sampling=Sampling())
     return lowered.compile().as_text()
@@ -140,3 +140,36 @@ def test_bf16_decode_loops_keep_the_embedding_in_place(monkeypatch):
                         lambda h, e: jnp.einsum("...h,vh->...v", h, e, preferred_element_type=jnp.float32))
     found = table_sized_ops(_spec_loop_hlo(cfg, 2), table)
     assert any(f" f32[{V},{H}] " in s for s in found), found
+
+
+def _kv_cache_ops(text, cfg, batch):
+    """(copies, widened): the instructions outside fusion bodies that copy a KV cache whole ([batch, 128, nkv, hd]
+    in any dtype), and the updates of a whole cache in f32 anywhere, fusion bodies included."""
+    dims = f"{batch},128,{cfg.num_kv_heads},{cfg.head_dim}"
+    copies = [op for op in table_sized_ops(text, lambda shape: shape.endswith(f"[{dims}]")) if op.endswith(" copy")]
+    return copies, re.findall(rf"%[\w.\-]+ = f32\[{dims}\]\S* dynamic-update-slice\(", text)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_decode_loop_updates_the_kv_caches_in_place(dtype, monkeypatch):
+    """The compiled plain decode loop neither copies a KV cache nor (bf16) updates one in f32: the attention reads
+    the cache before the step's row is written, and the row is written in place (attention.attention_layer,
+    write_rows_per_row; ops.LOOP_COMPILER_OPTIONS). The probe sees the updates: in f32, one per cache. Controls:
+    written first and read back (what prefill chunks and GPUs do), f32 gets whole-cache copies; written as bf16
+    values rather than as bits, bf16 is updated in f32."""
+    import qwen_mtp.attention as attention_mod
+
+    cfg = load_config(SHIPPED)
+    n_caches = 2 * cfg.layer_types.count("full_attention")
+    copies, in_f32 = _kv_cache_ops(_plain_loop_hlo(cfg, 1, dtype), cfg, 1)
+    assert copies == [], copies
+    assert len(in_f32) == (n_caches if dtype == jnp.float32 else 0), in_f32
+    if dtype == jnp.float32:
+        monkeypatch.setattr(attention_mod, "BLOCK_DIAGONAL_ROWS", 0)  # every call writes first
+        copies, _ = _kv_cache_ops(_plain_loop_hlo(cfg, 2, dtype), cfg, 2)
+        assert len(copies) >= n_caches, copies
+    else:
+        values = attention_mod.write_rows_per_row
+        monkeypatch.setattr(attention_mod, "write_rows_per_row", lambda c, u, p, as_bits: values(c, u, p))
+        _, in_f32 = _kv_cache_ops(_plain_loop_hlo(cfg, 2, dtype), cfg, 2)
+        assert len(in_f32) >= n_caches, in_f32  # batch 2: one update per row

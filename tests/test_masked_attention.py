@@ -58,7 +58,7 @@ def test_attend_matches_float64_head_by_head(B, T, S, nkv, G, hd):
     q, k, v, key_ok = _case(B * 10 + T, B, T, S, nkv, G, hd)
     want = _numpy_attention(q, k, v, key_ok)
     got = np.asarray(jax.jit(ma.attend)(q, k, v, key_ok), np.float64)
-    few = jax.jit(ma._attend_block_diagonal)
+    few = jax.jit(lambda q, k, v, ok: ma._attend_block_diagonal(q, ((k, v, ok),)))
     assert T > ma.BLOCK_DIAGONAL_ROWS or np.array_equal(got, np.asarray(few(q, k, v, key_ok)))
     abs_err = float(np.max(np.abs(got - want)))
     rel_err = float(np.max(np.abs(got - want) / (np.abs(want) + 1e-6)))
@@ -69,11 +69,34 @@ def test_attend_matches_float64_head_by_head(B, T, S, nkv, G, hd):
         assert float(np.max(np.abs(swapped - want))) > 0.1
 
 
+@pytest.mark.parametrize("B,T,S,nkv,G,hd", CASES[:4])
+def test_attend_with_new_rows_apart_is_attend_over_both(B, T, S, nkv, G, hd):
+    """attend_with_new(cache, new rows) is attend over the cache and the new rows concatenated along the slots
+    (float64 numpy head by head), with the two masks each doing their part: the new rows' causal one, the cache's
+    ragged one."""
+    q, k, v, key_ok = _case(B * 7 + T, B, T, S, nkv, G, hd)
+    r = np.random.default_rng(T)
+    k_new = jnp.asarray(r.standard_normal((B, T, nkv, hd)) * 2, jnp.float32)
+    v_new = jnp.asarray(r.standard_normal((B, T, nkv, hd)) * 2, jnp.float32)
+    new_ok = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    want = _numpy_attention(q, jnp.concatenate([k, k_new], 1), jnp.concatenate([v, v_new], 1),
+                            jnp.concatenate([key_ok, new_ok], -1))
+    got = np.asarray(jax.jit(ma.attend_with_new)(q, k, v, key_ok, k_new, v_new, new_ok), np.float64)
+    abs_err = float(np.max(np.abs(got - want)))
+    rel_err = float(np.max(np.abs(got - want) / (np.abs(want) + 1e-6)))
+    assert rel_err < 1e-4 or abs_err < 1e-5, (abs_err, rel_err)
+    # the new rows count: without them (the cache alone) the answer differs
+    assert float(np.max(np.abs(_numpy_attention(q, k, v, key_ok) - want))) > 0.1
+    too_many = jnp.zeros((B, ma.BLOCK_DIAGONAL_ROWS + 1, nkv * G, hd))
+    with pytest.raises(ValueError, match="at most 9 query rows, found 10"):
+        ma.attend_with_new(too_many, k, v, key_ok, k_new, v_new, new_ok)
+
+
 @pytest.mark.parametrize("T", [1, 4])
 def test_block_diagonal_equals_batched_form_in_bf16(T, monkeypatch):
     q, k, v, key_ok = _case(7, 3, T, 300, 2, 4, 32, jnp.bfloat16)
     want = _numpy_attention(q, k, v, key_ok)
-    few = np.asarray(ma._attend_block_diagonal(q, k, v, key_ok), np.float64)
+    few = np.asarray(ma._attend_block_diagonal(q, ((k, v, key_ok),)), np.float64)
     monkeypatch.setattr(ma, "BLOCK_DIAGONAL_ROWS", 0)  # the batched form, forced (eager: no jit cache)
     batched = np.asarray(ma.attend(q, k, v, key_ok), np.float64)
     # both within bf16 rounding of the exact value, and of each other
