@@ -1,7 +1,9 @@
 """Long contexts on this machine: prefill tokens/s and prefill memory, decode TPOT, native and Wind-MTP speculative
 TPOT, with the blocked causal attention (kernels_pallas/causal_attention.py) and the block-diagonal decode
-products (kernels_pallas/masked_attention.py) against the forms they replaced: the dense masked prefill and the
-batched per-kv-head decode products (`--dense-max`: the contexts the old forms still run at), all from one run.
+products (kernels_pallas/masked_attention.py), and decode reading the cache before its new row is written in place
+(attention.attention_layer), against the forms they replaced: the dense masked prefill, the batched per-kv-head
+decode products over a cache written first by one scatter (`--dense-max`: the contexts the old forms still run
+at), all from one run. Both forms are compiled with today's loop options (ops.LOOP_COMPILER_OPTIONS).
 
     python benchmarks/bench_long_context.py [--contexts 8192,32768,131072] [--dtype bfloat16] [--new 32]
                                             [--dense-max 32768] [--spec-at LARGEST]
@@ -69,6 +71,7 @@ def main(argv=None):
 
     import kernels_pallas.causal_attention as ca
     import kernels_pallas.masked_attention as ma
+    import qwen_mtp.attention as attention
     import qwen_mtp
     from checkpoints.corpus import held_out_ids
     from qwen_mtp.cli import default_model_path, load_tokenizer
@@ -88,11 +91,15 @@ def main(argv=None):
             ap.error(f"--spec-at: expected 'largest', 'all', 'none' or a comma list of contexts, "
                      f"got {args.spec_at!r}")
     blocks, few = (ca.PREFILL_BLOCK, ca.DECODE_BLOCK), ma.BLOCK_DIAGONAL_ROWS
+    per_row = attention.write_rows_per_row
 
     def dense(on: bool):
-        """The old forms: every prefill chunk against the whole cache, and decode in batched products."""
+        """The old forms: every prefill chunk against the whole cache; decode and verify in batched products,
+        their new rows written first (as one scatter) and read back from the cache."""
         ca.PREFILL_BLOCK, ca.DECODE_BLOCK = (1 << 30, 1 << 30) if on else blocks
-        ma.BLOCK_DIAGONAL_ROWS = 0 if on else few
+        ma.BLOCK_DIAGONAL_ROWS = attention.BLOCK_DIAGONAL_ROWS = 0 if on else few
+        attention.write_rows_per_row = (lambda c, u, p, as_bits=False: attention.write_rows_scatter(c, u, p)) \
+            if on else per_row
         jax.clear_caches()
 
     print(f"{path.name} ({args.dtype}), batch 1, {args.new} new tokens per run; blocked attention: prefill blocks "
