@@ -184,13 +184,9 @@ def _penalty_text(args) -> str:
     return f" under repetition penalty {args.repetition_penalty:g}" if args.repetition_penalty != 1 else ""
 
 
-def _penalty_arg(value):
-    from qwen_mtp.cli import _penalty_arg as check  # the CLI's own validation
-
-    return check(value)
-
-
 def main():
+    from qwen_mtp.cli import penalty_arg  # the CLI's own validation
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=["small", "0.8b"], default="small")
     ap.add_argument("--model", default=None, help="model folder (default: the shipped model)")
@@ -201,7 +197,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--context", type=int, default=512, help="0.8b: the head's context length")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--repetition-penalty", type=_penalty_arg, default=1.0, metavar="R",
+    ap.add_argument("--repetition-penalty", type=penalty_arg, default=1.0, metavar="R",
                     help="greedy under this repetition penalty (default 1: off; the CLI's default on the shipped "
                     "model is its generation_config.json's 1.3); 0.8b: the draft round alone, penalised")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",

@@ -28,13 +28,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
-def _penalty_arg(value):
-    from qwen_mtp.cli import _penalty_arg as check  # the CLI's own validation
-
-    return check(value)
-
-
 def main():
+    from qwen_mtp.cli import penalty_arg  # the CLI's own validation
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model")
     ap.add_argument("--random", action="store_true")
@@ -44,7 +40,7 @@ def main():
     ap.add_argument("--batch", default="1", help="comma list of batch sizes (rows cut from the same text)")
     ap.add_argument("--k", default="1,2,3,4,5,6", help="comma list of k")
     ap.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard the model over this mesh")
-    ap.add_argument("--repetition-penalty", type=_penalty_arg, default=1.0, metavar="R",
+    ap.add_argument("--repetition-penalty", type=penalty_arg, default=1.0, metavar="R",
                     help="greedy under this repetition penalty (default 1: off)")
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                     help="draft over the N most frequent ids (default: the full vocabulary)")

@@ -295,7 +295,8 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _penalty_arg(value: str) -> float:
+def penalty_arg(value: str) -> float:
+    """argparse type of --repetition-penalty (the benchmarks take the same one)."""
     try:
         r = float(value)
     except ValueError:
@@ -476,7 +477,7 @@ def build_parser():
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=_nonneg_int, default=0, help="0 = off")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--repetition-penalty", type=_penalty_arg, default=None, metavar="R", help="divide the logit of every "
+    g.add_argument("--repetition-penalty", type=penalty_arg, default=None, metavar="R", help="divide the logit of every "
                    "id already in the text by R when positive, multiply when negative (Hugging Face's rule; 1 = "
                    "off; speculative output stays exactly the plain output). Default: the model folder's "
                    "generation_config.json repetition_penalty, else 1")
