@@ -47,6 +47,11 @@ def write_rows_scatter(cache, new, pos):
     return jax.vmap(lambda c, u, p: jax.lax.dynamic_update_slice(c, u, (p, 0, 0)))(cache, new, pos)
 
 
+# write_rows_per_row unrolls its updates up to this many rows, and loops over the rows beyond (a 2000-row batch
+# unrolled made XLA's CPU compiler crash)
+UNROLL_ROWS = 8
+
+
 def write_rows_per_row(cache, new, pos, *, as_bits: bool = False):
     """write_rows_scatter's result as one dynamic-update-slice per row (what a CPU runs).
 
@@ -63,8 +68,15 @@ def write_rows_per_row(cache, new, pos, *, as_bits: bool = False):
     if bits:
         uint = jnp.dtype(f"uint{8 * dtype.itemsize}")
         cache, new = jax.lax.bitcast_convert_type(cache, uint), jax.lax.bitcast_convert_type(new, uint)
-    for b in range(cache.shape[0]):
-        cache = jax.lax.dynamic_update_slice(cache, new[b:b + 1], (b + zero, pos[b], zero, zero))
+    if cache.shape[0] <= UNROLL_ROWS:
+        for b in range(cache.shape[0]):
+            cache = jax.lax.dynamic_update_slice(cache, new[b:b + 1], (b + zero, pos[b], zero, zero))
+    else:
+        def row(b, c):
+            return jax.lax.dynamic_update_slice(c, jax.lax.dynamic_slice_in_dim(new, b, 1),
+                                                (b.astype(pos.dtype), pos[b], zero, zero))
+
+        cache = jax.lax.fori_loop(0, cache.shape[0], row, cache)
     return jax.lax.bitcast_convert_type(cache, dtype) if bits else cache
 
 

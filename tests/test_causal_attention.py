@@ -108,6 +108,26 @@ def test_read_before_write_equals_write_then_read(dtype, kv_dtype, B, T, starts)
     assert not np.array_equal(np.asarray(written.k, np.float32), np.asarray(k, np.float32))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn])
+def test_per_row_write_equals_the_scatter_at_every_batch(dtype):
+    """write_rows_per_row writes the cache the GPU's scatter writes, byte for byte, as values or as bits, both
+    unrolled (B <= UNROLL_ROWS) and as a loop over the rows (more rows: unrolled, the speculative sampling
+    tests' 2000-row batch made XLA's CPU compiler crash), a row clamped at the cache's end included."""
+    from qwen_mtp import attention
+    from qwen_mtp.state import to_cache
+    S, T, nkv, hd = 16, 3, 2, 4
+    for B in (1, attention.UNROLL_ROWS, attention.UNROLL_ROWS + 1, 20):
+        r = np.random.default_rng(B)
+        cache = to_cache(jnp.asarray(r.standard_normal((B, S, nkv, hd)), jnp.float32), dtype)
+        new = to_cache(jnp.asarray(r.standard_normal((B, T, nkv, hd)) + 3, jnp.float32), dtype)
+        pos = jnp.asarray(r.integers(0, S - T + 1, B).tolist()[:-1] + [S - 1], jnp.int32)  # the last is clamped
+        want = np.asarray(jax.jit(attention.write_rows_scatter)(cache, new, pos)).view(np.uint8)
+        assert not np.array_equal(want, np.asarray(cache).view(np.uint8))
+        for as_bits in (False, True):
+            got = jax.jit(lambda c, u, p: attention.write_rows_per_row(c, u, p, as_bits=as_bits))(cache, new, pos)
+            assert got.dtype == cache.dtype and np.array_equal(np.asarray(got).view(np.uint8), want), (B, as_bits)
+
+
 def test_future_blocks_are_never_read():
     """NaN in every block wholly after the furthest query: the blocked form is finite and exact; the dense form,
     which reads them (0 x NaN), is not."""
