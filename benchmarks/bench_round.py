@@ -76,17 +76,17 @@ def phase_functions(cfg, spec, sampling):
     @jit
     def verify(weights, state, tokens, pos):
         B = tokens.shape[0]
-        hidden, state_all = forward(weights, cfg, tokens, state, pos, jnp.full((B,), k + 1, jnp.int32),
-                                    gdn_mode="step_all")
-        return hidden, lm_logits(weights, hidden), state_all
+        hidden, verified = forward(weights, cfg, tokens, state, pos, jnp.full((B,), k + 1, jnp.int32),
+                                    gdn_mode="verify")
+        return hidden, lm_logits(weights, hidden), verified
 
     @jit
     def accept(D, logits, key):
         return _accept(D, None, logits, sampling, key)
 
     @jit
-    def rollback(state_all, n):
-        return select_states(state_all, n)
+    def rollback(verified, n):
+        return select_states(verified, n)
 
     @jit
     def refill(weights, fill, hidden, mcache, pos, n):
@@ -129,13 +129,13 @@ def profile(model, prompt, ks, batch, new_tokens, sampling=None):
         m1 = mout[:, T - 1]
         D, _, _ = f["draft"](w, mcache, m1, pos, key)
         tokens = jnp.concatenate([first[:, None], D], axis=1)
-        vh, vlogits, state_all = f["verify"](w, state, tokens, pos)
+        vh, vlogits, verified = f["verify"](w, state, tokens, pos)
         n, bonus, _ = f["accept"](D, vlogits, key)
         fill = jnp.concatenate([D, bonus[:, None]], axis=1)
         t = {"draft": _time(f["draft"], w, mcache, m1, pos, key),
                  "verify": _time(f["verify"], w, state, tokens, pos),
                  "accept": _time(f["accept"], D, vlogits, key),
-                 "rollback": _time(f["rollback"], state_all, n),
+                 "rollback": _time(f["rollback"], verified, n),
                  "refill": _time(f["refill"], w, fill, vh, mcache, pos, n)}
         r = None
         for _ in range(3):  # compile, then best of two
@@ -154,8 +154,9 @@ def profile(model, prompt, ks, batch, new_tokens, sampling=None):
 
 def rows_cost(model, rows_list, cache_len=512, calls=50, blocks=5):
     """{T: seconds} of one trunk forward over T tokens at batch 1 plus its lm_head (T = 1: the plain step's
-    "step" GDN form; T > 1: the verify's "step_all", every GDN state kept), `calls` of them chained inside ONE
-    compiled fori_loop (no dispatch between them), min over `blocks` runs. What one more verified row costs."""
+    "step" GDN form; T > 1: the verify's "verify" form and the rollback to position 0), `calls` of them chained
+    inside ONE compiled fori_loop (no dispatch between them), min over `blocks` runs. What one more verified row
+    costs."""
     import jax
     import jax.numpy as jnp
 
@@ -169,7 +170,7 @@ def rows_cost(model, rows_list, cache_len=512, calls=50, blocks=5):
     pos = jnp.full((1,), cache_len // 4, jnp.int32)
     out = {}
     for T in rows_list:
-        mode = "step" if T == 1 else "step_all"
+        mode = "step" if T == 1 else "verify"
 
         def loop(w, state, tok, pos, T=T, mode=mode):
             def body(i, c):

@@ -37,7 +37,7 @@ from . import penalty
 from .errors import ArgumentError
 from .ops import logits
 from .quant import QuantArray
-from .sampling import draw, probs
+from .sampling import argmax, draw, probs
 
 COUNTS_FILE = "draft_vocab_counts.npy"  # int64 [V]: token counts of the training corpus, in the model folder
 
@@ -218,7 +218,7 @@ def pick(dv: DraftVocab, m, sampling, key, vocab_size: int, seen=None):
     if seen is not None:
         logits = penalty.apply(logits, seen[:, dv.ids], sampling)
     if sampling.greedy:
-        return dv.ids[jnp.argmax(logits, axis=-1)], None
+        return dv.ids[argmax(logits)], None
     q_sub = probs(logits, sampling)
     d = dv.ids[draw(key, q_sub)]
     q = jnp.zeros((m.shape[0], vocab_size), q_sub.dtype).at[:, dv.ids].set(q_sub)

@@ -35,7 +35,13 @@ def request_bytes(model, batch: int, cache_len: int, kv_dtype, spec, cap: int, r
         out["head cache"] = _nbytes(head)
         chunks = -(-prompt_len // prefill_chunk)
         out["prefill hiddens"] = batch * chunks * prefill_chunk * cfg.hidden_size * jnp.dtype(dtype).itemsize
-        out["verify GDN states"] = (spec.k + 1) * sum(_nbytes(s) for s in state if isinstance(s, GDNState))
+        # the verify's GDNVerify per layer (the conv window over k + 1 inputs; k, delta and G per position) and
+        # the rebuilt states (rollback.py), counted as a second copy of the GDN states
+        gdn = [s for s in state if isinstance(s, GDNState)]
+        T, f32 = spec.k + 1, 4
+        per_pos = cfg.gdn_num_v_heads * (cfg.gdn_k_head_dim + cfg.gdn_v_head_dim + 1) * f32
+        out["verify GDN states"] = sum(_nbytes(s) for s in gdn) + len(gdn) * batch * (
+            T * per_pos + (cfg.conv_kernel - 1 + T) * cfg.conv_dim * jnp.dtype(dtype).itemsize)
     if return_logits:
         out["logits"] = batch * cap * cfg.vocab_size * 4
     if penalised:  # penalty.py: each row's context ids, and the verify's k + 1 rows of them

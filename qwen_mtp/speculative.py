@@ -3,8 +3,8 @@
 One round, per row, with x = the last committed token at position pos (not yet run through the trunk) and
 m1 = the head's bridge output MTP(embed(x), trunk hidden at pos-1) already computed:
   1. drafts d_1 = pick(m1), d_j = pick(MTP(embed(d_{j-1}), m_{j-1})) for j = 2..k (head KV slots pos..pos+k-2);
-  2. verify: ONE trunk forward over [x, d_1..d_k] at positions pos..pos+k, keeping the GDN state after every
-     position; y_i = the trunk's choice after position pos+i;
+  2. verify: ONE trunk forward over [x, d_1..d_k] at positions pos..pos+k, leaving what rebuilds the GDN state
+     after any of them (rollback.py); y_i = the trunk's choice after position pos+i;
   3. accept the longest prefix n of drafts that pass (greedy: d_{i+1} == y_i; sampling: Leviathan/Chen
      rejection with the residual norm(max(p - q, 0))), emit d_1..d_n and the bonus y_n;
   4. roll back: each GDN layer continues from its state after position pos+n (rollback.py);
@@ -35,7 +35,7 @@ from .mtp import mtp_forward
 from .nonfinite import BIG
 from .ops import DECODE_COMPILER_OPTIONS, LOOP_COMPILER_OPTIONS
 from .rollback import select_states
-from .sampling import Sampling, draw, probs
+from .sampling import Sampling, argmax, draw, probs
 
 
 def _is_int(x):
@@ -78,7 +78,7 @@ def _draft(weights, cfg, mcache, m1, pos, spec, sampling, key, seen=None):
         if use_seen:
             logits = penalty.apply(logits, seen, sampling)
         if sampling.greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+            return argmax(logits), None
         q = probs(logits, sampling)
         return draw(key, q), q
 
@@ -111,7 +111,7 @@ def _accept(D, Q, logits, sampling, key):
     B, k = D.shape
     rows = jnp.arange(B)
     if sampling.greedy:
-        Y = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        Y = argmax(logits)
         passed = D == Y[:, :k]
         n = jnp.sum(jnp.cumprod(passed.astype(jnp.int32), axis=1), axis=1)
         return n, Y[rows, n], passed
@@ -183,8 +183,8 @@ def spec_decode(weights, cfg, state, mcache, carry: SpecCarry, eos, max_new, unt
 
         with jax.named_scope("verify"):
             tokens = jnp.concatenate([x[:, None], D], axis=1)  # [B, k+1]
-            hidden, state_all = forward(weights, cfg, tokens, state, pos, jnp.full((B,), k + 1, jnp.int32),
-                                        gdn_mode="step_all")
+            hidden, verified = forward(weights, cfg, tokens, state, pos, jnp.full((B,), k + 1, jnp.int32),
+                                       gdn_mode="verify")
             logits = lm_logits(weights, hidden)
         with jax.named_scope("accept"):
             # row i is chosen under the context the plain loop would have there: seen | {d_1..d_i}
@@ -212,7 +212,7 @@ def spec_decode(weights, cfg, state, mcache, carry: SpecCarry, eos, max_new, unt
 
         # roll back the GDN states to the accepted count; refill the head's KV from the trunk's hiddens
         with jax.named_scope("rollback"):
-            state = select_states(state_all, n)
+            state = select_states(verified, n)
         with jax.named_scope("refill"):
             fill = jnp.where(idx[None] < n[:, None], jnp.pad(D, ((0, 0), (0, 1))), bonus[:, None])
             m_all, mcache, _ = mtp_forward(weights, cfg, fill, hidden, mcache, pos, window=spec.window,

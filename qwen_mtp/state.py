@@ -49,6 +49,18 @@ class GDNState:
     rec: jax.Array  # [B, num_v_heads, k_head_dim, v_head_dim], f32
 
 
+@struct.dataclass
+class GDNVerify:
+    """What a speculative verify of T positions leaves per GDN layer (gdn mode "verify"): enough to rebuild the
+    GDNState after ANY of its positions (rollback.select_states) without storing T states.
+    The recurrent state after position n is rec_n = exp(G_n) rec + sum_{s<=n} exp(G_n - G_s) k_s delta_s^T."""
+    window: jax.Array  # [B, kernel - 1 + T, conv_dim]: the conv state, then the T new conv inputs
+    rec: jax.Array  # [B, num_v_heads, k_head_dim, v_head_dim] f32: the recurrent state BEFORE the verify
+    G: jax.Array  # [B, num_v_heads, T] f32: cumulative log decay, sum of g over positions 0..t
+    k: jax.Array  # [B, num_v_heads, T, k_head_dim] f32: the (normed) keys
+    delta: jax.Array  # [B, num_v_heads, T, v_head_dim] f32: the delta rule's update beta * (v - kv_mem) per position
+
+
 def resolve_kv_dtype(kv_dtype, compute_dtype):
     """The KV caches' dtype for generate(kv_dtype=...): None is the compute dtype; otherwise one of
     KV_DTYPE_NAMES, as a name or a dtype. Anything else is an ArgumentError."""

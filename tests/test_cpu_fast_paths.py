@@ -84,6 +84,37 @@ def test_tied_logits_match_the_einsum(dtype, lead):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
+def _argmax_cases():
+    r = np.random.default_rng(3)
+    x = r.standard_normal((6, 4099)).astype(np.float32)
+    x[1, [5, 900, 4000]] = 9.0  # ties: the first wins
+    x[2, 17], x[2, 3000] = np.nan, np.nan  # NaN: the first NaN
+    x[3] = -np.inf  # all -inf: index 0
+    x[4, 4098] = np.inf
+    x[5] = 0.0
+    x[5, 7] = -0.0  # -0 == 0: index 0 still
+    return x
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_argmax_is_jnp_argmax(dtype):
+    """sampling.argmax (a max, then the first index holding it) against jnp.argmax on ties, NaNs, infinities and
+    random rows; and draw (its Gumbel argmax) against jax.random.categorical, draw for draw."""
+    from qwen_mtp.sampling import argmax, draw
+
+    x = jnp.asarray(_argmax_cases()).astype(dtype)
+    got = np.asarray(jax.jit(argmax)(x))
+    want = np.asarray(jnp.argmax(x, axis=-1))
+    np.testing.assert_array_equal(got, want)
+    assert list(got[:5]) != [0] * 5 and got[1] == 5 and got[2] == 17 and got[4] == 4098  # the probe is live
+    p = jax.nn.softmax(jnp.asarray(_argmax_cases()[:1].repeat(64, 0)) * 2, axis=-1)
+    p = jnp.where(p < 1e-4, 0.0, p)  # zeros: log p = -inf is never drawn
+    key = jax.random.PRNGKey(9)
+    d = np.asarray(jax.jit(draw)(key, p))
+    np.testing.assert_array_equal(d, np.asarray(jax.random.categorical(key, jnp.log(p), axis=-1)))
+    assert len(set(d.tolist())) > 1 and np.all(np.asarray(p)[np.arange(64), d] > 0)
+
+
 # --------------------------------------------------------------------- the compiled decode loop holds the table
 def table_sized_ops(hlo: str, shapes) -> list:
     """Instructions of an optimized HLO module, outside fusion bodies, whose result shape is one of `shapes`

@@ -132,7 +132,7 @@ def _verify_vs_steps(model, plain, state):
     toks = jnp.asarray(plain.tokens[:, :K + 1], jnp.int32)
     pos = jnp.asarray([len(PROMPT)], jnp.int32)
     verify = jax.jit(lambda st: lm_logits(w, forward(w, cfg, toks, st, pos, jnp.asarray([K + 1]),
-                                                      gdn_mode="step_all")[0]))
+                                                      gdn_mode="verify")[0]))
     return rel_err(verify(state), plain.logits[:, 1:K + 2])[0]
 
 
