@@ -51,7 +51,11 @@
    weights) prefilling a 128K and a 1M-token prompt and decoding 16 tokens: prefill tokens/s and TPOT (a context
    whose caches do not fit is refused before allocating and reported). `--long-only` runs just this part (the
    end-to-end form is not in the full run: its 1M prefill alone may take minutes).
-Exits non-zero if any check fails.
+Exits non-zero if any check fails. Each part runs on when another raises (its error in one line), and a summary of
+the parts closes the output. `--budget SECONDS` fits the run to a lease: parts and cases not started by then are
+skipped and named, and the full run then ends with item 8's end-to-end 27B prefill at `--long-contexts` (128K,
+then 1M while at least 150 s are left). On the lent H200:
+`python3 benchmarks/gpu_check.py --budget 400 2>&1 | tee $OUT/gpu_check.log` (timeout_s about 480).
 
 On the lent H200 run it from the repository root as it is, with the image's python3 (its jax, the CUDA 13
 plugin, flax, safetensors and tokenizers are there; the script puts the repository on sys.path). jax there
@@ -99,6 +103,23 @@ REAL = [(1, 1, 4, 6, 256, 64, 4032, 7, [100_000], "bfloat16", None),      # 27B 
 SMALL += [(2, 4, 2, 6, 16, 4, 16, 3, [1000, 19], "bfloat16", 3, "float8_e4m3fn")]
 
 
+# the end of the run's time budget (--budget), a perf_counter() value; None: no budget. Case loops stop at it and
+# say so; sections not started by then are skipped and named.
+_DEADLINE = None
+
+
+def _out_of_time(label):
+    """True (and one line saying so) once the --budget is spent: the caller skips `label` and what follows it."""
+    if _DEADLINE is not None and time.perf_counter() > _DEADLINE:
+        print(f"{label}: skipped, the --budget is spent", flush=True)
+        return True
+    return False
+
+
+def _one_line(e):
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
 def _time(f, *a, n=50):
     jax.block_until_ready(f(*a))
     t = time.perf_counter()
@@ -123,6 +144,8 @@ def _tokamax_times(args, W, S, want, impls=("mosaic", "triton", "cudnn", "xla"))
         import tokamax
     except ImportError:
         return {}
+    except Exception as e:  # noqa: BLE001 - installed but broken (a dependency of another version): say why
+        return {"import": f"not used ({_one_line(e)})"}
     from kernels_pallas.ring_layout import window_mask
 
     q, rk, rv, nk, nv, start = args
@@ -147,6 +170,8 @@ def check_kernels(cases, interpret, timings):
     kind, bw = _bandwidth()
     failures = 0
     for case in cases:
+        if _out_of_time(f"windowed attention case {case[:8]} and the rest"):
+            break
         B, T, nkv, G, hd, S, W, k, starts, dtype, parts = case[:11]
         kv = jnp.dtype(case[11] if len(case) > 11 else dtype)
         L = S + W + k
@@ -221,7 +246,9 @@ def check_end_to_end(max_new, thorough=True):
     base = tokens[("plain", not thorough)]
     for key, t in tokens.items():
         if not np.array_equal(t, base):
-            print(f"  {key}: tokens differ from plain greedy", flush=True)
+            n = min(len(t), len(base))
+            first = int(np.argmax(t[:n] != base[:n])) if np.any(t[:n] != base[:n]) else n
+            print(f"  {key}: tokens differ from plain greedy from new token {first} of {len(base)} on", flush=True)
             failures += 1
     # the windowed speculative program, as lowered for this device, calls the kernel (and on CPU does not)
     on_gpu = jax.default_backend() == "gpu"
@@ -288,6 +315,8 @@ def _qwix_time(kind, block, x, w, dt):
         import qwix
     except ImportError:
         return "not installed"
+    except Exception as e:  # noqa: BLE001 - installed but broken: say why
+        return f"not used ({_one_line(e)})"
     K, N = w.shape
     bk, bn = block
     try:
@@ -317,6 +346,8 @@ def check_quant(cases, interpret, timings):
     failures = 0
     bf16_dot = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype))
     for i, (kind, fmt, M, K, N, dtype) in enumerate(cases):
+        if _out_of_time(f"quant case {kind} {fmt} M{M} K{K} N{N} and the rest"):
+            break
         dt = jnp.dtype(dtype)
         label = f"quant {kind} {fmt} M{M} K{K} N{N} {dtype}".replace(" (", " ").replace(", ", "x").replace(")", "")
         try:
@@ -545,6 +576,8 @@ def check_end_to_end_27b(max_new, layers=4):
     step_s = None
     failures = 0
     for label, kw in E2E_SPECS.items():
+        if _out_of_time(f"  27B slice {label} and the rest"):
+            break
         kw = None if kw is None else dict(kw)
         dv = None if kw is None else kw.pop("draft_vocab", None)
         spec = None if kw is None else qwen_mtp.SpecConfig(**kw)
@@ -594,16 +627,36 @@ CAUSAL_LONG = [(1, 256, 4, 6, 256, K128, [K128 - 256], "bfloat16", None, None), 
                (1, 1, 4, 6, 256, M1, [M1 - 1], "bfloat16", "float8_e4m3fn", None)]  # decode over an fp8 cache
 
 
-def _cudnn_decode_time(q, k, v, q_pos):
+def _checked_time(fn, want, *a):
+    """Seconds per call of fn(*a) if its answer is within bf16 rounding of `want`, else why not."""
+    got = np.asarray(fn(*a).astype(jnp.float32))
+    rel = float(np.abs(got - want).max() / np.abs(want).max())
+    return _time(fn, *a, n=20) if rel < 2e-2 else f"wrong answer (max_rel {rel:.1e})"
+
+
+def _cudnn_decode_time(q, k, v, q_pos, want):
     """jax.nn.dot_product_attention(implementation="cudnn") for one query per row over the first q_pos + 1 slots:
     seconds per call, or why it is not used."""
     lens = (q_pos[:, 0] + 1).astype(jnp.int32)
     fn = jax.jit(lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=n,
                                                                  implementation="cudnn"))
     try:
-        return _time(fn, q, k.astype(q.dtype), v.astype(q.dtype), lens, n=20)
+        return _checked_time(fn, want, q, k.astype(q.dtype), v.astype(q.dtype), lens)
     except Exception as e:  # noqa: BLE001 - the library's refusal, in one line
         return f"not used ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+
+
+def _cudnn_masked_time(q, k, v, q_pos, want):
+    """jax.nn.dot_product_attention(implementation="cudnn") for T > 1 query rows at positions q_pos over the
+    cache, the causal rule as an explicit boolean mask [B, 1, T, S] (cuDNN's own causal mask is aligned at the
+    top left, not at each row's position): seconds per call, or why it is not used."""
+    S = k.shape[1]
+    mask = (jnp.arange(S)[None, None, None, :] <= q_pos[:, None, :, None])
+    fn = jax.jit(lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m, implementation="cudnn"))
+    try:
+        return _checked_time(fn, want, q, k.astype(q.dtype), v.astype(q.dtype), mask)
+    except Exception as e:  # noqa: BLE001 - the library's refusal, in one line
+        return f"not used ({_one_line(e)[:160]})"
 
 
 def check_causal(cases, interpret, timings):
@@ -612,6 +665,8 @@ def check_causal(cases, interpret, timings):
     kind, bw = _bandwidth()
     failures = 0
     for B, T, nkv, G, hd, S, starts, dtype, kv_dtype, parts in cases:
+        if _out_of_time(f"causal case B{B} T{T} S{S} and the rest"):
+            break
         dt, kvd = jnp.dtype(dtype), jnp.dtype(kv_dtype or dtype)
         key = jax.random.PRNGKey(S + T)
         k1, k2, k3 = jax.random.split(key, 3)
@@ -641,10 +696,11 @@ def check_causal(cases, interpret, timings):
             frac = f" = {100 * nbytes / t_k / bw:.0f}% of {kind}'s {bw / 1e12:.2f} TB/s" if bw else ""
             line += (f"; kernel {1e6 * t_k:.1f} us ({nbytes / t_k / 1e9:.0f} GB/s{frac}), reference (XLA, blocked) "
                      f"{1e6 * t_r:.1f} us, kernel/reference {t_k / t_r:.2f}x")
-            if T == 1:
-                c = _cudnn_decode_time(q, kc, vc, q_pos)
-                line += (f"; cuDNN {1e6 * c:.1f} us (kernel/cuDNN {t_k / c:.2f}x)" if isinstance(c, float)
-                         else f"; cuDNN: {c}")
+            flops = 4 * B * T * visible * nkv * G * hd
+            line += f", kernel {flops / t_k / 1e12:.1f} TFLOP/s" if T > 1 else ""
+            c = (_cudnn_decode_time if T == 1 else _cudnn_masked_time)(q, kc, vc, q_pos, want)
+            line += (f"; cuDNN {1e6 * c:.1f} us (kernel/cuDNN {t_k / c:.2f}x)" if isinstance(c, float)
+                     else f"; cuDNN: {c}")
         print(line, flush=True)
         del kc, vc
     return failures
@@ -665,6 +721,13 @@ def check_long_context_27b(layers=4, contexts=(131072, 1 << 20), new=16):
         return 0
     failures = 0
     for n in contexts:
+        if _out_of_time(f"long context, {n} tokens, and the rest"):
+            break
+        left = None if _DEADLINE is None else _DEADLINE - time.perf_counter()
+        if left is not None and n > 131072 and left < 150:  # a 1M prefill takes minutes: not in the last ones
+            print(f"long context, {n} tokens: skipped, {left:.0f} s of the --budget left (it needs about 150)",
+                  flush=True)
+            break
         cfg = dataclasses.replace(real_shapes.config("Qwen3.5-27B", layers=layers),
                                   max_position_embeddings=n + new)
         model = _random_model(cfg, f"27B slice {layers} layers", quant=None, dtype="bfloat16")
@@ -683,7 +746,42 @@ def check_long_context_27b(layers=4, contexts=(131072, 1 << 20), new=16):
     return failures
 
 
+def _section(results, name, fn, *, min_left=0.0):
+    """Run one part of the check: an exception fails it (one line, then the next part runs); with a --budget a
+    part needing `min_left` seconds that no longer fit is skipped and named. Appends (name, failures | None,
+    seconds) to `results`."""
+    if _DEADLINE is not None and _DEADLINE - time.perf_counter() < min_left:
+        left = max(0.0, _DEADLINE - time.perf_counter())
+        print(f"== {name}: skipped, {left:.0f} s of the --budget left (it needs about {min_left:.0f})", flush=True)
+        results.append((name, None, 0.0))
+        return
+    print(f"== {name}", flush=True)
+    t = time.perf_counter()
+    try:
+        failed = fn()
+    except Exception as e:  # noqa: BLE001 - one part that raises must not hide the others
+        import traceback
+
+        traceback.print_exc(limit=4)
+        print(f"{name}: FAIL {_one_line(e)}", flush=True)
+        failed = 1
+    results.append((name, failed, time.perf_counter() - t))
+
+
+def _summary(results, t0):
+    print(f"\n== summary ({time.perf_counter() - t0:.0f} s)", flush=True)
+    for name, failed, secs in results:
+        state = "skipped" if failed is None else "OK" if not failed else f"FAIL ({failed})"
+        print(f"  {name:44s} {state:10s} {secs:6.0f} s", flush=True)
+    failures = sum(f or 0 for _, f, _ in results)
+    skipped = sum(f is None for _, f, _ in results)
+    print(f"{'OK' if not failures else f'FAIL ({failures})'} in {time.perf_counter() - t0:.0f} s"
+          + (f", {skipped} of {len(results)} parts skipped for the --budget" if skipped else ""), flush=True)
+    return 1 if failures else 0
+
+
 def main(argv=None):
+    global _DEADLINE
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--interpret", action="store_true", help="kernels in interpret mode (CPU smoke test)")
     ap.add_argument("--max-new", type=int, default=128, help="new tokens per end-to-end run")
@@ -694,47 +792,67 @@ def main(argv=None):
                     help="only the end-to-end timing on the Qwen3.5-27B slice (item 7; on CPU a small config)")
     ap.add_argument("--e2e27b-layers", type=int, default=4,
                     help="layers of the item 7 slice on a GPU (default 4, one 3 GDN : 1 attention period)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds: parts and cases not started by then are skipped and named (a lease is short); "
+                         "the full GPU run then also prefills the 27B slice at 128K and 1M while time is left")
+    ap.add_argument("--long-contexts", default="131072,1048576",
+                    help="contexts of the end-to-end long-context run (item 8), comma separated")
     args = ap.parse_args(argv)
     if args.e2e27b_layers < 1:
         ap.error(f"--e2e27b-layers: expected an integer >= 1, found {args.e2e27b_layers}")
+    if args.budget is not None and args.budget <= 0:
+        ap.error(f"--budget: expected seconds > 0, found {args.budget}")
+    try:
+        contexts = tuple(int(c) for c in args.long_contexts.split(","))
+        assert all(c > 0 for c in contexts)
+    except (ValueError, AssertionError):
+        ap.error(f"--long-contexts: expected positive integers separated by commas, found {args.long_contexts!r}")
     print("backend:", jax.default_backend(), jax.devices(), "jax", jax.__version__, flush=True)
     t0 = time.perf_counter()
-    failures = 0
+    _DEADLINE = None if args.budget is None else t0 + args.budget
+    results = []
+    sec = lambda name, fn, min_left=0.0: _section(results, name, fn, min_left=min_left)
+    interp = args.interpret
     if args.long_only:
-        failures += check_causal(CAUSAL_SMALL, args.interpret, timings=False)
-        if not args.interpret:
-            failures += check_causal(CAUSAL_LONG, False, timings=True)
-            failures += check_long_context_27b()
-        print(f"{'OK' if not failures else f'FAIL ({failures})'} in {time.perf_counter() - t0:.0f} s", flush=True)
-        return 1 if failures else 0
+        sec("causal attention, small", lambda: check_causal(CAUSAL_SMALL, interp, timings=False))
+        if not interp:
+            sec("causal attention, 27B long caches, timed", lambda: check_causal(CAUSAL_LONG, False, timings=True))
+            sec("long context end to end, 27B slice", lambda: check_long_context_27b(contexts=contexts))
+        return _summary(results, t0)
     if args.tp_only or args.e2e27b_only:
         if args.tp_only:
-            failures += check_tensor_parallel(args.max_new)
+            sec("tensor parallel", lambda: check_tensor_parallel(args.max_new))
         if args.e2e27b_only:
-            failures += check_end_to_end_27b(args.max_new, args.e2e27b_layers)
-        print(f"{'OK' if not failures else f'FAIL ({failures})'} in {time.perf_counter() - t0:.0f} s", flush=True)
-        return 1 if failures else 0
-    if not args.quant_only:
-        # interpret mode (the CPU smoke form) runs the first and the fp8-ring case: the kernel tests cover the rest
-        failures += check_kernels([SMALL[0], SMALL[-1]] if args.interpret else SMALL, args.interpret, timings=False)
-        if not args.interpret:
-            failures += check_kernels(REAL, False, timings=True)
-        failures += check_causal(CAUSAL_SMALL[:1] if args.interpret else CAUSAL_SMALL, args.interpret, timings=False)
-        if not args.interpret:
-            failures += check_causal(CAUSAL_LONG, False, timings=True)
-    failures += check_quant(QUANT_SMOKE if args.interpret else QUANT_SMALL, args.interpret, timings=False)
-    if not args.interpret:
-        failures += check_quant(QUANT_REAL, False, timings=True)
-    if not args.quant_only:
-        failures += check_end_to_end(args.max_new, thorough=not args.interpret)
-        failures += check_tensor_parallel(args.max_new)
-        if args.interpret:
-            print("end to end 27B slice: skipped in the --interpret smoke form (its compiles would cost CI "
-                  "seconds; `--e2e27b-only` runs it, on CPU at a small config)", flush=True)
-        else:
-            failures += check_end_to_end_27b(args.max_new, args.e2e27b_layers)
-    print(f"{'OK' if not failures else f'FAIL ({failures})'} in {time.perf_counter() - t0:.0f} s", flush=True)
-    return 1 if failures else 0
+            sec("end to end, 27B slice", lambda: check_end_to_end_27b(args.max_new, args.e2e27b_layers))
+        return _summary(results, t0)
+    if args.quant_only:
+        sec("quantized matmul, small", lambda: check_quant(QUANT_SMOKE if interp else QUANT_SMALL, interp, False))
+        if not interp:
+            sec("quantized matmul, 27B matrices, timed", lambda: check_quant(QUANT_REAL, False, timings=True))
+        return _summary(results, t0)
+    if interp:  # the CPU smoke form: the first and the fp8-ring case; the kernel tests cover the rest
+        sec("windowed attention, small", lambda: check_kernels([SMALL[0], SMALL[-1]], True, timings=False))
+        sec("causal attention, small", lambda: check_causal(CAUSAL_SMALL[:1], True, timings=False))
+        sec("quantized matmul, small", lambda: check_quant(QUANT_SMOKE, True, timings=False))
+        sec("end to end, shipped model", lambda: check_end_to_end(args.max_new, thorough=False))
+        sec("tensor parallel", lambda: check_tensor_parallel(args.max_new))
+        print("end to end 27B slice: skipped in the --interpret smoke form (its compiles would cost CI "
+              "seconds; `--e2e27b-only` runs it, on CPU at a small config)", flush=True)
+        return _summary(results, t0)
+    # on the device: every kernel's numerics first (what must be fixed before anything else), then the end to end
+    # token equality with the kernels in the program, then the timings, the costliest last
+    sec("windowed attention, small", lambda: check_kernels(SMALL, False, timings=False))
+    sec("causal attention, small", lambda: check_causal(CAUSAL_SMALL, False, timings=False))
+    sec("quantized matmul, small", lambda: check_quant(QUANT_SMALL, False, timings=False))
+    sec("windowed attention, real shapes, timed", lambda: check_kernels(REAL, False, timings=True))
+    sec("causal attention, 27B long caches, timed", lambda: check_causal(CAUSAL_LONG, False, timings=True))
+    sec("end to end, shipped model", lambda: check_end_to_end(args.max_new, thorough=True))
+    sec("tensor parallel", lambda: check_tensor_parallel(args.max_new))
+    sec("end to end, 27B slice", lambda: check_end_to_end_27b(args.max_new, args.e2e27b_layers))
+    sec("quantized matmul, 27B matrices, timed", lambda: check_quant(QUANT_REAL, False, timings=True))
+    if args.budget is not None:  # the long-context prefill only where a budget says how long the lease is
+        sec("long context end to end, 27B slice", lambda: check_long_context_27b(contexts=contexts), min_left=60)
+    return _summary(results, t0)
 
 
 if __name__ == "__main__":

@@ -16,3 +16,24 @@ def test_gpu_check_runs_on_cpu(capsys):
     assert "FAIL" not in out and out.rstrip().splitlines()[-1].startswith("OK")
     assert "windowed k4 W64 S4" in out and "Pallas kernels []" in out  # on CPU the program holds the reference
     assert "end to end 27B slice: skipped" in out
+
+
+def test_gpu_check_budget_skips_and_names_what_it_skips(capsys):
+    """--budget (a lease is short): a spent budget runs nothing, names every part as skipped and says so on the
+    last line; a budget that is not a positive number of seconds is refused."""
+    import pytest
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_budget", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.main(["--interpret", "--max-new", "8", "--budget", "1e-9"]) == 0
+    out = capsys.readouterr().out
+    assert "max_rel" not in out and "tokens/s" not in out  # nothing ran
+    for part in ("windowed attention, small", "causal attention, small", "quantized matmul, small",
+                 "end to end, shipped model", "tensor parallel"):
+        assert f"== {part}: skipped" in out
+    assert out.rstrip().splitlines()[-1].endswith("5 of 5 parts skipped for the --budget")
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--interpret", "--budget", "-3"])
+    assert "--budget: expected seconds > 0, found -3" in capsys.readouterr().err
