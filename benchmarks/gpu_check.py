@@ -6,7 +6,9 @@
 1. every Pallas kernel compiled for the device (not interpret mode) against its pure-JAX reference at the test
    shapes and at real Qwen3.5 draft shapes, f32 and bf16, with the ring in one part and split in several;
 2. timings of kernel and reference (XLA) at the real shapes, with achieved GB/s against the device's
-   bandwidth (bytes = the ring's K and V, the queries, the new rows and the output, each read or written once);
+   bandwidth (bytes = the ring's K and V, the queries, the new rows and the output, each read or written once).
+   Every kernel timing in this script is device time: n calls chained in one compiled loop (`_time`), not n
+   dispatches from Python, whose ~40-60 us floor hid the small kernels in the first H200 run;
 3. the library baseline where it is installed: tokamax.dot_product_attention (mosaic, triton, cudnn, xla) on
    the same inputs, [ring ; new rows] keys with the Wind-MTP mask, timed beside our kernel (each
    implementation that refuses the case says why);
@@ -17,7 +19,9 @@
    timed beside the reference (XLA dequantize-then-dot), a plain bf16 dot of the same shape and qwix
    (qwix.quantize + qwix.dot, where qwix expresses the format: int8 per channel, int4 groups along K and fp8
    128 x 128 tiles when the tiles divide K and N), with achieved GB/s (bytes of q, scale, x and the output, each
-   moved once) against the device's bandwidth. `--quant-only` runs just this part;
+   moved once) against the device's bandwidth, and whether backend "auto" (quant_matmul.xla_is_faster) picks
+   the one this run measured faster; int4 and fp8 blocks also at 16 .. 256 rows, to place XLA_ROWS.
+   `--quant-only` runs just this part;
 6. tensor parallel over every visible GPU (mesh data=1, model=n, qwen_mtp.shard), when more than one is
    visible: a Qwen3.5-27B slice (real layer dimensions, 4 layers = one 3 GDN : 1 attention period, and the MTP
    head) with random int4 weights (groups of 128, lm_head included: the quantized-matmul kernel runs per shard)
@@ -121,12 +125,34 @@ def _one_line(e):
 
 
 def _time(f, *a, n=50):
-    jax.block_until_ready(f(*a))
-    t = time.perf_counter()
-    for _ in range(n):
-        out = f(*a)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) / n
+    """Seconds per call of f(*a) on the device, without the per-call dispatch: n calls chained inside one
+    compiled loop, each call's first floating-point input made to depend on the previous call's output (plus
+    0 * one of its values, which XLA folds away for no float), so the calls can be neither hoisted out of the
+    loop nor merged; the best of 3 runs of the loop. The first H200 run (benchmarks/results/h200-2026-12-04)
+    timed separate calls, whose dispatch (about 40-60 us) hid every kernel faster than that."""
+    i = next((j for j, x in enumerate(a) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > 1), None)
+    if i is None:
+        raise ValueError("_time: no float16 / bfloat16 / float32 input to chain the calls through")
+
+    def first_value(out):
+        leaf = jax.tree.leaves(out)[0]
+        return leaf.reshape(-1)[0].astype(jnp.float32)
+
+    @jax.jit
+    def loop(*a):
+        def body(_, c):
+            args = list(a)
+            args[i] = a[i] + (0 * c).astype(a[i].dtype)
+            return first_value(f(*args))
+        return jax.lax.fori_loop(0, n, body, jnp.float32(0))
+
+    jax.block_until_ready(loop(*a))
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        jax.block_until_ready(loop(*a))
+        best = min(best, time.perf_counter() - t)
+    return best / n
 
 
 def _bandwidth():
@@ -273,6 +299,10 @@ QUANT_SMALL = QUANT_SMOKE + [("int8", "channel", 1, 200, 72, "float32"), ("int4"
 QUANT_SHAPES = {"gate/up": (5120, 17408), "down": (17408, 5120), "lm_head": (5120, 248320)}  # Qwen3.5-27B
 QUANT_REAL = [(kind, fmt, M, K, N, "bfloat16") for (K, N) in QUANT_SHAPES.values() for M in (1, 5, 512)
               for kind, fmt in (("int8", "channel"), ("int4", 128), ("fp8", (128, 128)))]
+# the rows where XLA's dequantize-then-dot overtakes the kernel (qmm.XLA_ROWS; the first H200 run measured 1, 5
+# and 512 only): int4 and fp8 blocks on gate / up and lm_head at 16 .. 256 rows
+QUANT_REAL += [(kind, fmt, M, K, N, "bfloat16") for (K, N) in (QUANT_SHAPES["gate/up"], QUANT_SHAPES["lm_head"])
+               for M in (16, 32, 64, 128, 256) for kind, fmt in (("int4", 128), ("fp8", (128, 128)))]
 QUANT_REAL += [("fp8", "channel", 1, 5120, 17408, "bfloat16"), ("int4", 32, 1, 5120, 17408, "bfloat16"),
                ("int8", "channel", 5, 5120, 17408, "float32"), ("int4", 128, 5, 17408, 5120, "float32")]
 
@@ -378,6 +408,9 @@ def check_quant(cases, interpret, timings):
             frac = lambda b, t: f" = {100 * b / t / bw:.0f}% of {kind_of_device}'s {bw / 1e12:.2f} TB/s" if bw else ""
             line += (f"; kernel {1e6 * t_k:.1f} us ({nbytes / t_k / 1e9:.0f} GB/s{frac(nbytes, t_k)}), "
                      f"reference {1e6 * t_r:.1f} us (kernel/reference {t_k / t_r:.2f}x)")
+            picks = "XLA" if qmm.xla_is_faster(M, kind, K, block) else "kernel"
+            faster = "kernel" if t_k < t_r else "XLA"
+            line += f"; backend auto picks {picks}, {'as' if picks == faster else 'NOT as'} this run measured"
             if dt == jnp.bfloat16:
                 w = jax.jit(lambda key, K=K, N=N: jax.random.normal(key, (K, N), jnp.bfloat16))(jax.random.PRNGKey(i))
                 t_b = _time(bf16_dot, x, w)

@@ -48,6 +48,19 @@ Backend choice is kernels_pallas/dispatch.py's rule: the kernel in a program low
 elsewhere; `backend="pallas"` with `interpret=True` runs the kernel on CPU, as the tests do. A format or shape
 the kernel does not take (`unsupported_reason`) falls back to the reference with a one-time warning. Inputs
 that break the layout itself (wrong q / scale shape or dtype for the kind, x's K not k) raise ValueError.
+
+Where the kernel measured slower than XLA's dequantize-then-dot on a GPU (`xla_is_faster`), `backend="auto"`
+lowers the reference for cuda too, silently: a choice of speed, not a limit of the kernel. The first H200 run
+(benchmarks/results/h200-2026-12-04/gpu_check.log, 27B lm_head 5120 x 248320, bf16 x, times far above the
+per-call dispatch floor):
+    int4 g128   M 1 / 5: kernel 551 / 552 us, XLA 3581 / 3577 us   M 512: kernel 12869 us, XLA 4912 us
+    fp8 128x128 M 1 / 5: kernel 623 / 605 us, XLA 2089 / 2089 us   M 512: kernel 5900 us,  XLA 3409 us
+    int8 channel M 1 / 5: kernel 483 / 488 us, XLA 481 / 407 us     M 512: kernel 3037 us,  XLA 2976 us
+(gate / up and down agree: XLA 1.2x-3.4x faster at M 512, the kernel 2x-4x faster for int4 and fp8 blocks at
+M <= 5). So the kernel runs the grouped and K-block formats at M <= XLA_ROWS (one 16-row tile: decode, and the
+verify of k + 1 rows at small batch), and XLA runs the per-channel formats (its dot fuses the one multiply by
+the column scales) and every M past one tile. Rows 17 .. 511 were not measured: they follow M 512 until a sweep
+says otherwise.
 """
 
 from __future__ import annotations
@@ -74,6 +87,7 @@ INT4_GROUPS = (32, 64, 128, 256)  # half a group (a dot's K) must be >= 16; larg
 MAX_K_BLOCK = 256
 MAX_ELEMENTS = 2 ** 31  # the kernel's offsets are int32
 MAX_GRID_YZ = 65535  # grid (row tiles, column tiles, K parts) is CUDA's (x, y, z)
+XLA_ROWS = 16  # backend "auto": past one tile of rows XLA's dequantize-then-dot measured faster (xla_is_faster)
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "k", "block"))
@@ -132,6 +146,17 @@ def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
         return f"x [{M}, {k}] @ [{k}, {N}]: more than 2^31 elements in one array (the kernel's offsets are int32)"
     if max(p.col_tiles, p.splits) > MAX_GRID_YZ:
         return f"{p.col_tiles} column tiles x {p.splits} K parts: a CUDA grid's y and z stop at {MAX_GRID_YZ}"
+    return None
+
+
+def xla_is_faster(M: int, kind: str, k: int, block):
+    """None where the kernel is the faster on a GPU, else why XLA's dequantize-then-dot is (module doc: the
+    first H200 run). backend="auto" then lowers the reference for cuda as well."""
+    if _mode(kind, k, block) == "channel":
+        return (f"{kind} per channel: XLA's dot with the column scales fused after it measured as fast or faster "
+                "at every M on an H200")
+    if M > XLA_ROWS:
+        return f"{M} rows (more than one tile of {XLA_ROWS}): XLA's dequantize-then-dot measured faster on an H200"
     return None
 
 
@@ -327,4 +352,6 @@ def quant_matmul(x, q, scale, *, kind: str, k: int, block, backend: str = "auto"
     reference = functools.partial(quant_matmul_reference, kind=kind, k=k, block=block)
     kernel = functools.partial(quant_matmul_pallas, kind=kind, k=k, block=block, interpret=interpret)
     reason = unsupported_reason(x, q, scale, kind=kind, k=k, block=block)
+    if backend == "auto" and reason is None and xla_is_faster(x.shape[0], kind, k, block) is not None:
+        backend = "reference"  # the faster choice on a GPU (module doc), not a fallback: no warning
     return dispatch.run("quantized matmul", kernel, reference, reason, backend, x, q, scale)

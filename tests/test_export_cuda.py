@@ -329,22 +329,43 @@ def test_quant_kernel_lowers_for_cuda_at_test_shapes(case):
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
 def test_quant_kernel_lowers_for_cuda_at_real_shapes(kind):
-    """27B's gate / up, down and lm_head at M = 1, 5 and 512 with bf16 activations: the kernel is in the cuda
-    program, and no dequantized weight is: no [K, N] bf16 array exists anywhere in it (the reference, lowered
-    for cpu, has one; that is what the check would see if the kernel dequantized through memory)."""
+    """27B's gate / up, down and lm_head at M = 1, 5 and 512 with bf16 activations: the kernel (backend
+    "pallas") is in the cuda program, and no dequantized weight is: no [K, N] bf16 array exists anywhere in it
+    (the reference, lowered for cpu, has one; that is what the check would see if the kernel dequantized through
+    memory). backend "auto" lowers the kernel exactly where it measured faster on an H200 (qmm.xla_is_faster:
+    int4 groups and fp8 blocks at M <= 16) and XLA's dequantize-then-dot elsewhere."""
+    chose_kernel = set()
     for name, (K, N) in QUANT_REAL.items():
         for M in QUANT_M:
             args, block = _quant_args(kind, M, K, N, jnp.bfloat16)
             assert qmm.unsupported_reason(*args, kind=kind, k=K, block=block) is None
-            exported = export_for(_quant_fn(kind, K, block), *args)
+            exported = export_for(_quant_fn(kind, K, block, backend="pallas"), *args)
             assert kernel_calls(exported) == [f"quant_matmul_{kind}"], (name, M)
             assert f"tensor<{K}x{N}xbf16>" not in exported.mlir_module(), (name, M)
+            auto = kernel_calls(export_for(_quant_fn(kind, K, block), *args))
+            faster = qmm.xla_is_faster(M, kind, K, block)
+            assert auto == ([] if faster else [f"quant_matmul_{kind}"]), (name, M, faster)
+            if not faster:
+                chose_kernel.add(M)
+    assert chose_kernel == (set() if kind == "int8" else {1, 5}), chose_kernel  # the rule's table, as measured
     args, block = _quant_args(kind, 5, 5120, 17408, jnp.bfloat16)
     on_cpu = export_for(_quant_fn(kind, 5120, block), *args, platform="cpu")
     assert kernel_calls(on_cpu) == [] and "tensor<5120x17408xbf16>" in on_cpu.mlir_module()
-    if kind == "fp8":  # compressed-tensors' per-channel fp8 too
+    if kind == "fp8":  # compressed-tensors' per-channel fp8 too: the kernel takes it, XLA measured faster
         args, block = _quant_args(kind, 5, 5120, 17408, jnp.bfloat16, fmt="channel")
-        assert kernel_calls(export_for(_quant_fn(kind, 5120, block), *args)) == ["quant_matmul_fp8"]
+        assert kernel_calls(export_for(_quant_fn(kind, 5120, block, backend="pallas"), *args)) == ["quant_matmul_fp8"]
+        assert kernel_calls(export_for(_quant_fn(kind, 5120, block), *args)) == []
+
+
+def test_quant_speed_rule_warns_nothing(monkeypatch):
+    """XLA chosen for speed (a prefill's 512 rows) is not a fallback: no warning, unlike a format the kernel
+    does not take."""
+    monkeypatch.setattr(dispatch, "_warned", set())
+    args, block = _quant_args("int4", 512, 5120, 17408, jnp.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert kernel_calls(export_for(_quant_fn("int4", 5120, block), *args)) == []
+    assert not [w for w in caught if "quantized matmul" in str(w.message)], [str(w.message) for w in caught]
 
 
 def test_quant_backend_is_chosen_per_lowering_platform(monkeypatch):
@@ -381,7 +402,7 @@ def test_quant_kernel_compiles_for_sm90(report):
     kernels, plans = [], []
     for label, kind, M, K, N, dtype, fmt in QUANT_SM90_CASES:
         args, block = _quant_args(kind, M, K, N, dtype, fmt)
-        (kernel,) = triton_kernels(export_for(_quant_fn(kind, K, block), *args))
+        (kernel,) = triton_kernels(export_for(_quant_fn(kind, K, block, backend="pallas"), *args))
         kernels.append(kernel)
         plans.append(qmm.plan(M, K, N, kind, block, jnp.dtype(dtype).itemsize))
         stored = {"int8": "ptr<i8>>", "int4": "ptr<i8>>", "fp8": "ptr<f8E4M3FN>>"}[kind]  # (uint8 is i8 there)
