@@ -53,8 +53,8 @@
    the one case it can express without a materialised mask), with achieved GB/s (bytes = the visible K and V
    slots, queries and output, each moved once); then end to end, a 27B slice (4 real layers, bf16 random
    weights) prefilling a 128K and a 1M-token prompt and decoding 16 tokens: prefill tokens/s and TPOT (a context
-   whose caches do not fit is refused before allocating and reported). `--long-only` runs just this part (the
-   end-to-end form is not in the full run: its 1M prefill alone may take minutes).
+   whose caches do not fit is refused before allocating and reported). `--long-only` runs just this part; the
+   full run includes the end-to-end form only under `--budget` (its 1M prefill alone took 144 s on an H200).
 Exits non-zero if any check fails. Each part runs on when another raises (its error in one line), and a summary of
 the parts closes the output. `--budget SECONDS` fits the run to a lease: parts and cases not started by then are
 skipped and named, and the full run then ends with item 8's end-to-end 27B prefill at `--long-contexts` (128K,
@@ -63,9 +63,12 @@ then 1M while at least 150 s are left). On the lent H200:
 
 On the lent H200 run it from the repository root as it is, with the image's python3 (its jax, the CUDA 13
 plugin, flax, safetensors and tokenizers are there; the script puts the repository on sys.path). jax there
-may be newer than the project's pin: the script prints the version. tokamax is not in that image: carry its
-wheels (`pip download -d .whl tokamax==0.0.12 qwix einshape immutabledict typeguard==2.13.3 wadler_lindig
-tensorboardX --no-deps`, carry ".whl", then `pip install --no-index --find-links .whl tokamax` first there).
+may be newer than the project's pin: the script prints the version. tokamax and qwix are not in that image:
+carry their wheels and those of what the image lacks (`pip download --no-deps --only-binary=:all:
+--python-version 3.12 --implementation cp --platform manylinux2014_x86_64 --platform any -d .whl tokamax qwix einshape immutabledict tensorboardx pydantic pydantic-core
+annotated-types typing-inspection xprof fire termcolor gviz-api`; tokamax imports xprof), carry ".whl", then
+`pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site` first there
+(benchmarks/results/h200-2026-12-04/README.md: the first run, its command and logs).
 """
 
 from __future__ import annotations
@@ -126,9 +129,9 @@ def _one_line(e):
 
 def _time(f, *a, n=50):
     """Seconds per call of f(*a) on the device, without the per-call dispatch: n calls chained inside one
-    compiled loop, each call's first floating-point input made to depend on the previous call's output (plus
-    0 * one of its values, which XLA folds away for no float), so the calls can be neither hoisted out of the
-    loop nor merged; the best of 3 runs of the loop. The first H200 run (benchmarks/results/h200-2026-12-04)
+    compiled loop, each call's first floating-point input made to depend on the previous call's output (it
+    gets 0 times one value of that output added: XLA does not fold a float product with zero, which a NaN would
+    break), so the calls can be neither hoisted out of the loop nor merged; the best of 3 runs of the loop. The first H200 run (benchmarks/results/h200-2026-12-04)
     timed separate calls, whose dispatch (about 40-60 us) hid every kernel faster than that."""
     i = next((j for j, x in enumerate(a) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > 1), None)
     if i is None:
