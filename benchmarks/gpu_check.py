@@ -65,8 +65,9 @@ On the lent H200 run it from the repository root as it is, with the image's pyth
 plugin, flax, safetensors and tokenizers are there; the script puts the repository on sys.path). jax there
 may be newer than the project's pin: the script prints the version. tokamax and qwix are not in that image:
 carry their wheels and those of what the image lacks (`pip download --no-deps --only-binary=:all:
---python-version 3.12 --implementation cp --platform manylinux2014_x86_64 --platform any -d .whl tokamax qwix einshape immutabledict tensorboardx pydantic pydantic-core
-annotated-types typing-inspection xprof fire termcolor gviz-api`; tokamax imports xprof), carry ".whl", then
+--python-version 3.12 --implementation cp --platform manylinux2014_x86_64 --platform any -d .whl tokamax qwix
+einshape immutabledict tensorboardx pydantic pydantic-core annotated-types typing-inspection xprof fire termcolor
+gviz-api`; tokamax imports xprof), carry ".whl", then
 `pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site` first there
 (benchmarks/results/h200-2026-12-04/README.md: the first run, its command and logs).
 """
