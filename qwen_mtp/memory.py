@@ -2,8 +2,9 @@
 from shapes before anything is allocated, against what the devices have free.
 
 Counted: the trunk's state (every attention KV cache and every GDN conv / recurrent state), the MTP head's cache
-(native or the Wind-MTP ring), the prefill hiddens kept for the head's prefill (speculative only), the verify's
-copies of every GDN state after each of its k + 1 positions, and the logits buffer of return_logits. Not counted:
+(native or the Wind-MTP ring), the prefill hiddens kept for the head's prefill (speculative only), what the
+verify leaves per GDN layer for the rollback (rollback.py: the conv window, the keys, deltas and decays of its
+k + 1 positions) with the rebuilt states, and the logits buffer of return_logits. Not counted:
 the weights (already on the device) and XLA's temporaries (a few activations). Available: on a GPU, the
 allocator's limit minus what is in use (Device.memory_stats); on a CPU, the host's MemAvailable.
 """
