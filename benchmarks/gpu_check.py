@@ -128,12 +128,10 @@ def _one_line(e):
     return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
-def _time(f, *a, n=50):
-    """Seconds per call of f(*a) on the device, without the per-call dispatch: n calls chained inside one
-    compiled loop, each call's first floating-point input made to depend on the previous call's output (it
-    gets 0 times one value of that output added: XLA does not fold a float product with zero, which a NaN would
-    break), so the calls can be neither hoisted out of the loop nor merged; the best of 3 runs of the loop. The first H200 run (benchmarks/results/h200-2026-12-04)
-    timed separate calls, whose dispatch (about 40-60 us) hid every kernel faster than that."""
+def _chained(f, a, n):
+    """A jitted loop of n calls of f, each call's first floating-point input made to depend on the previous
+    call's output (it gets 0 times one value of that output added: XLA does not fold a float product with zero,
+    which a NaN would break), so the calls can be neither hoisted out of the loop nor merged."""
     i = next((j for j, x in enumerate(a) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > 1), None)
     if i is None:
         raise ValueError("_time: no float16 / bfloat16 / float32 input to chain the calls through")
@@ -150,6 +148,15 @@ def _time(f, *a, n=50):
             return first_value(f(*args))
         return jax.lax.fori_loop(0, n, body, jnp.float32(0))
 
+    return loop
+
+
+def _time(f, *a, n=50):
+    """Seconds per call of f(*a) on the device, without the per-call dispatch: the n chained calls of
+    `_chained` in one compiled loop, the best of 3 runs of it. The first H200 run
+    (benchmarks/results/h200-2026-12-04) timed separate calls, whose dispatch (about 40-60 us) hid every kernel
+    faster than that."""
+    loop = _chained(f, a, n)
     jax.block_until_ready(loop(*a))
     best = float("inf")
     for _ in range(3):

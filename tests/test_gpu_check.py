@@ -37,3 +37,41 @@ def test_gpu_check_budget_skips_and_names_what_it_skips(capsys):
     with pytest.raises(SystemExit):
         gpu_check.main(["--interpret", "--budget", "-3"])
     assert "--budget: expected seconds > 0, found -3" in capsys.readouterr().err
+
+
+def test_gpu_check_times_calls_the_loop_cannot_hoist():
+    """_time's loop (_chained) keeps the timed call inside the compiled while loop: the optimized program's loop
+    body holds the dot. Control: the same loop with the call's input left loop-invariant has XLA hoist the dot
+    out of the body, which is what a timing of nothing would look like."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_time", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    x, w = jnp.ones((64, 64), jnp.float32), jnp.ones((64, 64), jnp.bfloat16)
+    f = jax.jit(lambda x, w: jnp.tanh(x @ w.astype(jnp.float32)))
+
+    def body_has_dot(hlo):
+        bodies = re.findall(r"while\([^)]*\).*?body=(%?[\w.\-]+)", hlo)
+        assert bodies, "no while loop in the program"
+        comps = dict(re.findall(r"\n(%?[\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S))
+        seen, todo = set(), [b.lstrip("%") for b in bodies]
+        while todo:  # the body and every computation it calls (fusions)
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            text = next((v for k, v in comps.items() if k.lstrip("%") == name), "")
+            if re.search(r"\bdot\(|custom-call\(", text):
+                return True
+            todo += [c.lstrip("%") for c in re.findall(r"(?:calls|to_apply|body)=(%?[\w.\-]+)", text)]
+        return False
+
+    chained = gpu_check._chained(f, (x, w), 7).lower(x, w).compile().as_text()
+    assert body_has_dot(chained)
+    invariant = jax.jit(lambda x, w: jax.lax.fori_loop(0, 7, lambda i, c: c + f(x, w)[0, 0], 0.0))
+    assert not body_has_dot(invariant.lower(x, w).compile().as_text())
