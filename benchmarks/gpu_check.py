@@ -116,16 +116,25 @@ SMALL += [(2, 4, 2, 6, 16, 4, 16, 3, [1000, 19], "bfloat16", 3, "float8_e4m3fn")
 _DEADLINE = None
 
 
-def _out_of_time(label):
-    """True (and one line saying so) once the --budget is spent: the caller skips `label` and what follows it."""
-    if _DEADLINE is not None and time.perf_counter() > _DEADLINE:
-        print(f"{label}: skipped, the --budget is spent", flush=True)
-        return True
-    return False
+def _out_of_time(label, need=0.0):
+    """True (and one line saying so) once fewer than `need` seconds of the --budget are left (need 0: once it is
+    spent): the caller skips `label` and what follows it."""
+    left = None if _DEADLINE is None else _DEADLINE - time.perf_counter()
+    if left is None or (left >= need if need else left > 0):
+        return False
+    why = f"{max(0.0, left):.0f} s of the --budget left (it needs about {need:.0f})" if need else \
+        "the --budget is spent"
+    print(f"{label}: skipped, {why}", flush=True)
+    return True
 
 
-def _one_line(e):
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+def _one_line(e, limit=300):
+    """An exception as one line: its type and the first `limit` characters of its message's first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:limit] if str(e) else ''}"
+
+
+def _max_rel(got, want):
+    return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 def _chained(f, a, n):
@@ -166,6 +175,13 @@ def _time(f, *a, n=50):
     return best / n
 
 
+def _checked_time(fn, want, *a, n=50):
+    """Seconds per call of fn(*a) (`_time`) if its answer is within bf16 rounding of `want`, else why not: a
+    baseline is timed only where it computes the same thing."""
+    rel = _max_rel(np.asarray(fn(*a).astype(jnp.float32)), want)
+    return _time(fn, *a, n=n) if rel < 2e-2 else f"wrong answer (max_rel {rel:.1e})"
+
+
 def _bandwidth():
     kind = jax.devices()[0].device_kind
     for name, bw in BANDWIDTH.items():
@@ -194,11 +210,9 @@ def _tokamax_times(args, W, S, want, impls=("mosaic", "triton", "cudnn", "xla"))
         fn = jax.jit(lambda q, k, v, m, impl=impl: tokamax.dot_product_attention(
             q, k, v, mask=m, implementation=impl, precision=jax.lax.Precision.HIGHEST))
         try:
-            got = np.asarray(fn(q, keys, vals, mask).astype(jnp.float32))
-            rel = float(np.abs(got - want).max() / np.abs(want).max())
-            out[impl] = _time(fn, q, keys, vals, mask) if rel < 2e-2 else f"wrong answer (max_rel {rel:.1e})"
+            out[impl] = _checked_time(fn, want, q, keys, vals, mask)
         except Exception as e:  # an implementation that does not take the case says why, in one line
-            out[impl] = f"not used ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+            out[impl] = f"not used ({_one_line(e, 120)})"
     return out
 
 
@@ -230,7 +244,7 @@ def check_kernels(cases, interpret, timings):
             print(f"B{B} T{T} kv{nkv} G{G} hd{hd} S{S} W{W} {dtype}: FAIL {type(e).__name__}: {e}", flush=True)
             failures += 1
             continue
-        rel = float(np.abs(got - want).max() / np.abs(want).max())
+        rel = _max_rel(got, want)
         tol = 1e-4 if dt == jnp.float32 else 2e-2
         ok = rel < tol and np.isfinite(got).all()
         failures += not ok
@@ -372,13 +386,11 @@ def _qwix_time(kind, block, x, w, dt):
         else:
             return f"not used (qwix's tiles must divide the axes: K {K}, N {N}, block {block})"
         fn = jax.jit(lambda x, qa: qwix.dot(x, qa, preferred_element_type=jnp.float32).astype(dt))
-        got = np.asarray(fn(x, qa).astype(jnp.float32))
         want = np.asarray(jnp.dot(x.astype(jnp.float32), qwix.dequantize(qa).astype(jnp.float32),
                                   precision=jax.lax.Precision.HIGHEST))
-        rel = float(np.abs(got - want).max() / np.abs(want).max())
-        return _time(fn, x, qa) if rel < 2e-2 else f"wrong answer (max_rel {rel:.1e})"
+        return _checked_time(fn, want, x, qa)
     except Exception as e:  # a format or shape qwix does not take says why, in one line
-        return f"not used ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+        return f"not used ({_one_line(e, 120)})"
 
 
 def check_quant(cases, interpret, timings):
@@ -405,7 +417,7 @@ def check_quant(cases, interpret, timings):
             print(f"{label}: FAIL {type(e).__name__}: {e}", flush=True)
             failures += 1
             continue
-        rel = float(np.abs(got - want).max() / np.abs(want).max())
+        rel = _max_rel(got, want)
         tol = 1e-4 if dt == jnp.float32 else 2e-2  # bf16: the reference rounds each dequantized weight to bf16
         ok = rel < tol and np.isfinite(got).all()
         failures += not ok
@@ -671,13 +683,6 @@ CAUSAL_LONG = [(1, 256, 4, 6, 256, K128, [K128 - 256], "bfloat16", None, None), 
                (1, 1, 4, 6, 256, M1, [M1 - 1], "bfloat16", "float8_e4m3fn", None)]  # decode over an fp8 cache
 
 
-def _checked_time(fn, want, *a):
-    """Seconds per call of fn(*a) if its answer is within bf16 rounding of `want`, else why not."""
-    got = np.asarray(fn(*a).astype(jnp.float32))
-    rel = float(np.abs(got - want).max() / np.abs(want).max())
-    return _time(fn, *a, n=20) if rel < 2e-2 else f"wrong answer (max_rel {rel:.1e})"
-
-
 def _cudnn_decode_time(q, k, v, q_pos, want):
     """jax.nn.dot_product_attention(implementation="cudnn") for one query per row over the first q_pos + 1 slots:
     seconds per call, or why it is not used."""
@@ -685,9 +690,9 @@ def _cudnn_decode_time(q, k, v, q_pos, want):
     fn = jax.jit(lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=n,
                                                                  implementation="cudnn"))
     try:
-        return _checked_time(fn, want, q, k.astype(q.dtype), v.astype(q.dtype), lens)
+        return _checked_time(fn, want, q, k.astype(q.dtype), v.astype(q.dtype), lens, n=20)
     except Exception as e:  # noqa: BLE001 - the library's refusal, in one line
-        return f"not used ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+        return f"not used ({_one_line(e, 120)})"
 
 
 def _cudnn_masked_time(q, k, v, q_pos, want):
@@ -698,9 +703,9 @@ def _cudnn_masked_time(q, k, v, q_pos, want):
     mask = (jnp.arange(S)[None, None, None, :] <= q_pos[:, None, :, None])
     fn = jax.jit(lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m, implementation="cudnn"))
     try:
-        return _checked_time(fn, want, q, k.astype(q.dtype), v.astype(q.dtype), mask)
+        return _checked_time(fn, want, q, k.astype(q.dtype), v.astype(q.dtype), mask, n=20)
     except Exception as e:  # noqa: BLE001 - the library's refusal, in one line
-        return f"not used ({_one_line(e)[:160]})"
+        return f"not used ({_one_line(e, 120)})"
 
 
 def check_causal(cases, interpret, timings):
@@ -729,7 +734,7 @@ def check_causal(cases, interpret, timings):
             print(f"{label}: FAIL {type(e).__name__}: {e}", flush=True)
             failures += 1
             continue
-        rel = float(np.abs(got - want).max() / np.abs(want).max())
+        rel = _max_rel(got, want)
         ok = rel < (1e-4 if dt == jnp.float32 else 2e-2) and np.isfinite(got).all()
         failures += not ok
         line = f"{label}: max_rel {rel:.1e} {'OK' if ok else 'FAIL'}"
@@ -765,12 +770,8 @@ def check_long_context_27b(layers=4, contexts=(131072, 1 << 20), new=16):
         return 0
     failures = 0
     for n in contexts:
-        if _out_of_time(f"long context, {n} tokens, and the rest"):
-            break
-        left = None if _DEADLINE is None else _DEADLINE - time.perf_counter()
-        if left is not None and n > 131072 and left < 150:  # a 1M prefill takes minutes: not in the last ones
-            print(f"long context, {n} tokens: skipped, {left:.0f} s of the --budget left (it needs about 150)",
-                  flush=True)
+        # a 1M prefill takes minutes (144 s on an H200): not in the budget's last ones
+        if _out_of_time(f"long context, {n} tokens, and the rest", need=150 if n > 131072 else 0):
             break
         cfg = dataclasses.replace(real_shapes.config("Qwen3.5-27B", layers=layers),
                                   max_position_embeddings=n + new)
@@ -794,9 +795,7 @@ def _section(results, name, fn, *, min_left=0.0):
     """Run one part of the check: an exception fails it (one line, then the next part runs); with a --budget a
     part needing `min_left` seconds that no longer fit is skipped and named. Appends (name, failures | None,
     seconds) to `results`."""
-    if _DEADLINE is not None and _DEADLINE - time.perf_counter() < min_left:
-        left = max(0.0, _DEADLINE - time.perf_counter())
-        print(f"== {name}: skipped, {left:.0f} s of the --budget left (it needs about {min_left:.0f})", flush=True)
+    if _out_of_time(f"== {name}", need=min_left):
         results.append((name, None, 0.0))
         return
     print(f"== {name}", flush=True)
