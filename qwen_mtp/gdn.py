@@ -55,6 +55,19 @@ def doubling_inverse(L):
     return inv
 
 
+def _within_chunk(q, k, g, beta, inverse):
+    """The terms of the delta rule inside one chunk, per [..., C, d] block: the cumulative log decay cum
+    [..., C], (I + L)^-1 with L = strictly lower (beta_t k_t . k_s) exp(cum_t - cum_s), and the decayed causal
+    scores (q_t . k_s) exp(cum_t - cum_s) for s <= t [..., C, C]. Shared by the chunked form and the verify."""
+    C = g.shape[-1]
+    cum = jnp.cumsum(g, axis=-1)
+    lower = jnp.tril(jnp.ones((C, C), bool))
+    decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    strict = jnp.tril(jnp.ones((C, C), bool), -1)
+    L = jnp.where(strict, _mm(k * beta[..., None], jnp.swapaxes(k, -1, -2)) * decay, 0.0)
+    return cum, inverse(L), _mm(q, jnp.swapaxes(k, -1, -2)) * decay
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk=CHUNK, inverse=None):
     """Chunked gated delta rule. q, k [B, T, h, dk]; v [B, T, h, dv]; g, beta [B, T, h] (all f32);
     state [B, h, dk, dv]. Returns out [B, T, h, dv], final state."""
@@ -68,15 +81,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk=CHUNK, inverse=None):
     q, k, v, g, beta = map(split, (q, k, v, g, beta))
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
 
-    cum = jnp.cumsum(g, axis=-1)  # [B, h, n, C]
-    lower = jnp.tril(jnp.ones((chunk, chunk), bool))
-    decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
-    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
-    L = jnp.where(strict, _mm(k_beta, jnp.swapaxes(k, -1, -2)) * decay, 0.0)
-    inv = (inverse or unit_lower_inverse)(L)
+    cum, inv, intra = _within_chunk(q, k, g, beta, inverse or unit_lower_inverse)  # cum [B, h, n, C]
     new_v = _mm(inv, v_beta)
     k_cumdecay = _mm(inv, k_beta * jnp.exp(cum)[..., None])
-    intra = _mm(q, jnp.swapaxes(k, -1, -2)) * decay
     q_dec = q * jnp.exp(cum)[..., None]
     k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]
     chunk_decay = jnp.exp(cum[..., -1])[..., None, None]  # [B, h, n, 1, 1]
@@ -127,17 +134,12 @@ def verify_gated_delta_rule(q, k, v, g, beta, state):
     T = k.shape[1]
     tr = lambda x: jnp.moveaxis(x, 1, 2)  # [B, h, T, ...]
     q, k, v, g, beta = map(tr, (q, k, v, g, beta))
-    G = jnp.cumsum(g, axis=-1)
-    lower = jnp.tril(jnp.ones((T, T), bool))
-    decay = jnp.exp(jnp.where(lower, G[..., :, None] - G[..., None, :], -jnp.inf))  # [B, h, t, s]: s <= t
+    G, inv, intra = _within_chunk(q, k, g, beta, unit_lower_inverse)  # the whole verify as one chunk
     s_qk = jnp.einsum("bhtk,bhkv->bhtv", jnp.concatenate([q, k], axis=2), state, precision=HIGHEST)
     s_q, s_k = s_qk[:, :, :T], s_qk[:, :, T:]
     grow = jnp.exp(G)[..., None]
-    rhs = beta[..., None] * (v - grow * s_k)
-    strict = jnp.tril(jnp.ones((T, T), bool), -1)
-    A = jnp.where(strict, beta[..., None] * decay * _mm(k, jnp.swapaxes(k, -1, -2)), 0.0)
-    delta = _mm(unit_lower_inverse(A), rhs)
-    out = grow * s_q + _mm(_mm(q, jnp.swapaxes(k, -1, -2)) * decay, delta)
+    delta = _mm(inv, beta[..., None] * (v - grow * s_k))
+    out = grow * s_q + _mm(intra, delta)
     return jnp.moveaxis(out, 1, 2), (G, k, delta)
 
 
