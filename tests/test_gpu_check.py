@@ -6,11 +6,17 @@ import importlib.util
 from pathlib import Path
 
 
-def test_gpu_check_runs_on_cpu(capsys):
+def _load(name):
+    """benchmarks/gpu_check.py as a fresh module (it is a script, not part of the package)."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check", path)
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_runs_on_cpu(capsys):
+    gpu_check = _load("gpu_check")
     assert gpu_check.main(["--interpret", "--max-new", "8"]) == 0
     out = capsys.readouterr().out
     assert "FAIL" not in out and out.rstrip().splitlines()[-1].startswith("OK")
@@ -23,10 +29,7 @@ def test_gpu_check_budget_skips_and_names_what_it_skips(capsys):
     last line; a budget that is not a positive number of seconds is refused."""
     import pytest
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check_budget", path)
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = _load("gpu_check_budget")
     assert gpu_check.main(["--interpret", "--max-new", "8", "--budget", "1e-9"]) == 0
     out = capsys.readouterr().out
     assert "max_rel" not in out and "tokens/s" not in out  # nothing ran
@@ -48,10 +51,7 @@ def test_gpu_check_times_calls_the_loop_cannot_hoist():
     import jax
     import jax.numpy as jnp
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check_time", path)
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = _load("gpu_check_time")
     x, w = jnp.ones((64, 64), jnp.float32), jnp.ones((64, 64), jnp.bfloat16)
     f = jax.jit(lambda x, w: jnp.tanh(x @ w.astype(jnp.float32)))
 
