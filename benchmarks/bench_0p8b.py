@@ -3,7 +3,7 @@
     python benchmarks/bench_0p8b.py [--new 32] [--prompt 64] [--k 1,2,3,4,5,6] [--batch 1] [--alpha A1,A2,...]
                                     [--draft-vocab 32768]
 
-The model is qwen_mtp.real_shapes.config("Qwen3.5-0.8B") (24 layers, hidden 1024, vocab 248320, tied
+The model is qwen_mtp.tools.real_shapes.config("Qwen3.5-0.8B") (24 layers, hidden 1024, vocab 248320, tied
 embeddings) with an MTP head, every array random bf16 (gpu_check._random_model: std 0.02 for the embedding,
 1 / sqrt(fan-in) for other matrices, 0.1 for vectors). Measured, each generate compiled by a first call and timed
 on a second (eos_token_id=[]):
@@ -12,7 +12,7 @@ on a second (eos_token_id=[]):
   k         one speculative round, decode time / rounds per row (stats.rounds sums over rows; random weights
             accept ~nothing, so every row runs the same rounds), as a multiple of one plain step, with the
             weights it reads (gpu_check._round_bytes: trunk + (k + 1) lm_head + k MTP head) and their GB/s.
---draft-vocab N (default 32768; 0: the full vocabulary): the draft head scores N ids (qwen_mtp/draft_vocab.py;
+--draft-vocab N (default 32768; 0: the full vocabulary): the draft head scores N ids (qwen_mtp/head/draft_vocab.py;
 ids 0..N-1 here, random weights have no frequent tokens), the verify all 248320: every draft step reads an
 N x 1024 lm_head instead of the 508 MB embedding. The projection then assumes the alpha_j of the full
 vocabulary (the shipped model lost none at 1024 of its 4096 ids, benchmarks/bench_draft_vocab.py).
@@ -99,7 +99,7 @@ def main(argv=None):
     import jax
 
     import qwen_mtp
-    from qwen_mtp import real_shapes
+    from qwen_mtp.tools import real_shapes
 
     cfg = real_shapes.config("Qwen3.5-0.8B")
     t = time.perf_counter()
@@ -108,7 +108,7 @@ def main(argv=None):
     trunk, lm_head, head = gpu_check._weight_read_bytes(model.weights)
     spec_model, draft_head = model, lm_head
     if args.draft_vocab:
-        from qwen_mtp.draft_vocab import build_draft_vocab
+        from qwen_mtp.head.draft_vocab import build_draft_vocab
 
         spec_model = build_draft_vocab(model, np.arange(cfg.vocab_size)[::-1], args.draft_vocab)
         draft_head = lm_head * args.draft_vocab // cfg.vocab_size

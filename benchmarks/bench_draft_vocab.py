@@ -1,4 +1,4 @@
-"""Draft vocabulary (qwen_mtp/draft_vocab.py) vs the full vocabulary for the MTP draft head, measured in one run.
+"""Draft vocabulary (qwen_mtp/head/draft_vocab.py) vs the full vocabulary for the MTP draft head, measured in one run.
 
 Default: the shipped model (checkpoints/qwen3_5_small, vocab 4096) at batch 1, greedy, k = 3, on prompts cut
 from its held-out stdlib files (as benchmarks/bench_spec.py cuts them), for each draft vocabulary size: AL,
@@ -38,7 +38,7 @@ def _sizes(text):
 def shipped(args):
     import qwen_mtp
     from checkpoints.corpus import held_out_file_ids
-    from qwen_mtp.cli import default_model_path, load_tokenizer
+    from qwen_mtp.loading.folder import default_model_path, load_tokenizer
 
     folder = args.model or str(default_model_path())
     tok = load_tokenizer(folder)
@@ -107,7 +107,7 @@ def random_model(cfg, seed=0, dtype="bfloat16"):
     import jax.numpy as jnp
 
     import qwen_mtp
-    from qwen_mtp.weights import weight_shapes
+    from qwen_mtp.trunk.weights import weight_shapes
 
     shapes = weight_shapes(cfg, dtype)
     leaves, tree = jax.tree.flatten(shapes)
@@ -129,9 +129,9 @@ def draft_round_times(models: dict, k: int, context: int, repeats: int, penalty:
     import jax.numpy as jnp
 
     import qwen_mtp
-    from qwen_mtp import speculative
-    from qwen_mtp.mtp import init_mtp_cache
-    from qwen_mtp.sampling import Sampling
+    from qwen_mtp.decoding import speculative
+    from qwen_mtp.decoding.sampling import Sampling
+    from qwen_mtp.head.mtp import init_mtp_cache
 
     some = next(iter(models.values()))
     cfg, dtype = some.config, some.weights.embed.dtype
@@ -161,7 +161,7 @@ def shape_08b(args):
     import jax
 
     import qwen_mtp
-    from qwen_mtp.real_shapes import config
+    from qwen_mtp.tools.real_shapes import config
 
     cfg = config("Qwen3.5-0.8B", layers=4)
     t0 = time.perf_counter()
@@ -185,7 +185,7 @@ def _penalty_text(args) -> str:
 
 
 def main():
-    from qwen_mtp.cli import penalty_arg  # the CLI's own validation
+    from qwen_mtp.tools.cli import penalty_arg  # the CLI's own validation
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=["small", "0.8b"], default="small")

@@ -36,8 +36,8 @@ def chunk_memory(model, context, chunk=256):
     import jax
     import jax.numpy as jnp
 
-    from qwen_mtp.generate import _prefill_chunk
-    from qwen_mtp.state import init_state
+    from qwen_mtp.decoding.generate import _prefill_chunk
+    from qwen_mtp.trunk.state import init_state
 
     cfg = model.config
     state = jax.eval_shape(lambda: init_state(cfg, 1, context, model.weights.embed.dtype))
@@ -71,10 +71,10 @@ def main(argv=None):
 
     import kernels_pallas.causal_attention as ca
     import kernels_pallas.masked_attention as ma
-    import qwen_mtp.attention as attention
     import qwen_mtp
+    import qwen_mtp.trunk.attention as attention
     from checkpoints.corpus import held_out_ids
-    from qwen_mtp.cli import default_model_path, load_tokenizer
+    from qwen_mtp.loading.folder import default_model_path, load_tokenizer
 
     path = default_model_path()
     model = qwen_mtp.load(path, dtype=args.dtype)

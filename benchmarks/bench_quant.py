@@ -38,9 +38,9 @@ def random_checkpoint(shape: str, layers: int, folder: Path, seed: int = 0) -> P
     import jax
     import ml_dtypes
 
-    from checkpoints.hf_write import save_checkpoint
-    from qwen_mtp.real_shapes import _COMMON, REAL_CONFIGS, config
-    from qwen_mtp.weights import weight_shapes
+    from qwen_mtp.loading.hf_write import save_checkpoint
+    from qwen_mtp.tools.real_shapes import _COMMON, REAL_CONFIGS, config
+    from qwen_mtp.trunk.weights import weight_shapes
 
     cfg = config(shape, layers=layers)
     rng = np.random.default_rng(seed)
@@ -108,7 +108,7 @@ def table(title, rows, new) -> str:
 def main(argv=None):
     import jax
 
-    from qwen_mtp.cli import default_model_path
+    from qwen_mtp.loading.folder import default_model_path
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a checkpoint folder (default: the shipped model, then the --shape model)")
@@ -127,7 +127,7 @@ def main(argv=None):
     if formats[0] != "bf16":
         ap.error("--formats must start with bf16 (the reference of the ratios)")
     from qwen_mtp.errors import ArgumentError
-    from qwen_mtp.sharding import parse_mesh
+    from qwen_mtp.parallel.sharding import parse_mesh
 
     try:
         mesh = None if args.mesh is None else parse_mesh(args.mesh)

@@ -53,12 +53,12 @@ def phase_functions(cfg, spec, sampling):
     import jax
     import jax.numpy as jnp
 
-    from qwen_mtp.model import forward, lm_logits
-    from qwen_mtp.mtp import mtp_forward
-    from qwen_mtp.ops import DECODE_COMPILER_OPTIONS
-    from qwen_mtp.rollback import select_states
-    from qwen_mtp.sampling import choose
-    from qwen_mtp.speculative import _accept, _draft
+    from qwen_mtp.decoding.rollback import select_states
+    from qwen_mtp.decoding.sampling import choose
+    from qwen_mtp.decoding.speculative import _accept, _draft
+    from qwen_mtp.head.mtp import mtp_forward
+    from qwen_mtp.trunk.forward import forward, lm_logits
+    from qwen_mtp.trunk.ops import DECODE_COMPILER_OPTIONS
 
     k = spec.k
     jit = partial(jax.jit, compiler_options=DECODE_COMPILER_OPTIONS)  # as the decode loops are compiled
@@ -103,9 +103,9 @@ def profile(model, prompt, ks, batch, new_tokens, sampling=None):
     import jax.numpy as jnp
 
     import qwen_mtp
-    from qwen_mtp.sampling import Sampling
+    from qwen_mtp.decoding.sampling import Sampling
 
-    gen = sys.modules["qwen_mtp.generate"]
+    gen = sys.modules["qwen_mtp.decoding.generate"]
     sampling = sampling or Sampling()
     cfg, w = model.config, model.weights
     rows = [np.asarray(prompt)] * batch
@@ -160,10 +160,10 @@ def rows_cost(model, rows_list, cache_len=512, calls=50, blocks=5):
     import jax
     import jax.numpy as jnp
 
-    from qwen_mtp.model import forward, lm_logits
-    from qwen_mtp.ops import DECODE_COMPILER_OPTIONS
-    from qwen_mtp.rollback import select_states
-    from qwen_mtp.state import init_state
+    from qwen_mtp.decoding.rollback import select_states
+    from qwen_mtp.trunk.forward import forward, lm_logits
+    from qwen_mtp.trunk.ops import DECODE_COMPILER_OPTIONS
+    from qwen_mtp.trunk.state import init_state
 
     cfg, w = model.config, model.weights
     state = init_state(cfg, 1, cache_len, w.embed.dtype, None)
@@ -207,7 +207,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import qwen_mtp
     from checkpoints.corpus import held_out_file_ids
-    from qwen_mtp.cli import default_model_path, load_tokenizer
+    from qwen_mtp.loading.folder import default_model_path, load_tokenizer
 
     folder = args.model or str(default_model_path())
     model = qwen_mtp.load(folder, dtype=args.dtype)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def main():
-    from qwen_mtp.cli import penalty_arg  # the CLI's own validation
+    from qwen_mtp.tools.cli import penalty_arg  # the CLI's own validation
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model")
@@ -46,7 +46,7 @@ def main():
                     help="draft over the N most frequent ids (default: the full vocabulary)")
     args = ap.parse_args()
     import qwen_mtp
-    from qwen_mtp.sharding import parse_mesh
+    from qwen_mtp.parallel.sharding import parse_mesh
 
     try:
         mesh = None if args.mesh is None else parse_mesh(args.mesh)
@@ -57,7 +57,7 @@ def main():
     text_ids = None
     if folder is None and not args.random:
         from checkpoints.corpus import held_out_file_ids
-        from qwen_mtp.cli import default_model_path, load_tokenizer
+        from qwen_mtp.loading.folder import default_model_path, load_tokenizer
 
         folder = str(default_model_path())
         text_ids = held_out_file_ids(load_tokenizer(folder), 3)

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import qwen_mtp
-from qwen_mtp.cli import default_model_path, load_tokenizer
-from qwen_mtp.model import lm_logits
-from qwen_mtp.mtp import init_mtp_cache, mtp_forward
+from qwen_mtp.head.mtp import init_mtp_cache, mtp_forward
+from qwen_mtp.loading.folder import default_model_path, load_tokenizer
+from qwen_mtp.trunk.forward import lm_logits
 
 STEPS = 32
 

@@ -89,8 +89,12 @@ import numpy as np  # noqa: E402
 
 from kernels_pallas import quant_matmul as qmm  # noqa: E402
 from kernels_pallas.quant_layout import cdiv, padded_k  # noqa: E402
-from kernels_pallas.windowed_attention import (plan, unsupported_reason, windowed_attend_pallas,  # noqa: E402
-                                               windowed_attend_reference)
+from kernels_pallas.windowed_attention import (  # noqa: E402
+    plan,
+    unsupported_reason,
+    windowed_attend_pallas,
+    windowed_attend_reference,
+)
 
 # device -> HBM bandwidth in bytes/s (published peaks)
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "B200": 8.0e12}
@@ -269,7 +273,7 @@ def check_kernels(cases, interpret, timings):
 
 def check_end_to_end(max_new, thorough=True):
     import qwen_mtp
-    from qwen_mtp.lowering import export_spec_decode, kernel_calls
+    from qwen_mtp.tools.lowering import export_spec_decode, kernel_calls
 
     failures = 0
     from tokenizers import Tokenizer
@@ -480,8 +484,8 @@ def _random_model(cfg, name, seed=0, quant="int4", dtype="float32"):
     None: every array in `dtype`, nothing quantized. Unquantized values are uniform with std 0.02 (embedding),
     1 / sqrt(fan-in) (other matrices) or 0.1 (vectors)."""
     import qwen_mtp
-    from qwen_mtp import quant as quant_mod
-    from qwen_mtp.weights import weight_shapes
+    from qwen_mtp.trunk import quant as quant_mod
+    from qwen_mtp.trunk.weights import weight_shapes
 
     policy = None if quant is None else quant_mod.QuantPolicy(quant, 128, lm_head=True, mtp=True)
     shapes = weight_shapes(cfg, dtype)
@@ -513,7 +517,7 @@ def _as_bf16(model):
     """The same model with its unquantized arrays in bf16 (activations follow them); QuantArrays as they are."""
     import dataclasses
 
-    from qwen_mtp import quant
+    from qwen_mtp.trunk import quant
 
     cast = lambda x: x if isinstance(x, quant.QuantArray) else x.astype(jnp.bfloat16)
     weights = jax.tree.map(cast, model.weights, is_leaf=lambda x: isinstance(x, quant.QuantArray))
@@ -523,9 +527,9 @@ def _as_bf16(model):
 def check_tensor_parallel(max_new):
     """Item 6: tokens on n devices = tokens on one; decode step time 1 device vs n. 0 failures when skipped."""
     import qwen_mtp
-    from qwen_mtp import real_shapes
-    from qwen_mtp.config import parse_config
-    from qwen_mtp.sharding import make_mesh
+    from qwen_mtp.parallel.sharding import make_mesh
+    from qwen_mtp.tools import real_shapes
+    from qwen_mtp.trunk.config import parse_config
 
     devices, backend = jax.devices(), jax.default_backend()
     n = len(devices)
@@ -585,7 +589,7 @@ def check_tensor_parallel(max_new):
 # end to end on a Qwen3.5-27B-shaped slice (item 7): greedy generate of each, bf16 random weights, one device
 E2E_SPECS = {"plain": None, "native k3": {"k": 3},
              "windowed k3 W4032 S64": {"k": 3, "window": 4032, "sinks": 64},
-             # the draft head over the 32768 most frequent ids (qwen_mtp/draft_vocab.py; random weights have no
+             # the draft head over the 32768 most frequent ids (qwen_mtp/head/draft_vocab.py; random weights have no
              # frequent ids, so ids 0..N-1; a quarter of the vocabulary on the CPU's small config)
              "native k3 draft vocab": {"k": 3, "draft_vocab": 32768}}
 
@@ -611,8 +615,8 @@ def check_end_to_end_27b(max_new, layers=4):
     of `layers` real layers (on CPU: TP_SMALL, the same layer pattern at a small width). Timing only: 0
     failures unless a run raises."""
     import qwen_mtp
-    from qwen_mtp import real_shapes
-    from qwen_mtp.config import parse_config
+    from qwen_mtp.tools import real_shapes
+    from qwen_mtp.trunk.config import parse_config
 
     on_gpu = jax.default_backend() == "gpu"
     if on_gpu:
@@ -640,7 +644,7 @@ def check_end_to_end_27b(max_new, layers=4):
         run_model, draft_lm = model, lm_head
         try:
             if dv is not None:
-                from qwen_mtp.draft_vocab import build_draft_vocab
+                from qwen_mtp.head.draft_vocab import build_draft_vocab
 
                 dv = dv if on_gpu else cfg.vocab_size // 4
                 run_model = build_draft_vocab(model, np.arange(cfg.vocab_size)[::-1], dv)
@@ -763,7 +767,7 @@ def check_long_context_27b(layers=4, contexts=(131072, 1 << 20), new=16):
     import dataclasses
 
     import qwen_mtp
-    from qwen_mtp import real_shapes
+    from qwen_mtp.tools import real_shapes
 
     if jax.default_backend() != "gpu":
         print("long context 27B slice: GPU only (skipped)", flush=True)

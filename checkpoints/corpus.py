@@ -1,7 +1,7 @@
 """The shipped model's text: the Python standard library sources of the running interpreter, split into the
 training files and the held-out evaluation files (HELD_OUT, never seen by the tokenizer or the model).
 
-Training (train_small.py), evaluation (eval_small.py), the certificate (qwen_mtp/certify.py), the window
+Training (train_small.py), evaluation (eval_small.py), the certificate (qwen_mtp/tools/certify.py), the window
 analysis and the benchmarks all read their text from here; nothing in this module needs the training extra.
 """
 

@@ -1,4 +1,4 @@
-"""Token counts of the shipped model's TRAINING corpus, for its draft vocabulary (qwen_mtp/draft_vocab.py).
+"""Token counts of the shipped model's TRAINING corpus, for its draft vocabulary (qwen_mtp/head/draft_vocab.py).
 
     python -m checkpoints.draft_vocab_counts [--model checkpoints/qwen3_5_small]
 
@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 
 from checkpoints.corpus import encode, read_texts, source_files, stdlib_root
-from qwen_mtp.config import load_config
-from qwen_mtp.draft_vocab import COUNTS_FILE, token_counts
+from qwen_mtp.head.draft_vocab import COUNTS_FILE, token_counts
+from qwen_mtp.trunk.config import load_config
 
 
 def training_counts(model_folder) -> np.ndarray:
     """int64 [vocab_size]: token counts of the training files, tokenised with the folder's tokenizer."""
-    from qwen_mtp.cli import load_tokenizer
+    from qwen_mtp.loading.folder import load_tokenizer
 
     root = stdlib_root()
     train_rels, _ = source_files(root)
@@ -32,7 +32,7 @@ def training_counts(model_folder) -> np.ndarray:
 
 
 def main(argv=None):
-    from qwen_mtp.cli import default_model_path
+    from qwen_mtp.loading.folder import default_model_path
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(default_model_path()), help="the model folder (tokenizer.json, config)")

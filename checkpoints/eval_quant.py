@@ -29,7 +29,7 @@ def bytes_in_bf16(weights) -> int:
     """Bytes of the weights with every plain array held in bf16 (quantized arrays as they are)."""
     import jax
 
-    from qwen_mtp.quant import QuantArray
+    from qwen_mtp.trunk.quant import QuantArray
 
     total = 0
     for leaf in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, QuantArray)):
@@ -41,7 +41,7 @@ def quantized_matrix_ratio(weights) -> float | None:
     """Bytes of the quantized matrices (values + scales) over the same matrices in bf16; None if none."""
     import jax
 
-    from qwen_mtp.quant import QuantArray
+    from qwen_mtp.trunk.quant import QuantArray
 
     q = [x for x in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, QuantArray)) if isinstance(x, QuantArray)]
     return sum(x.nbytes for x in q) / sum(2 * int(np.prod(x.shape)) for x in q) if q else None
@@ -71,7 +71,7 @@ def measure(model, ids, prompts, new, ks, n_windows):
 def run(path, formats=FORMATS, n_windows=64, n_prompts=8, prompt_len=128, new=96, ks=(1, 2, 3, 4),
         group_size=128, seed=0, progress=print):
     import qwen_mtp
-    from qwen_mtp.cli import load_tokenizer
+    from qwen_mtp.loading.folder import load_tokenizer
 
     ids = held_out_ids(load_tokenizer(path))
     rng = np.random.default_rng(seed)
@@ -109,7 +109,7 @@ def report(res) -> str:
 
 
 def main(argv=None):
-    from qwen_mtp.cli import default_model_path
+    from qwen_mtp.loading.folder import default_model_path
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(default_model_path()))

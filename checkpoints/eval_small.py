@@ -27,7 +27,7 @@ import numpy as np
 
 from checkpoints.corpus import HELD_OUT, encode, held_out_texts, stdlib_root
 from checkpoints.train_small import SEQ, eval_windows, losses_from_logits, teacher_forced_logits
-from qwen_mtp.analysis import alpha_intervals, wilson
+from qwen_mtp.tools.analysis import alpha_intervals, wilson
 
 
 def _hits(x, trunk_logits, mtp_logits):
@@ -243,7 +243,7 @@ def _penalties(text):
 
 def main(argv=None):
     import qwen_mtp
-    from qwen_mtp.cli import default_model_path, generation_repetition_penalty, load_tokenizer
+    from qwen_mtp.loading.folder import default_model_path, generation_repetition_penalty, load_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(default_model_path()))

@@ -46,18 +46,17 @@ from functools import partial
 from pathlib import Path
 
 import jax
-import ml_dtypes
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
-from checkpoints.corpus import (CORPORA, EOS, HELD_OUT, encode, held_out_text, read_texts,  # noqa: F401 - re-exported
-                                source_files, stdlib_root)
-from qwen_mtp.config import parse_config
+from checkpoints.corpus import CORPORA, EOS, HELD_OUT, encode, held_out_text, read_texts, source_files, stdlib_root  # noqa: F401 - re-exported
 from qwen_mtp.errors import ArgumentError
-from qwen_mtp.model import forward, lm_logits
-from qwen_mtp.mtp import init_mtp_cache, mtp_forward
-from qwen_mtp.state import init_state
-from qwen_mtp.weights import AttnWeights, GDNWeights, LayerWeights, MLPWeights, MTPWeights, Weights
+from qwen_mtp.head.mtp import init_mtp_cache, mtp_forward
+from qwen_mtp.trunk.config import parse_config
+from qwen_mtp.trunk.forward import forward, lm_logits
+from qwen_mtp.trunk.state import init_state
+from qwen_mtp.trunk.weights import AttnWeights, GDNWeights, LayerWeights, MLPWeights, MTPWeights, Weights
 
 VOCAB = 4096
 SEQ = 256
@@ -337,11 +336,11 @@ def train(out, steps: int = 400, *, seed: int = 0, eval_every: int = 50, distill
     corpus: the training text, corpus.CORPORA ("stdlib", the whole standard library, or "library", without its
     test suites, codec tables and help text); the held-out files are the same for both.
     Returns the log (also written to out/train_log.json with its loss-curve plot out/train_loss.png)."""
-    from tqdm import tqdm
     from tokenizers import Tokenizer
+    from tqdm import tqdm
 
     from checkpoints import train_state
-    from checkpoints.hf_write import save_checkpoint
+    from qwen_mtp.loading.hf_write import save_checkpoint
 
     out = Path(out)
     state_dir = Path(state_dir) if state_dir is not None else out.parent / f".{out.name}.train_state"

@@ -48,9 +48,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from . import dispatch
-from . import windowed_attention as wa
-from .masked_attention import attend, attend_with_new, precision_for
+from kernels_pallas import dispatch
+from kernels_pallas import windowed_attention as wa
+from kernels_pallas.masked_attention import attend, attend_with_new, precision_for
 
 PREFILL_BLOCK = 512  # slots per block when the call has many queries (prefill chunks)
 DECODE_BLOCK = 1024  # ... and when it has few (decode: 1 row, verify: k + 1 rows)

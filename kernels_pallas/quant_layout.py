@@ -1,4 +1,4 @@
-"""The storage layout of a quantized weight matrix, shared by the quantizer (qwen_mtp/quant.py), the matmul
+"""The storage layout of a quantized weight matrix, shared by the quantizer (qwen_mtp/trunk/quant.py), the matmul
 kernel (quant_matmul.py) and its reference. Pure functions of arrays; numpy or jax.numpy alike.
 
 A logical weight w [..., K, N] (stored [in, out], as every matrix in this project) is held as

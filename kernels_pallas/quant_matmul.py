@@ -74,9 +74,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from . import dispatch
-from .masked_attention import precision_for
-from .quant_layout import STORAGE, cdiv, check, dequantize, padded_k, values
+from kernels_pallas import dispatch
+from kernels_pallas.masked_attention import precision_for
+from kernels_pallas.quant_layout import STORAGE, cdiv, check, dequantize, padded_k, values
 
 HIGHEST = jax.lax.Precision.HIGHEST
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)

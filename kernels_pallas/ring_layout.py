@@ -1,6 +1,6 @@
 """Wind-MTP ring layout: which logical head row each physical slot of the draft ring holds, and the window mask.
 
-Pure jnp functions of integers, shared by the model (qwen_mtp/draft_ring.py writes the ring) and the kernels
+Pure jnp functions of integers, shared by the model (qwen_mtp/head/ring.py writes the ring) and the kernels
 (kernels_pallas/windowed_attention.py reads it), so neither imports the other's package.
 
 The head's row r sees rows [0, S) (the sinks) and (r - W, r]. Its KV lives in S + W + k physical slots: rows < S

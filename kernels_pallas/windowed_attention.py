@@ -21,7 +21,7 @@ Dots run in q's dtype with f32 accumulation (bf16 products are exact in f32), at
 (for f32 inputs that is IEEE, not TF32).
 
 KV dtype: the ring and the new rows (one dtype for both) are in q's dtype or in float8_e4m3fn (the fp8 KV
-cache, qwen_mtp/state.py). The kernel loads fp8 blocks as they are (half the bytes of bf16 streamed from
+cache, qwen_mtp/trunk/state.py). The kernel loads fp8 blocks as they are (half the bytes of bf16 streamed from
 memory) and converts them to q's dtype in registers; the reference upcasts them the same way before its dots,
 so both see the same values (every e4m3fn value is exact in bf16 and f32). The caller rounds the new rows to
 the ring dtype (new_k / new_v arrive in it), so kernel and reference read a call's own rows exactly as a later
@@ -42,9 +42,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from . import dispatch
-from .masked_attention import attend
-from .ring_layout import slot_rows, visible, window_mask
+from kernels_pallas import dispatch
+from kernels_pallas.masked_attention import attend
+from kernels_pallas.ring_layout import slot_rows, visible, window_mask
 
 HIGHEST = jax.lax.Precision.HIGHEST
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # Triton dots need every dimension >= 16

@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from qwen_mtp.tools.cli import main
 
 sys.exit(main())

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 
-from .errors import MissingExtraError
+from qwen_mtp.errors import MissingExtraError
 
 EXTRAS = {
     "plot": ("matplotlib",),
@@ -49,7 +49,7 @@ def run_script(main, argv=None) -> int:
     errors, end in one line on stderr and exit status 2, not a traceback; Ctrl-C in status 130."""
     import sys
 
-    from .errors import QwenMTPError
+    from qwen_mtp.errors import QwenMTPError
 
     try:
         return main(argv) or 0

@@ -48,9 +48,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import hf_tiny
 
 import qwen_mtp
-from qwen_mtp import sharding
-from qwen_mtp.model import forward, lm_logits
-from qwen_mtp.state import init_state
+from qwen_mtp.parallel import sharding
+from qwen_mtp.trunk.forward import forward, lm_logits
+from qwen_mtp.trunk.state import init_state
 
 # vocab 96 (not the tests' 97) so the vocabulary splits over 2 and 4 devices; 4 heads, 2 kv heads (replicated on
 # model=4: the issue's "2 KV heads on 4 devices"), 4 GDN value heads

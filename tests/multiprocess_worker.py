@@ -6,7 +6,7 @@
 
 Each process gets `--devices` virtual CPU devices (XLA_FLAGS, set before jax is imported), joins the job with
 jax.distributed.initialize (CPU collectives over gloo), and runs the same qwen_mtp.generate calls on the shipped
-model (float32) sharded on each mesh of --plan (qwen_mtp.sharding.make_mesh over jax.devices(): every process's
+model (float32) sharded on each mesh of --plan (qwen_mtp.parallel.sharding.make_mesh over jax.devices(): every process's
 devices), weights placed by qwen_mtp.shard(load(...), mesh), or load(..., mesh=mesh) for --load-sharded meshes.
 Process 0 writes {"meshes": {"DxM": {case: tokens}}, "mesh_processes", "stream", "timings", device counts} to
 --out; every process writes {"stream": what its own stream callable received, "timings"} to --out + ".p<I>".
@@ -101,8 +101,8 @@ def main(argv=None):
     jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
                                process_id=args.process_id, initialization_timeout=args.init_timeout)
     import qwen_mtp
-    from qwen_mtp import sharding
-    from qwen_mtp.cli import default_model_path
+    from qwen_mtp.loading.folder import default_model_path
+    from qwen_mtp.parallel import sharding
 
     t_init, c_init = time.perf_counter(), _cpu()
     print(f"process {jax.process_index()} of {jax.process_count()} joined in {t_init - t0:.1f} s", flush=True)

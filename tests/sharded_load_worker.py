@@ -24,9 +24,9 @@ import numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import qwen_mtp
-from checkpoints import orbax_io, sliced_reads
 from qwen_mtp import ArgumentError, CheckpointError, QuantArray
-from qwen_mtp.sharding import make_mesh
+from qwen_mtp.loading import orbax_io, sliced_reads
+from qwen_mtp.parallel.sharding import make_mesh
 
 is_q = lambda x: isinstance(x, QuantArray)
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hf_tiny import shard
 from safetensors.numpy import load_file, save_file
 
 import qwen_mtp
-from hf_tiny import shard
 from qwen_mtp import ArgumentError, CheckpointError, ConfigError
 
 VOCAB = 97  # tiny config's vocab_size

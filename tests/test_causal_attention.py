@@ -79,8 +79,8 @@ def test_read_before_write_equals_write_then_read(dtype, kv_dtype, B, T, starts)
     the dense causal form gives: the same output (up to f32 sums) and the same cache. The slots at and past each
     row's position hold random values (stale rows, as after a rejected draft) that would change the output if
     either form let a query see them."""
-    from qwen_mtp.attention import write_kv
-    from qwen_mtp.state import KVCache, to_cache
+    from qwen_mtp.trunk.attention import write_kv
+    from qwen_mtp.trunk.state import KVCache, to_cache
     S, nkv, G, hd = 64 + T, 2, 2, 16
     q, k, v, q_pos = _case(3, B, T, S, nkv, G, hd, starts, dtype, kv_dtype)
     r = np.random.default_rng(4)
@@ -98,7 +98,7 @@ def test_read_before_write_equals_write_then_read(dtype, kv_dtype, B, T, starts)
     assert float(np.max(np.abs(np.asarray(stale, np.float64) - np.asarray(want, np.float64)))) > 10 * tol
     assert float(jnp.std(want.astype(jnp.float32))) > 0.1
     # the write itself: the CPU's per-row update (as bits or not) and the GPU's scatter write the same cache
-    from qwen_mtp.attention import write_rows_per_row, write_rows_scatter
+    from qwen_mtp.trunk.attention import write_rows_per_row, write_rows_scatter
     for as_bits in (False, True):
         for a, b in ((k, k_new), (v, v_new)):
             per_row = jax.jit(lambda c, u, p: write_rows_per_row(c, u, p, as_bits=as_bits))(a, b, pos)
@@ -113,8 +113,8 @@ def test_per_row_write_equals_the_scatter_at_every_batch(dtype):
     """write_rows_per_row writes the cache the GPU's scatter writes, byte for byte, as values or as bits, both
     unrolled (B <= UNROLL_ROWS) and as a loop over the rows (more rows: unrolled, the speculative sampling
     tests' 2000-row batch made XLA's CPU compiler crash), a row clamped at the cache's end included."""
-    from qwen_mtp import attention
-    from qwen_mtp.state import to_cache
+    from qwen_mtp.trunk import attention
+    from qwen_mtp.trunk.state import to_cache
     S, T, nkv, hd = 16, 3, 2, 4
     for B in (1, attention.UNROLL_ROWS, attention.UNROLL_ROWS + 1, 20):
         r = np.random.default_rng(B)
@@ -171,7 +171,7 @@ def test_short_caches_keep_the_dense_program():
 @pytest.fixture(scope="module")
 def long_prompt():
     from checkpoints.corpus import held_out_ids
-    from qwen_mtp.cli import default_model_path, load_tokenizer
+    from qwen_mtp.loading.folder import default_model_path, load_tokenizer
 
     path = default_model_path()
     ids = held_out_ids(load_tokenizer(path))

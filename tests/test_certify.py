@@ -1,4 +1,4 @@
-"""The lossless certificate (qwen_mtp/certify.py, `python -m qwen_mtp certify`): its short form passes on the
+"""The lossless certificate (qwen_mtp/tools/certify.py, `python -m qwen_mtp certify`): its short form passes on the
 shipped model and on random tiny architectures with drafts really accepted, and it fails when losslessness is
 broken (a GDN rollback to the wrong position); bf16 near-ties are classified by the stated bound; the CLI writes
 its report and exits 1 on a failing divergence, 2 on bad flags."""
@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qwen_mtp import certify as cert
-from qwen_mtp.config import parse_config
+from qwen_mtp.tools import certify as cert
+from qwen_mtp.trunk.config import parse_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ def test_short_sweep_is_identical_and_drafts_are_accepted(report):
 def test_a_broken_rollback_fails_the_certificate(monkeypatch):
     """The negative control: every GDN layer continues from its state after the FIRST verified position, whatever
     was accepted. The certificate must see it."""
-    import qwen_mtp.speculative as speculative
+    import qwen_mtp.decoding.speculative as speculative
 
     real = speculative.select_states
     monkeypatch.setattr(speculative, "select_states", lambda st, n: real(st, jnp.zeros_like(n)))
@@ -108,7 +108,7 @@ def test_random_moe_architectures_go_through_the_loader_in_both_expert_layouts(s
     """Dense and MoE random architectures are written as HF checkpoints (MoE experts fused or per expert) and read
     back; the drawn and loaded weights must be bitwise equal. Negative control: a checkpoint written with each
     expert's gate and up halves swapped (the classic fused-layout mistake) is caught as a LoaderMismatch."""
-    import checkpoints.hf_write as hw
+    import qwen_mtp.loading.hf_write as hw
 
     model, name = cert.random_model(np.random.default_rng(seed), 1)  # architecture 1 is the MoE one
     assert name.endswith(f":hf-{layout}") and model.config.num_experts > 1

@@ -5,7 +5,7 @@ import io
 import numpy as np
 
 import qwen_mtp
-from qwen_mtp.cli import pick_k
+from qwen_mtp.decoding.auto_k import pick_k
 
 
 def test_pick_k_times_every_candidate_and_returns_the_fastest(ckpt):

@@ -1,4 +1,4 @@
-"""The low-precision weight products and the embedding gather as XLA compiles them for a CPU (qwen_mtp/ops.py:
+"""The low-precision weight products and the embedding gather as XLA compiles them for a CPU (qwen_mtp/trunk/ops.py:
 contract, embed_rows; model._tied_logits): same values as the plain einsum / gather, and, in the decode loops
 generate runs, no program that casts or re-lays-out the whole embedding table.
 
@@ -17,17 +17,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import qwen_mtp.model as model_mod
-import qwen_mtp.mtp as mtp_mod
-from qwen_mtp.config import load_config
-from qwen_mtp.generate import _plain_decode_few_rows, _plain_start
-from qwen_mtp.lowering import spec_decode_args
-from qwen_mtp.model import lm_logits
-from qwen_mtp.ops import contract, embed_rows, linear
-from qwen_mtp.sampling import Sampling
-from qwen_mtp.speculative import SpecConfig, spec_decode_few_rows
-from qwen_mtp.state import init_state
-from qwen_mtp.weights import Weights, weight_shapes
+import qwen_mtp.head.mtp as mtp_mod
+import qwen_mtp.trunk.forward as model_mod
+from qwen_mtp.decoding.generate import _plain_decode_few_rows, _plain_start
+from qwen_mtp.decoding.sampling import Sampling
+from qwen_mtp.decoding.speculative import SpecConfig, spec_decode_few_rows
+from qwen_mtp.tools.lowering import spec_decode_args
+from qwen_mtp.trunk.config import load_config
+from qwen_mtp.trunk.forward import lm_logits
+from qwen_mtp.trunk.ops import contract, embed_rows, linear
+from qwen_mtp.trunk.state import init_state
+from qwen_mtp.trunk.weights import Weights, weight_shapes
 
 HIGHEST = jax.lax.Precision.HIGHEST
 SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "qwen3_5_small"
@@ -100,7 +100,7 @@ def _argmax_cases():
 def test_argmax_is_jnp_argmax(dtype):
     """sampling.argmax (a max, then the first index holding it) against jnp.argmax on ties, NaNs, infinities and
     random rows; and draw (its Gumbel argmax) against jax.random.categorical, draw for draw."""
-    from qwen_mtp.sampling import argmax, draw
+    from qwen_mtp.decoding.sampling import argmax, draw
 
     x = jnp.asarray(_argmax_cases()).astype(dtype)
     got = np.asarray(jax.jit(argmax)(x))
@@ -188,7 +188,7 @@ def test_decode_loop_updates_the_kv_caches_in_place(dtype, monkeypatch):
     write_rows_per_row; ops.LOOP_COMPILER_OPTIONS). The probe sees the updates: in f32, one per cache. Controls:
     written first and read back (what prefill chunks and GPUs do), f32 gets whole-cache copies; written as bf16
     values rather than as bits, bf16 is updated in f32."""
-    import qwen_mtp.attention as attention_mod
+    import qwen_mtp.trunk.attention as attention_mod
 
     cfg = load_config(SHIPPED)
     n_caches = 2 * cfg.layer_types.count("full_attention")

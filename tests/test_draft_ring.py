@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qwen_mtp.draft_ring import init_ring, ring_rows, ring_slot, ring_write, window_mask
+from qwen_mtp.head.ring import init_ring, ring_rows, ring_slot, ring_write, window_mask
 
 TAG = 100_000
 

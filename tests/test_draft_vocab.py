@@ -1,4 +1,4 @@
-"""A reduced draft vocabulary (qwen_mtp/draft_vocab.py) changes only the drafts: greedy speculative output is
+"""A reduced draft vocabulary (qwen_mtp/head/draft_vocab.py) changes only the drafts: greedy speculative output is
 still plain greedy output, drafts stay inside the set, the draft distribution is zero outside it, and the
 sampling accept keeps the target distribution exactly."""
 
@@ -11,11 +11,12 @@ import pytest
 from scipy.stats import chisquare
 
 import qwen_mtp
-from qwen_mtp import draft_vocab as dvm
-from qwen_mtp import speculative
-from qwen_mtp.mtp import init_mtp_cache
-from qwen_mtp.quant import quantize
-from qwen_mtp.sampling import Sampling, probs
+from qwen_mtp.decoding import speculative
+from qwen_mtp.decoding.sampling import Sampling, probs
+from qwen_mtp.decoding.speculative import draft_vocab_pick
+from qwen_mtp.head import draft_vocab as dvm
+from qwen_mtp.head.mtp import init_mtp_cache
+from qwen_mtp.trunk.quant import quantize
 
 V = 97  # the tiny checkpoints' vocabulary
 
@@ -95,7 +96,7 @@ def test_drafts_inside_the_set_and_q_zero_outside(model, head):
     # greedy: the first draft is the full head logits' argmax restricted to the set
     m1, D, Q = _run_draft(small, Sampling())
     assert Q is None and np.isin(D, ids).all()
-    full = np.asarray(qwen_mtp.model.lm_logits(base.weights, m1))
+    full = np.asarray(qwen_mtp.trunk.forward.lm_logits(base.weights, m1))
     np.testing.assert_array_equal(D[:, 0], ids[np.argmax(full[:, ids], axis=1)])
     if head != "tied":
         return
@@ -131,7 +132,7 @@ def _emit_first(dv, m0, logits0, s, key, q_accept=None):
     distribution handed to the accept (the power check)."""
     def run(dv, m0, logits0, q_accept, key):
         k_d, k_a = jax.random.split(key)
-        d, q = dvm.pick(dv, jnp.tile(m0[None], (N, 1)), s, k_d, V)
+        d, q = draft_vocab_pick(dv, jnp.tile(m0[None], (N, 1)), s, k_d, V)
         if q_accept is not None:
             q = jnp.tile(q_accept[None], (N, 1))
         logits = jnp.tile(logits0[None, None], (N, 2, 1))
@@ -151,13 +152,13 @@ def test_sampling_accept_with_draft_vocab_is_exact(model, s, report):
     returns and empirically over N independent rows of draft + _accept."""
     rng = np.random.RandomState(4)
     m0 = jnp.asarray(rng.randn(model.config.hidden_size).astype(np.float32))
-    head = np.asarray(qwen_mtp.model.lm_logits(model.weights, m0))
+    head = np.asarray(qwen_mtp.trunk.forward.lm_logits(model.weights, m0))
     small = qwen_mtp.with_draft_vocab(model, 4, counts=np.argsort(np.argsort(head)))  # the head's top 4
     dv = small.weights.draft_vocab
     logits0 = jnp.asarray(head + rng.randn(V).astype(np.float32))  # the verify's (target) logits: near the head's
     p = np.asarray(probs(logits0, s), np.float64)
     # analytic: the output distribution of the accept rule for the q pick hands it
-    _, q = dvm.pick(dv, m0[None], s, jax.random.PRNGKey(0), V)
+    _, q = draft_vocab_pick(dv, m0[None], s, jax.random.PRNGKey(0), V)
     q = np.asarray(q[0], np.float64)
     accepted = np.minimum(p, q)
     residual = np.maximum(p - q, 0.0)
@@ -245,7 +246,7 @@ def test_load_reads_the_counts_file_and_save_drops_the_draft_vocab(model, tmp_pa
 
 
 def test_sharding_plan_covers_the_draft_vocab(model):
-    from qwen_mtp import sharding
+    from qwen_mtp.parallel import sharding
 
     small = qwen_mtp.with_draft_vocab(model, 24, counts=_counts())
     specs, _ = sharding.weight_plan(small.weights, small.config, sharding.abstract_mesh(1, 2))

@@ -2,7 +2,7 @@
 lowering, Pallas-Triton included), at the test shapes and at real Qwen3.5 shapes, with the kernel's custom call
 in the cuda program and the pure-JAX reference in the cpu and rocm ones.
 
-Real shapes come from qwen_mtp/real_shapes.py as jax.ShapeDtypeStructs: nothing is allocated. Entry points use
+Real shapes come from qwen_mtp/tools/real_shapes.py as jax.ShapeDtypeStructs: nothing is allocated. Entry points use
 real layer dimensions with one full period of layers (3 GDN : 1 attention; lowering does not depend on depth),
 and one full-depth 27B program. The kernel's Triton IR is then read out of the program and compiled to sm_90
 machine code with the `triton` package (test_kernels_compile_for_sm90), a close proxy for XLA's own Triton
@@ -23,18 +23,32 @@ import pytest
 from kernels_pallas import dispatch
 from kernels_pallas import quant_matmul as qmm
 from kernels_pallas.windowed_attention import unsupported_reason, windowed_attend, windowed_attend_pallas
-from qwen_mtp import quant, real_shapes
-from qwen_mtp.config import load_config
+from qwen_mtp.decoding.generate import (
+    _first_token,
+    _keep_last,
+    _logits,
+    _mtp_chunk,
+    _plain_decode,
+    _plain_start,
+    _prefill_chunk,
+)
+from qwen_mtp.decoding.sampling import Sampling
+from qwen_mtp.decoding.speculative import SpecConfig
 from qwen_mtp.errors import ArgumentError
-from qwen_mtp.generate import (_first_token, _keep_last, _logits, _mtp_chunk, _plain_decode, _plain_start,
-                               _prefill_chunk)
-from qwen_mtp.lowering import (SM90_SHARED_LIMIT, compile_sm90, export_for, export_spec_decode, kernel_calls,
-                               triton_kernels)
-from qwen_mtp.mtp import init_mtp_cache
-from qwen_mtp.sampling import Sampling
-from qwen_mtp.speculative import SpecConfig
-from qwen_mtp.state import init_state
-from qwen_mtp.weights import weight_shapes
+from qwen_mtp.head.mtp import init_mtp_cache
+from qwen_mtp.tools import real_shapes
+from qwen_mtp.tools.lowering import (
+    SM90_SHARED_LIMIT,
+    compile_sm90,
+    export_for,
+    export_spec_decode,
+    kernel_calls,
+    triton_kernels,
+)
+from qwen_mtp.trunk import quant
+from qwen_mtp.trunk.config import load_config
+from qwen_mtp.trunk.state import init_state
+from qwen_mtp.trunk.weights import weight_shapes
 from tests.test_kernel_quant_matmul import CASES as QUANT_INTERPRET_CASES
 from tests.test_kernel_quant_matmul import _inputs as quant_inputs
 from tests.test_kernel_windowed_attention import CASES as INTERPRET_CASES
@@ -203,7 +217,7 @@ PENALISED = {"greedy": Sampling(repetition_penalty=1.3),
 def test_repetition_penalty_programs_lower_for_cuda(name):
     """The programs generate adds under a repetition penalty: the prompt's ids, the first token, the plain loop
     and the speculative loop with the [B, vocab] context in their carries (penalty.py)."""
-    from qwen_mtp.generate import _prompt_seen
+    from qwen_mtp.decoding.generate import _prompt_seen
 
     cfg, dtype = _config(name)
     s = PENALISED["sampled"]

@@ -39,13 +39,14 @@ def check() -> dict:
     import jax
     import jax.numpy as jnp
 
-    from qwen_mtp import quant, sharding
-    from qwen_mtp.config import parse_config
-    from qwen_mtp.lowering import export_spec_decode, manual_report
-    from qwen_mtp.real_shapes import _COMMON, REAL_CONFIGS
-    from qwen_mtp.sampling import Sampling
-    from qwen_mtp.speculative import SpecConfig
-    from qwen_mtp.weights import weight_shapes
+    from qwen_mtp.decoding.sampling import Sampling
+    from qwen_mtp.decoding.speculative import SpecConfig
+    from qwen_mtp.parallel import sharding
+    from qwen_mtp.tools.lowering import export_spec_decode, manual_report
+    from qwen_mtp.tools.real_shapes import _COMMON, REAL_CONFIGS
+    from qwen_mtp.trunk import quant
+    from qwen_mtp.trunk.config import parse_config
+    from qwen_mtp.trunk.weights import weight_shapes
 
     raw = {**_COMMON, **REAL_CONFIGS["Qwen3.5-27B"], "num_hidden_layers": 2,
            "layer_types": ["linear_attention", "full_attention"]}

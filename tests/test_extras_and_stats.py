@@ -14,9 +14,9 @@ import pytest
 
 import qwen_mtp
 from qwen_mtp import MissingExtraError
-from qwen_mtp.cli import main
+from qwen_mtp.decoding.stats import GenerateStats, fmt, format_alphas
 from qwen_mtp.extras import EXTRAS, require, run_script
-from qwen_mtp.stats import GenerateStats, fmt, format_alphas
+from qwen_mtp.tools.cli import main
 
 
 def _run_cli(argv):
@@ -96,7 +96,7 @@ def test_unreached_positions_and_undefined_rates_are_dashes():
 
 
 def test_window_tables_show_dashes():
-    from qwen_mtp.analysis import format_alpha_intervals, format_dose_response
+    from qwen_mtp.tools.analysis import format_alpha_intervals, format_dose_response
     nan = float("nan")
     res = [{"k": 2, "window": 16, "sinks": 4, "al": 1.4, "tpot_ms": nan,
             "alpha": [(0.4, 0.2, 0.6, 4, 10), (nan, nan, nan, 0, 0)]}]

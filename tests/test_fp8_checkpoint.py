@@ -17,14 +17,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-
-import qwen_mtp
-from checkpoints.hf_safetensors import ba_rows, load_weights, qkvz_rows, rows_keep_blocks
 from hf_fp8 import dequantize, load_into, save_tensors, write_fp8
 from hf_tiny import add_mtp, as_oracle, assert_close, make_hf_model, rel_err, save_hf, to_fused_experts
+
+import qwen_mtp
 from qwen_mtp import ArgumentError, CheckpointError, ConfigError, QuantArray, QuantPolicy
-from qwen_mtp.config import load_config, parse_config
-from qwen_mtp.real_shapes import config as real_config
+from qwen_mtp.loading.safetensors import ba_rows, load_weights, qkvz_rows, rows_keep_blocks
+from qwen_mtp.tools.real_shapes import config as real_config
+from qwen_mtp.trunk.config import load_config, parse_config
 
 T = 24  # one prompt length for every compiled test (the MTP path reuses the trunk's compile)
 # one layer per model (a GDN layer costs ~5 s of compile): attention for the dense and the MoE model (their GDN
@@ -264,7 +264,7 @@ def test_dense_block_fp8_with_mtp_head(built, report):
     twin = qwen_mtp.load(c["deq"])
     assert twin.quant is None and not isinstance(twin.weights.mtp.fc, QuantArray)
     got = qwen_mtp.mtp_logits(model, _ids())
-    gen = importlib.import_module("qwen_mtp.generate")
+    gen = importlib.import_module("qwen_mtp.decoding.generate")
     ids = _ids()
     _, _, hidden = gen.prefill(model, [ids], 32, keep_hidden=True)
     out, _ = gen.mtp_prefill(twin, jnp.asarray(ids[None, 1:]), hidden[:, :T - 1], T)

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import qwen_mtp
 from qwen_mtp import QwenMTPError
-from qwen_mtp.cli import default_model_path
-from qwen_mtp.config import parse_config
+from qwen_mtp.loading.folder import default_model_path
+from qwen_mtp.trunk.config import parse_config
 
 SHIPPED_CONFIG = json.loads((default_model_path() / "config.json").read_text())
 WEIRD = st.one_of(st.none(), st.booleans(), st.integers(-10 ** 12, 10 ** 12), st.floats(allow_nan=True),
@@ -180,7 +180,7 @@ def _set(root, path, value):
 
 
 def _same_weights(a, b):
-    from qwen_mtp.quant import QuantArray
+    from qwen_mtp.trunk.quant import QuantArray
     la, ta = jax.tree_util.tree_flatten(a, is_leaf=lambda x: isinstance(x, QuantArray))
     lb, tb = jax.tree_util.tree_flatten(b, is_leaf=lambda x: isinstance(x, QuantArray))
     if ta != tb:
@@ -201,7 +201,7 @@ def test_orbax_folders(orbax_saved, tmp_path_factory, how, which, where, value, 
     """A saved folder with one thing wrong in it: a metadata or config.json field replaced or deleted, the
     metadata's text cut, a file under weights/ truncated, a byte flipped or the file deleted. qwen_mtp.load
     ends in a typed error naming the folder's file or tensor, or gives back exactly the saved weights."""
-    from checkpoints import orbax_io
+    from qwen_mtp.loading import orbax_io
     _count("orbax folders")
     model, saved = orbax_saved
     folder = tmp_path_factory.mktemp("orbax_fuzz") / "m"
@@ -257,7 +257,7 @@ PROMPTS = st.one_of(st.lists(st.integers(-5, 5000), max_size=6), st.lists(st.lis
 def test_generate_arguments(shipped, prompt, max_new, spec_kw, kw):
     """Validation only (generate's own checks, run by _request before any program): a typed error or an
     accepted request, never another exception."""
-    from qwen_mtp.generate import _request
+    from qwen_mtp.decoding.generate import _request
     _count("generate / SpecConfig arguments")
     try:
         spec = None if spec_kw is None else qwen_mtp.SpecConfig(**spec_kw)
@@ -298,7 +298,7 @@ def test_cli_flags(flags):
     import contextlib
     import io
 
-    from qwen_mtp.cli import main
+    from qwen_mtp.tools.cli import main
     _count("CLI flags")
     argv = ["generate", "def f():", "--max-new-tokens", "2"]  # the session's compile cache (conftest)
     for flag, value in flags:
@@ -318,7 +318,7 @@ def test_cli_flags(flags):
 @pytest.mark.parametrize("field,value", [("shape", None), ("shape", [48, "x"]), ("kind", ["int4"])])
 def test_orbax_quantized_entry_of_the_wrong_type(orbax_saved, tmp_path, field, value):
     """The cases the fuzzer found (a quantized leaf's shape None: TypeError from deep inside restore)."""
-    from checkpoints import orbax_io
+    from qwen_mtp.loading import orbax_io
     _, saved = orbax_saved
     folder = tmp_path / "m"
     shutil.copytree(saved, folder)

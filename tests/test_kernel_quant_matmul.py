@@ -20,9 +20,14 @@ import pytest
 
 from kernels_pallas import dispatch
 from kernels_pallas.quant_layout import cdiv, pack_int4, padded_k
-from kernels_pallas.quant_matmul import (plan, quant_matmul, quant_matmul_pallas, quant_matmul_reference,
-                                         unsupported_reason)
-from qwen_mtp.lowering import export_for, kernel_calls
+from kernels_pallas.quant_matmul import (
+    plan,
+    quant_matmul,
+    quant_matmul_pallas,
+    quant_matmul_reference,
+    unsupported_reason,
+)
+from qwen_mtp.tools.lowering import export_for, kernel_calls
 from tests.hf_tiny import rel_err
 
 DT = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}

@@ -14,8 +14,13 @@ import numpy as np
 import pytest
 
 from kernels_pallas import dispatch
-from kernels_pallas.windowed_attention import (plan, unsupported_reason, windowed_attend, windowed_attend_pallas,
-                                               windowed_attend_reference)
+from kernels_pallas.windowed_attention import (
+    plan,
+    unsupported_reason,
+    windowed_attend,
+    windowed_attend_pallas,
+    windowed_attend_reference,
+)
 from tests.hf_tiny import rel_err
 
 # (B, T, nkv, G, hd, sinks, window, k, start per row)

@@ -23,14 +23,14 @@ import pytest
 import qwen_mtp
 from kernels_pallas.masked_attention import attend
 from kernels_pallas.windowed_attention import unsupported_reason, windowed_attend
-from qwen_mtp import attention
-from qwen_mtp.lowering import export_for, kernel_calls, triton_kernels
-from qwen_mtp.model import forward, lm_logits
-from qwen_mtp.mtp import init_mtp_cache, mtp_forward
-from qwen_mtp.state import FP8_KV, GDNState, KVCache, init_state, to_cache
+from qwen_mtp.head.mtp import init_mtp_cache, mtp_forward
+from qwen_mtp.tools.lowering import export_for, kernel_calls, triton_kernels
+from qwen_mtp.trunk import attention
+from qwen_mtp.trunk.forward import forward, lm_logits
+from qwen_mtp.trunk.state import FP8_KV, GDNState, KVCache, init_state, to_cache
 from tests.hf_tiny import rel_err
 
-gen = importlib.import_module("qwen_mtp.generate")  # the package's `generate` is the function
+gen = importlib.import_module("qwen_mtp.decoding.generate")  # the package's `generate` is the function
 F8 = "float8_e4m3fn"
 PROMPT = np.random.RandomState(2).randint(0, 97, size=40)
 NEW = 24
@@ -148,7 +148,7 @@ def test_fp8_verify_forward_equals_sequential_steps(model, plain, prefilled, rep
 def test_negative_control_unrounded_new_rows_break_verify(model, plain, prefilled, monkeypatch, report):
     """The check above can fail: skip the rounding of the new rows in the verify path only (the trunk's
     attention layer patched for this one trace) and the verify no longer equals the plain steps."""
-    monkeypatch.setattr(importlib.import_module("qwen_mtp.model"), "attention_layer", _unrounded_attention_layer)
+    monkeypatch.setattr(importlib.import_module("qwen_mtp.trunk.forward"), "attention_layer", _unrounded_attention_layer)
     err = _verify_vs_steps(model, plain, prefilled)
     assert err > 5 * VERIFY_BOUND, err  # 3e-4 measured
     report(f"fp8 KV negative control (new rows read unrounded): verify vs steps max_rel={err:.1e}")

@@ -6,7 +6,6 @@ place, where the batched one copies it whole first."""
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

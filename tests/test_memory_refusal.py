@@ -1,4 +1,4 @@
-"""A request whose caches and buffers cannot fit is refused before anything is allocated (qwen_mtp/memory.py),
+"""A request whose caches and buffers cannot fit is refused before anything is allocated (qwen_mtp/decoding/memory.py),
 with the bytes needed and available; the sizes it computes are the sizes generate allocates."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import qwen_mtp
-from qwen_mtp import memory
-from qwen_mtp.cli import default_model_path
-from qwen_mtp.mtp import init_mtp_cache
-from qwen_mtp.state import init_state
+from qwen_mtp.decoding import memory
+from qwen_mtp.head.mtp import init_mtp_cache
+from qwen_mtp.loading.folder import default_model_path
+from qwen_mtp.trunk.state import init_state
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from hf_tiny import rel_err
 from safetensors.numpy import load_file
 
 import qwen_mtp
-from hf_tiny import rel_err
-from qwen_mtp.mtp import TRACE_STAGES, init_mtp_cache, mtp_forward
+from qwen_mtp.head.mtp import TRACE_STAGES, init_mtp_cache, mtp_forward
 
 T = 12  # rows compared; row 0 sees one key (attention returns v whatever q, k are): rows >= 1 carry the proof
 
 
 def _reference(hf, folder, moe):
-    from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5Attention, Qwen3_5MLP, Qwen3_5RMSNorm,
-                                                               Qwen3_5TextRotaryEmbedding)
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        Qwen3_5Attention,
+        Qwen3_5MLP,
+        Qwen3_5RMSNorm,
+        Qwen3_5TextRotaryEmbedding,
+    )
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
     cfg = hf.config

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import qwen_mtp
-from qwen_mtp.cli import default_model_path
+from qwen_mtp.loading.folder import default_model_path
 from tests.multiprocess_worker import NEW_TOKENS, PROMPTS
 
 HERE = Path(__file__).resolve().parent

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import qwen_mtp
-from qwen_mtp.cli import default_model_path
+from qwen_mtp.loading.folder import default_model_path
 
 PROMPT = np.arange(40, 75)
 

@@ -22,11 +22,11 @@ from hf_fp8 import write_fp8
 from quant_models import mixed_model
 
 import qwen_mtp
-from checkpoints import orbax_io
 from qwen_mtp import ArgumentError, CheckpointError
-from qwen_mtp.cli import main
-from qwen_mtp.quant import QuantArray
-
+from qwen_mtp.loading import orbax_io
+from qwen_mtp.loading.folder import default_model_path
+from qwen_mtp.tools.cli import main
+from qwen_mtp.trunk.quant import QuantArray
 
 
 def _leaves(weights):
@@ -320,7 +320,7 @@ def test_generate_cli_runs_a_converted_folder(tmp_path, capsys):
     """generate --model DST on the shipped model converted to f32: the program test_shipped_model.py's plain CLI
     run compiles, so in one session this costs no compile; the text is the shipped folder's own."""
     dst = tmp_path / "shipped"
-    src = Path(orbax_io.__file__).parent / "qwen3_5_small"
+    src = default_model_path()
     assert main(["convert", str(src), str(dst), "--dtype", "float32", "--no-progress"]) == 0
     assert (dst / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
     capsys.readouterr()

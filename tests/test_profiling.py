@@ -1,4 +1,4 @@
-"""The profiling path (qwen_mtp/profiling.py, `python -m qwen_mtp profile`, the profiling notebook): a trace of
+"""The profiling path (qwen_mtp/tools/profiling.py, `python -m qwen_mtp profile`, the profiling notebook): a trace of
 speculative generate holds events of every phase of a round (draft, verify, accept, commit, rollback, refill)
 and of prefill, with the trunk's and the MTP head's stages inside them, read back through the programs' named
 scopes; each traced call sits in a step marker; the phase times are real (they add up to the decode time)."""
@@ -12,9 +12,18 @@ import numpy as np
 import pytest
 
 import qwen_mtp
-from qwen_mtp.cli import default_model_path, load_tokenizer, main
-from qwen_mtp.profiling import (ROUND_PHASES, format_phase_table, op_scopes, phase_of, phase_shares,
-                                profile_generate, top_ops, trace_files)
+from qwen_mtp.loading.folder import default_model_path, load_tokenizer
+from qwen_mtp.tools.cli import main
+from qwen_mtp.tools.profiling import (
+    ROUND_PHASES,
+    format_phase_table,
+    op_scopes,
+    phase_of,
+    phase_shares,
+    profile_generate,
+    top_ops,
+    trace_files,
+)
 
 NEW = 24
 

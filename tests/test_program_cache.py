@@ -1,4 +1,4 @@
-"""The program cache (qwen_mtp/program_cache.py): generate's programs kept as serialized jax.export modules give
+"""The program cache (qwen_mtp/compiling/program_cache.py): generate's programs kept as serialized jax.export modules give
 the same tokens as the programs traced afresh; a process that finds them on disk traces and exports nothing; an
 edit of the code (a new fingerprint) or a damaged entry is a miss, never a stale or broken program; programs it
 must not keep (a lambda, a mesh) run as before."""
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import qwen_mtp
-from qwen_mtp import program_cache
-from qwen_mtp.cli import default_model_path
+from qwen_mtp.compiling import program_cache
+from qwen_mtp.loading.folder import default_model_path
 
 # shapes no other test compiles: two ragged rows, a 20-token budget
 ROWS = [np.arange(11, 44), np.arange(200, 219)]
@@ -47,8 +47,8 @@ def test_same_tokens_and_a_second_process_exports_nothing(model, spec, tmp_path,
     with program_cache.enabled(tmp_path):
         first = qwen_mtp.generate(model, ROWS, 20, spec=spec, eos_token_id=[])
         entries = sorted(tmp_path.glob("*.pkl"))
-        loop = "qwen_mtp.speculative.spec_decode" if spec else "qwen_mtp.generate._plain_decode"
-        assert loop in exported and "qwen_mtp.generate._prefill_chunk" in exported, exported
+        loop = "qwen_mtp.decoding.speculative.spec_decode" if spec else "qwen_mtp.decoding.generate._plain_decode"
+        assert loop in exported and "qwen_mtp.decoding.generate._prefill_chunk" in exported, exported
         assert len(entries) == len(exported) >= 6  # the probe: each program a call runs was exported once
         n = len(exported)
         qwen_mtp.generate(model, ROWS, 20, spec=spec, eos_token_id=[])
@@ -104,7 +104,7 @@ def test_programs_it_does_not_keep():
     import jax
     import jax.numpy as jnp
 
-    from qwen_mtp.generate import _prefill_chunk, _state_program
+    from qwen_mtp.decoding.generate import _prefill_chunk, _state_program
 
     assert program_cache._name(jax.jit(lambda x: x)) is None  # lambdas have no unique name
 
@@ -112,17 +112,17 @@ def test_programs_it_does_not_keep():
         return x
 
     assert program_cache._name(jax.jit(inner)) is None  # nor do nested functions
-    assert program_cache._name(_prefill_chunk) == "qwen_mtp.generate._prefill_chunk"
+    assert program_cache._name(_prefill_chunk) == "qwen_mtp.decoding.generate._prefill_chunk"
     cfg = qwen_mtp.load(default_model_path()).config
     a, b = (program_cache._name(_state_program(cfg, 1, n, jnp.float32, None, False, None, 0, 0, None))
             for n in (128, 256))
-    assert a.startswith("qwen_mtp.state.init_state(") and a != b  # a partial's bound arguments are in its name
+    assert a.startswith("qwen_mtp.trunk.state.init_state(") and a != b  # a partial's bound arguments are in its name
     with program_cache.enabled(None):
         assert program_cache.program(_prefill_chunk, (), {}) is None  # off
 
 
 def test_library_opt_in(tmp_path):
-    from qwen_mtp import compile_cache
+    from qwen_mtp.compiling import compile_cache
 
     with program_cache.enabled(None):
         try:

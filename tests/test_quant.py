@@ -9,11 +9,10 @@ import pytest
 from quant_models import KINDS, mixed_model
 
 import qwen_mtp
-from checkpoints.hf_write import save_checkpoint
 from kernels_pallas import quant_layout
-from qwen_mtp import quant
-from qwen_mtp.weights import weight_shapes
-
+from qwen_mtp.loading.hf_write import save_checkpoint
+from qwen_mtp.trunk import quant
+from qwen_mtp.trunk.weights import weight_shapes
 
 
 def _rel(a, b):

@@ -13,10 +13,11 @@ from scipy.stats import chi2_contingency
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 import qwen_mtp
-from qwen_mtp import penalty
-from qwen_mtp.cli import generation_repetition_penalty, main
+from qwen_mtp.decoding import penalty
+from qwen_mtp.decoding.sampling import Sampling
 from qwen_mtp.errors import ArgumentError, ConfigError
-from qwen_mtp.sampling import Sampling
+from qwen_mtp.loading.folder import generation_repetition_penalty
+from qwen_mtp.tools.cli import main
 
 R = 1.3
 
@@ -178,7 +179,7 @@ def test_generation_config_file(tmp_path, capsys):
 
 
 def test_memory_check_counts_the_context(dense_mtp):
-    from qwen_mtp.generate import _request, request_bytes
+    from qwen_mtp.decoding.generate import _request, request_bytes
 
     args = lambda r: (dense_mtp, PROMPTS, 24, qwen_mtp.SpecConfig(k=3), 0.0, 0, 1.0, 0, None, 256, False, None, r)
     off, on = request_bytes(dense_mtp, _request(*args(1.0))), request_bytes(dense_mtp, _request(*args(R)))

@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qwen_mtp import gdn, rollback
-from qwen_mtp.config import parse_config
-from qwen_mtp.state import GDNState, GDNVerify
-from qwen_mtp.weights import GDNWeights
+from qwen_mtp.decoding import rollback
+from qwen_mtp.trunk import gdn
+from qwen_mtp.trunk.config import parse_config
+from qwen_mtp.trunk.state import GDNState, GDNVerify
+from qwen_mtp.trunk.weights import GDNWeights
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

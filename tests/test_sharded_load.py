@@ -1,4 +1,4 @@
-"""load(path, mesh=...) reads each device's slices straight into the shardings of qwen_mtp/sharding.py, and an
+"""load(path, mesh=...) reads each device's slices straight into the shardings of qwen_mtp/parallel/sharding.py, and an
 orbax folder restores straight into them: on 8 virtual CPU devices (a subprocess: XLA_FLAGS must be set before jax
 is imported; tests/sharded_load_worker.py), for the shipped bf16 model and a tiny MoE checkpoint with an MTP head
 (per-expert trunk experts, fused MTP experts), unquantized and int4 (groups of 32), on meshes 1x4 and 2x2:

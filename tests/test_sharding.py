@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 import qwen_mtp
-from qwen_mtp import quant, real_shapes, sharding
 from qwen_mtp.errors import ArgumentError
-from qwen_mtp.weights import weight_shapes
+from qwen_mtp.parallel import sharding
+from qwen_mtp.tools import real_shapes
+from qwen_mtp.trunk import quant
+from qwen_mtp.trunk.weights import weight_shapes
 
 HERE = Path(__file__).parent
 

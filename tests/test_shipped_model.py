@@ -11,7 +11,8 @@ import torch
 
 import qwen_mtp
 from checkpoints.corpus import HELD_OUT, stdlib_root
-from qwen_mtp.cli import default_model_path, load_tokenizer, main
+from qwen_mtp.loading.folder import default_model_path, load_tokenizer
+from qwen_mtp.tools.cli import main
 from tests.hf_tiny import as_oracle, assert_close, hf_logits
 
 PATH = default_model_path()

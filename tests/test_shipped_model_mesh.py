@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from qwen_mtp.cli import main
+from qwen_mtp.tools.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "def fibonacci(n):"

@@ -55,7 +55,7 @@ def test_distribution_test_catches_a_wrong_residual(ckpt, monkeypatch, report):
     fail."""
     import jax
 
-    from qwen_mtp import speculative
+    from qwen_mtp.decoding import speculative
 
     real = speculative._accept
 

@@ -7,12 +7,12 @@ import pytest
 
 import qwen_mtp
 from kernels_pallas.masked_attention import attend
-from qwen_mtp.attention import output, project_qkv
-from qwen_mtp.generate import prefill
-from qwen_mtp.mlp import feed_forward
-from qwen_mtp.model import lm_logits
-from qwen_mtp.mtp import init_mtp_cache, mtp_forward
-from qwen_mtp.ops import rmsnorm_1pw
+from qwen_mtp.decoding.generate import prefill
+from qwen_mtp.head.mtp import init_mtp_cache, mtp_forward
+from qwen_mtp.trunk.attention import output, project_qkv
+from qwen_mtp.trunk.forward import lm_logits
+from qwen_mtp.trunk.mlp import feed_forward
+from qwen_mtp.trunk.ops import rmsnorm_1pw
 from tests.hf_tiny import rel_err
 
 

@@ -16,7 +16,7 @@ import pytest
 from jax import monitoring
 
 import qwen_mtp
-from qwen_mtp.cli import default_model_path
+from qwen_mtp.loading.folder import default_model_path
 
 REPO = Path(__file__).resolve().parents[1]
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # recorded by every XLA compile (jax/_src/dispatch.py)
@@ -103,7 +103,7 @@ def test_cli_second_process_reads_its_programs_from_the_compile_cache(tmp_path):
 
 
 def test_compile_cache_off_and_bad_folder(tmp_path):
-    from qwen_mtp import compile_cache
+    from qwen_mtp.compiling import compile_cache
 
     assert compile_cache.resolve("off") is None and compile_cache.resolve("OFF") is None
     assert compile_cache.resolve(str(tmp_path)) == tmp_path

@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-
-import qwen_mtp
 from conftest import VARIANTS
 from hf_tiny import assert_close, hf_greedy, hf_logits, rel_err
+
+import qwen_mtp
 
 
 def _ids(n, seed, vocab=97):

@@ -1,0 +1,97 @@
+"""Refusing a request that cannot fit: the bytes generate allocates for one call (its caches and buffers), sized
+from shapes before anything is allocated, against what the devices have free.
+
+Counted: the trunk's state (every attention KV cache and every GDN conv / recurrent state), the MTP head's cache
+(native or the Wind-MTP ring), the prefill hiddens kept for the head's prefill (speculative only), what the
+verify leaves per GDN layer for the rollback (rollback.py: the conv window, the keys, deltas and decays of its
+k + 1 positions) with the rebuilt states, and the logits buffer of return_logits. Not counted:
+the weights (already on the device) and XLA's temporaries (a few activations). Available: on a GPU, the
+allocator's limit minus what is in use (Device.memory_stats); on a CPU, the host's MemAvailable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from qwen_mtp.errors import InsufficientMemoryError
+from qwen_mtp.head.mtp import init_mtp_cache
+from qwen_mtp.trunk.state import GDNState, init_state
+
+
+def _nbytes(tree) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def request_bytes(model, batch: int, cache_len: int, kv_dtype, spec, cap: int, return_logits: bool,
+                  prompt_len: int, prefill_chunk: int, penalised: bool = False) -> dict:
+    cfg, dtype = model.config, model.weights.embed.dtype
+    state = jax.eval_shape(lambda: init_state(cfg, batch, cache_len, dtype, kv_dtype))
+    out = {"trunk state": _nbytes(state)}
+    if spec is not None:
+        head = jax.eval_shape(lambda: init_mtp_cache(cfg, batch, cache_len, kv_dtype, window=spec.window,
+                                                     sinks=spec.sinks, k=spec.k))
+        out["head cache"] = _nbytes(head)
+        chunks = -(-prompt_len // prefill_chunk)
+        out["prefill hiddens"] = batch * chunks * prefill_chunk * cfg.hidden_size * jnp.dtype(dtype).itemsize
+        # the verify's GDNVerify per layer (the conv window over k + 1 inputs; k, delta and G per position) and
+        # the rebuilt states (rollback.py), counted as a second copy of the GDN states
+        gdn = [s for s in state if isinstance(s, GDNState)]
+        T, f32 = spec.k + 1, 4
+        per_pos = cfg.gdn_num_v_heads * (cfg.gdn_k_head_dim + cfg.gdn_v_head_dim + 1) * f32
+        out["verify GDN states"] = sum(_nbytes(s) for s in gdn) + len(gdn) * batch * (
+            T * per_pos + (cfg.conv_kernel - 1 + T) * cfg.conv_dim * jnp.dtype(dtype).itemsize)
+    if return_logits:
+        out["logits"] = batch * cap * cfg.vocab_size * 4
+    if penalised:  # penalty.py: each row's context ids, and the verify's k + 1 rows of them
+        out["repetition penalty context"] = batch * cfg.vocab_size * (1 if spec is None else spec.k + 2)
+    out["total"] = sum(out.values())
+    return out
+
+
+def _host_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import os
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def available_bytes(devices) -> tuple[int | None, str]:
+    """(bytes free, where): the least free on any of `devices` (accelerators), or the host's (CPU)."""
+    if all(d.platform == "cpu" for d in devices):
+        return _host_available(), "the host (MemAvailable)"
+    free = []
+    for d in devices:
+        stats = d.memory_stats() or {}
+        if "bytes_limit" in stats:
+            free.append((stats["bytes_limit"] - stats.get("bytes_in_use", 0), str(d)))
+    if not free:
+        return None, "unknown"
+    b, where = min(free)
+    return b, where
+
+
+def check(model, need: dict) -> None:
+    """InsufficientMemoryError if `need` (request_bytes) does not fit, before anything is allocated. Sharded over a
+    mesh of accelerators, each device holds about 1/n of the caches (batch rows and heads are split)."""
+    mesh = getattr(model, "mesh", None)
+    devices = ([d for d in mesh.devices.flat if d.process_index == jax.process_index()] if mesh is not None
+               else [jax.devices()[0]])
+    free, where = available_bytes(devices)
+    if free is None:
+        return
+    total = need["total"]
+    per_device = total if all(d.platform == "cpu" for d in devices) else -(-total // len(devices))
+    if per_device > free:
+        parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in need.items() if k != "total")
+        raise InsufficientMemoryError(per_device, free, where, parts)

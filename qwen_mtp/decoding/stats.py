@@ -1,0 +1,94 @@
+"""Generation statistics, including speculative acceptance (Wind-MTP's definitions, SPEC.md section 3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+
+def fmt(x, spec: str = ".2f") -> str:
+    """A number for a person to read: `-` where it is undefined (NaN / Inf: a draft position never reached, a
+    rate over no time), never `nan`."""
+    return format(x, spec) if x is not None and math.isfinite(x) else "-"
+
+
+def format_alphas(alpha, spec: str = ".2f") -> str:
+    """alpha_j as 'a1 a2 ...', `-` for a position no round reached."""
+    return " ".join(fmt(float(a), spec) for a in alpha)
+
+
+@dataclasses.dataclass
+class GenerateStats:
+    batch: int
+    prompt_tokens: int  # summed over rows
+    new_tokens: int  # summed over rows
+    prefill_s: float  # the trunk's prefill and the first token, and with spec the MTP head's prefill
+    decode_s: float  # the decode loop alone
+    k: int = 0  # draft length; 0 = plain decoding
+    rounds: int = 0  # draft/verify rounds summed over rows
+    accept_hist: np.ndarray | None = None  # H[n]: rounds with exactly n drafts accepted, n = 0..k
+    position_hits: np.ndarray | None = None  # [k]: rounds where draft j passed its own test, ignoring j' < j
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """New tokens per second of the decode loop (the first new token of each row comes from prefill)."""
+        decoded = self.new_tokens - self.batch
+        return decoded / self.decode_s if self.decode_s > 0 and decoded > 0 else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        """All new tokens over prefill + decode time."""
+        total = self.prefill_s + self.decode_s
+        return self.new_tokens / total if total > 0 else float("nan")
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token of the decode loop, per row: decode time / new tokens of a row."""
+        per_row = (self.new_tokens - self.batch) / self.batch
+        return self.decode_s / per_row if per_row > 0 else float("nan")
+
+    @property
+    def alpha(self) -> np.ndarray:
+        """Conditional acceptance alpha_j = sum_{n>=j} H[n] / sum_{n>=j-1} H[n], j = 1..k."""
+        if self.accept_hist is None:
+            return np.zeros(0)
+        tail = np.cumsum(self.accept_hist[::-1])[::-1].astype(float)  # tail[j] = sum_{n>=j} H[n]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(tail[:-1] > 0, tail[1:] / np.maximum(tail[:-1], 1), np.nan)
+
+    @property
+    def acceptance_length(self) -> float:
+        """AL = 1 + sum_j prod_{i<=j} alpha_i: expected tokens emitted per round."""
+        if self.accept_hist is None or self.rounds == 0:
+            return float("nan")
+        a = np.nan_to_num(self.alpha)
+        return float(1.0 + np.sum(np.cumprod(a)))
+
+    @property
+    def unconditional_rates(self) -> np.ndarray:
+        """UPPER-BOUND VIEW, not acceptance: per draft position j, the share of rounds whose draft j passed
+        its test regardless of earlier drafts. Summing these overestimates AL (a draft after a rejected one
+        is never used)."""
+        if self.position_hits is None or self.rounds == 0:
+            return np.zeros(0)
+        return self.position_hits / self.rounds
+
+    @property
+    def acceptance_length_upper_bound(self) -> float:
+        """1 + sum of unconditional rates: an OVERESTIMATE of AL, kept apart and labelled as such."""
+        return float(1.0 + np.sum(self.unconditional_rates)) if self.rounds else float("nan")
+
+    def summary(self) -> str:
+        """One line; what is undefined (alpha_j of a position no round reached, TPOT of one new token) is `-`."""
+        s = (f"{self.new_tokens} tokens, {fmt(self.tokens_per_s, '.1f')} tok/s "
+             f"(decode {fmt(self.decode_tokens_per_s, '.1f')} tok/s, TPOT {fmt(1e3 * self.tpot_s)} ms)")
+        if self.k:
+            s += (f", k={self.k}, AL={fmt(self.acceptance_length)}, alpha_j=[{format_alphas(self.alpha)}], "
+                  f"rounds={self.rounds}")
+        return s

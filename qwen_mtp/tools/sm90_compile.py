@@ -1,0 +1,55 @@
+"""Compile Pallas-Triton kernels' Triton IR to sm_90 (H100 / H200) machine code on a machine without a GPU.
+
+Run as a script, in its own process (`triton`'s LLVM must not share a process with jaxlib's):
+
+    python qwen_mtp/tools/sm90_compile.py < kernels.json > report.json
+
+Input: a JSON list of {"name", "ir" (Triton IR text), "num_warps", "num_stages"}; output: per kernel
+{"name", "shared" (bytes of shared memory per block), "registers" (per thread), "local" (bytes of local
+memory per thread: register spills), "error"}. It uses the `triton` package's compiler and the cuobjdump it
+ships; XLA compiles the same IR with its own copy of Triton on the GPU, so this is a close proxy, not XLA's
+exact pipeline. qwen_mtp.tools.lowering.compile_sm90 is the caller.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+
+def _compile(kernel, workdir):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    path = os.path.join(workdir, re.sub(r"[^\w]", "_", kernel["name"]) + ".ttir")
+    with open(path, "w") as f:
+        f.write(kernel["ir"])
+    compiled = triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": kernel["num_warps"], "num_stages": kernel["num_stages"]})
+    cubin = path[:-5] + ".cubin"
+    with open(cubin, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+    field = lambda key: int(re.search(rf"\b{key}:(\d+)", usage.split("Function", 1)[1]).group(1))
+    return {"name": kernel["name"], "shared": int(compiled.metadata.shared), "registers": field("REG"),
+            "local": field("LOCAL"), "stack": field("STACK"), "error": None}
+
+
+def main():
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # XLA's Triton fuses multiply-adds too
+    kernels = json.load(sys.stdin)
+    out = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for kernel in kernels:
+            try:
+                out.append(_compile(kernel, workdir))
+            except Exception as e:  # reported per kernel, the caller decides
+                out.append({"name": kernel["name"], "error": f"{type(e).__name__}: {str(e)[-2000:]}"})
+    json.dump(out, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

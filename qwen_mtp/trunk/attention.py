@@ -1,0 +1,130 @@
+"""Gated full attention (trunk full-attention layers and the MTP head share these functions).
+
+q_proj emits, per head, `head_dim` query values followed by `head_dim` output-gate values (split per head,
+not first half / second half of the row). q and k get (1+w) RMSNorms over head_dim, then partial RoPE. The
+output is o_proj(attn * sigmoid(gate)).
+
+The KV cache may be stored in another dtype than the compute dtype (fp8; state.py has the rule): new rows are
+rounded with state.to_cache and written, and the attention then reads every row, the call's own included, back
+from the cache upcast to the compute dtype, so T rows at once see exactly what T single steps see. (A CPU decode
+step or verify reads the cache first and the same rounded rows beside it, then writes: attention_layer.)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import per_shard as spmd
+from kernels_pallas.causal_attention import causal_attend, causal_attend_before_write, takes_dense_form
+from kernels_pallas.masked_attention import BLOCK_DIAGONAL_ROWS
+from qwen_mtp.trunk.config import ModelConfig
+from qwen_mtp.trunk.ops import linear, rmsnorm_1pw
+from qwen_mtp.trunk.rope import apply_rope, rope_cos_sin
+from qwen_mtp.trunk.state import KVCache, to_cache
+from qwen_mtp.trunk.weights import AttnWeights
+
+
+def project_qkv(x, w: AttnWeights, cfg: ModelConfig, positions):
+    """x [B, T, H], positions [B, T] -> q [B,T,nh,hd], k, v [B,T,nkv,hd] (RoPE applied), gate [B,T,nh*hd]."""
+    B, T, _ = x.shape
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qg = linear(x, w.q_proj).reshape(B, T, nh, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:].reshape(B, T, nh * hd)
+    q = rmsnorm_1pw(q, w.q_norm, cfg.rms_norm_eps)
+    k = rmsnorm_1pw(linear(x, w.k_proj).reshape(B, T, nkv, hd), w.k_norm, cfg.rms_norm_eps)
+    v = linear(x, w.v_proj).reshape(B, T, nkv, hd)
+    cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+
+
+def write_rows_scatter(cache, new, pos):
+    """cache [B, S, nkv, hd] with new [B, T, nkv, hd] in slots pos[b] .. pos[b]+T-1 of row b (clamped to fit, as
+    dynamic_update_slice does), as one batched update: a scatter (what a GPU runs)."""
+    return jax.vmap(lambda c, u, p: jax.lax.dynamic_update_slice(c, u, (p, 0, 0)))(cache, new, pos)
+
+
+# write_rows_per_row unrolls its updates up to this many rows, and loops over the rows beyond (a 2000-row batch
+# unrolled made XLA's CPU compiler crash)
+UNROLL_ROWS = 8
+
+
+def write_rows_per_row(cache, new, pos, *, as_bits: bool = False):
+    """write_rows_scatter's result as one dynamic-update-slice per row (what a CPU runs).
+
+    Why on a CPU: XLA's CPU backend expands the scatter into a guarded update and copies its result whole into the
+    decode loop's carry; a bf16 cache is also widened to f32 and back around it: two passes over every KV cache
+    at every decode step or verify. Row by row the copy is gone, but XLA's CPU backend still runs any bf16 (or
+    fp8) dynamic-update-slice as a widening pass over the whole cache. as_bits: update the cache's bits instead
+    (viewed as unsigned integers of its width, which no pass widens), so the update is done in place, for a
+    caller whose attention read the cache before this write (attention_layer's read_then_write: the cache
+    viewed back as floats is then read by nothing but the next step). An f32 cache is updated as it is."""
+    zero = jnp.zeros((), pos.dtype)
+    dtype = cache.dtype
+    bits = as_bits and dtype.itemsize < 4
+    if bits:
+        uint = jnp.dtype(f"uint{8 * dtype.itemsize}")
+        cache, new = jax.lax.bitcast_convert_type(cache, uint), jax.lax.bitcast_convert_type(new, uint)
+    if cache.shape[0] <= UNROLL_ROWS:
+        for b in range(cache.shape[0]):
+            cache = jax.lax.dynamic_update_slice(cache, new[b:b + 1], (b + zero, pos[b], zero, zero))
+    else:
+        def row(b, c):
+            return jax.lax.dynamic_update_slice(c, jax.lax.dynamic_slice_in_dim(new, b, 1),
+                                                (b.astype(pos.dtype), pos[b], zero, zero))
+
+        cache = jax.lax.fori_loop(0, cache.shape[0], row, cache)
+    return jax.lax.bitcast_convert_type(cache, dtype) if bits else cache
+
+
+def write_kv(cache: KVCache, k, v, pos, *, as_bits: bool = False) -> KVCache:
+    """Write k, v [B, T, nkv, hd] into slots pos[b] .. pos[b]+T-1 of each row, rounded to the cache dtype.
+    as_bits: see write_rows_per_row (on a CPU; a GPU's scatter ignores it)."""
+    per_row = functools.partial(write_rows_per_row, as_bits=as_bits)
+
+    def write(c, new):
+        return jax.lax.platform_dependent(c, to_cache(new, c.dtype), pos, cpu=per_row, default=write_rows_scatter)
+
+    return KVCache(write(cache.k, k), write(cache.v, v))
+
+
+def output(o, gate, w: AttnWeights):
+    B, T = o.shape[:2]
+    return linear(o.reshape(B, T, -1) * jax.nn.sigmoid(gate), w.o_proj)
+
+
+def attention_layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, rope_offset: int = 0):
+    """Causal attention of T new tokens in slots pos[b] + t of the row's cache, each seeing slots <= its own.
+    RoPE position = slot + rope_offset (0 for the trunk; 1 for the MTP head, whose row t sits at t + 1).
+    The new rows are rounded to the cache dtype, written, and read back from the cache (upcast to the compute
+    dtype) by kernels_pallas/causal_attention.py, which walks the cache in blocks and stops after the furthest
+    position.
+
+    On a CPU, a decode step or a verify (T <= BLOCK_DIAGONAL_ROWS) whose attention takes the dense form reads
+    the cache BEFORE the write instead, with the same rounded new rows held apart (causal_attend_before_write:
+    the same slots, the same values), and then writes them in place. Written first, the cache had two readers
+    after its update, and XLA's CPU backend computed the update twice or copied the cache whole: in f32, the
+    shipped model with a short prompt in a 128K-slot cache took 90 ms per plain step, 24.5 ms read first."""
+    B, T, _ = x.shape
+    positions = pos[:, None] + jnp.arange(T, dtype=pos.dtype)[None]
+    q, k, v, gate = project_qkv(x, w, cfg, positions + rope_offset)
+    k, v = to_cache(k, cache.k.dtype), to_cache(v, cache.v.dtype)
+
+    def write_then_read(q, k, v, cache, positions):
+        cache = write_kv(cache, k, v, positions[:, 0])
+        # blocked over the cache, up to the furthest position: the Pallas kernel in a program lowered for cuda,
+        # its pure-JAX reference elsewhere; under a mesh, per (row, kv head) shard (spmd.py)
+        return spmd.causal(q, cache.k, cache.v, positions, causal_attend), cache
+
+    def read_then_write(q, k, v, cache, positions):
+        o = spmd.causal_before_write(q, cache.k, cache.v, k, v, positions, causal_attend_before_write)
+        return o, write_kv(cache, k, v, positions[:, 0], as_bits=True)
+
+    if T <= BLOCK_DIAGONAL_ROWS and takes_dense_form(B, T, cfg.num_heads, cache.k.shape[1]):
+        o, cache = jax.lax.platform_dependent(q, k, v, cache, positions, cpu=read_then_write,
+                                              default=write_then_read)
+    else:
+        o, cache = write_then_read(q, k, v, cache, positions)
+    return output(o, gate, w), cache

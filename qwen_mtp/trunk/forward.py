@@ -1,0 +1,67 @@
+"""The hybrid trunk: forward(weights, cfg, tokens, state, pos, n_valid) -> (post-norm hidden, state)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from qwen_mtp.trunk.attention import attention_layer
+from qwen_mtp.trunk.config import ModelConfig
+from qwen_mtp.trunk.gdn import gdn_layer
+from qwen_mtp.trunk.mlp import feed_forward
+from qwen_mtp.trunk.ops import contract, embed_rows, logits, rmsnorm_1pw
+from qwen_mtp.trunk.weights import Weights
+
+
+def decoder_layer(x, lw, cfg: ModelConfig, kind: str, layer_state, pos, n_valid, gdn_mode: str):
+    """One trunk layer. Its ops sit in the named scopes "attention" or "gdn" (the mixer with its input norm and
+    residual) and "mlp" (dense or MoE), which profiling.py groups a trace by."""
+    with jax.named_scope("attention" if kind == "full_attention" else "gdn"):
+        h = rmsnorm_1pw(x, lw.input_norm, cfg.rms_norm_eps)
+        if kind == "full_attention":
+            h, layer_state = attention_layer(h, lw.mixer, cfg, layer_state, pos)
+        else:
+            h, layer_state = gdn_layer(h, lw.mixer, cfg, layer_state, n_valid, mode=gdn_mode)
+        x = x + h
+    with jax.named_scope("mlp"):
+        x = x + feed_forward(rmsnorm_1pw(x, lw.post_norm, cfg.rms_norm_eps), lw.mlp, cfg)
+    return x, layer_state
+
+
+def forward(weights: Weights, cfg: ModelConfig, tokens, state: tuple, pos, n_valid, *, gdn_mode: str = "chunk"):
+    """Run T new tokens per row through the trunk.
+
+    tokens [B, T] int32 at positions pos[b] .. pos[b]+T-1; only the first n_valid[b] are real (the rest are
+    padding that leaves the recurrent state untouched; their KV slots lie past the row's length and are
+    overwritten later). Returns the hidden AFTER the final norm [B, T, H] (what lm_head and the MTP head
+    read) and the new state.
+    """
+    with jax.named_scope("embed"):
+        x = embed_rows(weights.embed, tokens)
+    new_state = []
+    for lw, kind, st in zip(weights.layers, cfg.layer_types, state):
+        x, st = decoder_layer(x, lw, cfg, kind, st, pos, n_valid, gdn_mode)
+        new_state.append(st)
+    with jax.named_scope("final_norm"):
+        return rmsnorm_1pw(x, weights.final_norm, cfg.rms_norm_eps), tuple(new_state)
+
+
+def _tied_logits(hidden, e):
+    """hidden [..., H] @ e[V, H].T -> [..., V] f32, as e @ hidden.T and one transpose of the small result. In a
+    decode loop XLA on a CPU otherwise laid the embedding out again as [H, V] for its GEMM (a transposed copy
+    of the whole table per call: 343 ms at the Qwen3.5-0.8B shape); the barrier keeps the transpose from being
+    folded back into the product."""
+    x = hidden.reshape(-1, hidden.shape[-1])
+    y = contract("vh,mh->vm", x, e, weight_first=True)
+    return jax.lax.optimization_barrier(y).T.reshape(hidden.shape[:-1] + (e.shape[0],))
+
+
+def lm_logits(weights: Weights, hidden):
+    """Post-norm hidden [..., H] -> logits [..., V] in f32 (lm_head, or the tied embedding). The tied product
+    contracts the embedding [V, H] along H as it is stored: `linear(hidden, embed.T)` made XLA on CPU copy the
+    whole transposed embedding at every call (a quarter of a plain step of the shipped model)."""
+    with jax.named_scope("lm_head"):
+        if weights.lm_head is None:
+            e = weights.embed
+            return _tied_logits(hidden, e.astype(hidden.dtype)).astype(jnp.float32)
+        return logits(hidden, weights.lm_head)

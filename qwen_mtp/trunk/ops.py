@@ -1,0 +1,105 @@
+"""Elementary ops shared by every layer: the single matmul helper and the two RMSNorm flavours.
+
+All weight matmuls go through `linear`: a plain matrix runs one einsum, a `quant.QuantArray` runs the quantized
+matmul (kernels_pallas/quant_matmul.py: the Pallas kernel on a GPU, dequantize-then-dot elsewhere).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.masked_attention import precision_for  # the one precision rule
+from qwen_mtp.trunk.quant import QuantArray
+from qwen_mtp.trunk.quant import linear as quant_linear
+
+# Compile options of every decode loop (plain or speculative). On a CPU, XLA's copy insertion by default copies
+# a KV cache whole at each step of the loop that both reads it (the attention) and updates it in place (the new
+# rows); its region analysis proves the read comes first, so the update is done in place (attention.py:
+# write_rows_per_row). A CPU option: GPUs ignore it.
+LOOP_COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+# ... and of a decode loop that multiplies at most FEW_ROWS rows (batch, or batch x (k + 1) in a speculative
+# verify) by each weight matrix: on a CPU, XLA's Eigen splitting such a small GEMM over its thread pool costs more
+# than it saves (2 cores, the shipped model at batch 1: the speculative round at k = 3 went from 2.28 to 1.82
+# plain steps, the plain step unchanged; benchmarks/bench_round.py). Larger batches and prefill's GEMMs keep the
+# threads.
+DECODE_COMPILER_OPTIONS = {**LOOP_COMPILER_OPTIONS, "xla_cpu_multi_thread_eigen": False}
+FEW_ROWS = 32
+
+
+def linear(x, w):
+    """x [..., in] @ w [in, out] -> [..., out], in x's dtype. w: a plain array or a QuantArray."""
+    if isinstance(w, QuantArray):
+        return quant_linear(x, w)
+    return contract("...i,io->...o", x, w.astype(x.dtype)).astype(x.dtype)
+
+
+def logits(x, w):
+    """x [..., in] @ w [in, out] -> [..., out] in f32: an lm_head. A plain low-precision weight keeps the f32
+    accumulation (no rounding of the logits to x's dtype); a QuantArray runs `linear`."""
+    if isinstance(w, QuantArray):
+        return quant_linear(x, w).astype(jnp.float32)
+    return contract("...i,io->...o", x, w.astype(x.dtype)).astype(jnp.float32)
+
+
+def contract(eq: str, x, w, *, weight_first: bool = False):
+    """einsum(eq, x, w) for a weight product that contracts x's last axis: f32 at HIGHEST precision stays as it
+    is (in f32); a lower precision (bf16, f16) accumulates in f32 and returns f32, for the caller to round once
+    (what XLA does inside a bf16 dot anyway, so `.astype(x.dtype)` of it is the bf16 einsum's value).
+
+    Why not the plain bf16 einsum: on a CPU, XLA's dot with a bf16 result, or with a single row of x (a
+    matrix-vector product), leaves Eigen's GEMM for a slow path. The Qwen3.5-0.8B tied lm_head (248320 x 1024
+    bf16) took 450-500 ms per call at 1 GB/s, and 35-55 ms at 9-14 GB/s as an f32-result GEMM on two rows
+    (benchmarks/bench_0p8b.py). So on a CPU a single-row product is padded to two rows; GPUs run it as written.
+
+    weight_first: einsum(eq, w, x), for an eq whose output ends with x's axes (e.g. "vh,mh->vm" with x [M, H])."""
+    def einsum(x, w, **kw):
+        args = (w, x) if weight_first else (x, w)
+        return jnp.einsum(eq, *args, precision=precision_for(x.dtype), **kw)
+
+    if x.dtype == jnp.float32:
+        return einsum(x, w)
+    wide = lambda x, w: einsum(x, w, preferred_element_type=jnp.float32)
+    if math.prod(x.shape[:-1]) != 1:
+        return wide(x, w)
+
+    def two_rows(x, w):  # x's one row and a zero row; the product's first row
+        x2 = jnp.pad(x.reshape(1, x.shape[-1]), ((0, 1), (0, 0)))
+        y = wide(x2.reshape((2,) + (1,) * (x.ndim - 2) + x.shape[-1:]), w)
+        return y[..., :1] if weight_first else y[:1]
+
+    return jax.lax.platform_dependent(x, w, cpu=two_rows, default=wide)
+
+
+def embed_rows(embed, tokens):
+    """embed[tokens] for integer ids of any shape -> [..., H] in embed's dtype.
+
+    The table and the ids pass one optimization barrier together. XLA on a CPU runs a bf16 gather as a cast of
+    the table to f32, the gather, and a cast back; fused, only the gathered rows are cast. Inside a loop (the
+    decode loops, the draft scan) the table is loop-invariant, so XLA hoisted the cast of the WHOLE table out of
+    the loop: at the Qwen3.5-0.8B shape a 1 GB f32 copy of the 248320 x 1024 bf16 embedding (430 ms on this
+    CPU, longer than a plain decode step) at every call of a decode program or draft. Tied to the ids, which
+    change at every step, the barrier's output is not invariant and the cast stays fused with the gather."""
+    embed, tokens = jax.lax.optimization_barrier((embed, tokens))
+    return embed[tokens]
+
+
+def rmsnorm_1pw(x, w, eps):
+    """Qwen3.5 RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), computed in f32, cast back to x's dtype."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+
+
+def gated_rmsnorm(x, z, w, eps):
+    """GDN output norm: rmsnorm(x) * w * silu(z) with a plain weight w (not 1 + w)."""
+    xf = x.astype(jnp.float32)
+    y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    y = w.astype(x.dtype) * y
+    return (y * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+
+
+def l2norm(x, eps=1e-6):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)

@@ -1,0 +1,251 @@
+"""Quantized weights: the `QuantArray` pytree, quantize / dequantize, and the policy of what gets quantized.
+
+A `QuantArray` holds one weight matrix [..., K, N] (stored [in, out]; a leading expert axis for MoE experts) in
+the layout of kernels_pallas/quant_layout.py: `q` (int8 / packed int4 / float8_e4m3fn values) and `scale`
+(float32, one per block of `block` = (bk, bn) weights). `ops.linear` takes it wherever it takes a plain matrix;
+the MoE block takes stacked experts through `ragged_dot` here.
+
+Formats (`quantize`):
+  int8  symmetric, one scale per output channel: scale = max|w[:, n]| / 127, values round-half-even, clip 127
+  int4  symmetric, group-wise along K (the input dimension): scale = max|w[group, n]| / 7; a K the group does
+        not divide is padded with zero rows (they add nothing); packed two per byte
+  fp8   float8_e4m3fn with one scale per 128 x 128 block (Qwen's FP8 layout): scale = max|w[block]| / 448
+An all-zero column / group / block gets scale 1 (its values are 0).
+
+Why not qwix's QArray: its qvalue keeps the original shape and its scale must divide that shape exactly, so a
+K that the int4 group does not divide, or Qwen's FP8 scales over partial 128-blocks, cannot be expressed; and it
+stores int4 as jnp.int4, which a Pallas-Triton kernel cannot load. Our type is its two arrays plus static
+metadata; qwix serves as the benchmark baseline instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import struct
+
+from kernels_pallas import per_shard as spmd
+from kernels_pallas import quant_layout as layout
+from kernels_pallas.masked_attention import precision_for
+from kernels_pallas.quant_matmul import quant_matmul
+from qwen_mtp.errors import ArgumentError
+
+KINDS = layout.KINDS
+FP8_BLOCK = (128, 128)
+STORAGE = layout.STORAGE  # kind -> numpy dtype of the stored values
+
+
+@struct.dataclass
+class QuantArray:
+    q: jax.Array  # int8 [..., K, N] | uint8 [..., Kp / 2, N] (int4, packed) | float8_e4m3fn [..., K, N]
+    scale: jax.Array  # float32 [..., ceil(K / bk), ceil(N / bn)]
+    kind: str = struct.field(pytree_node=False)  # "int8" | "int4" | "fp8"
+    shape: tuple = struct.field(pytree_node=False)  # logical (..., K, N)
+    block: tuple = struct.field(pytree_node=False)  # (bk, bn): weights sharing one scale
+    # (K axis, N axis): the mesh axes the logical K and N dimensions are split on (sharding.shard_weights sets
+    # it; None: not sharded). linear runs the kernel per shard on them (spmd.py).
+    spec: tuple | None = struct.field(pytree_node=False, default=None)
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.q.size * self.q.dtype.itemsize + self.scale.size * self.scale.dtype.itemsize)
+
+    @property
+    def format(self) -> str:
+        """e.g. 'int8 per channel', 'int4 g128', 'fp8 block 128x128'."""
+        bk, bn = self.block
+        if self.kind != "int4" and bk >= self.shape[-2] and bn == 1:
+            return f"{self.kind} per channel"
+        return f"{self.kind} g{bk}" if bn == 1 else f"{self.kind} block {bk}x{bn}"
+
+    def dequantize(self, dtype=jnp.float32):
+        return layout.dequantize(self.q, self.scale, self.kind, self.shape[-2], self.block, dtype, jnp)
+
+
+def check_method(quant, group_size) -> None:
+    """Typed errors for load(quant=..., group_size=...)."""
+    if quant is not None and quant not in KINDS:
+        raise ArgumentError("quant", f"None or one of {list(KINDS)}", repr(quant))
+    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size < 2 \
+            or group_size & (group_size - 1):
+        raise ArgumentError("group_size", "a power of two >= 2 (rows of K sharing one int4 scale)", repr(group_size))
+
+
+def _to_jax(q, scale, kind, shape, block) -> QuantArray:
+    return QuantArray(q=jnp.asarray(q), scale=jnp.asarray(scale, jnp.float32), kind=kind, shape=tuple(shape),
+                      block=tuple(int(b) for b in block))
+
+
+def quantize(w, kind: str, group_size: int = 128) -> QuantArray:
+    """w [..., K, N] (numpy or jax, any float dtype) -> QuantArray. Runs on the host in numpy."""
+    check_method(kind, group_size)
+    w = np.asarray(w, dtype=np.float32)
+    *lead, K, N = w.shape
+    _, (*_, gk, gn), block = layout_of(kind, w.shape, group_size)
+    bk, bn = block
+    kp = layout.padded_k(kind, K, bk)
+    # pad to whole blocks, take each block's max |w|
+    wp = np.zeros((*lead, gk * bk, gn * bn), np.float32)
+    wp[..., :K, :N] = w
+    amax = np.abs(wp.reshape(*lead, gk, bk, gn, bn)).max(axis=(-3, -1))
+    scale = np.where(amax > 0, amax / layout.QMAX[kind], 1.0).astype(np.float32)
+    scaled = wp / np.repeat(np.repeat(scale, bk, axis=-2), bn, axis=-1)
+    if kind == "fp8":
+        q = scaled[..., :K, :N].astype(ml_dtypes.float8_e4m3fn)
+    else:
+        qmax = layout.QMAX[kind]
+        ints = np.clip(np.rint(scaled), -qmax, qmax).astype(np.int8)[..., :kp, :N]
+        q = layout.pack_int4(ints, bk) if kind == "int4" else ints
+    return _to_jax(q, scale, kind, (*lead, K, N), block)
+
+
+def from_values(q, scale, kind: str, shape, block) -> QuantArray:
+    """A QuantArray from arrays already in the layout (a pre-quantized checkpoint); checked, not converted."""
+    err = layout.check(kind, q.shape, scale.shape, shape[-2], shape[-1], block)
+    if err is not None:
+        raise ValueError(err)
+    return _to_jax(q, np.asarray(scale, np.float32), kind, shape, block)
+
+
+def dequantize(w, dtype=jnp.float32):
+    """A QuantArray's weight in `dtype`; a plain array is cast."""
+    return w.dequantize(dtype) if isinstance(w, QuantArray) else w.astype(dtype)
+
+
+def linear(x, w: QuantArray, *, backend: str = "auto"):
+    """x [..., K] @ w [K, N] -> [..., N] in x's dtype, through kernels_pallas.quant_matmul."""
+    if w.ndim != 2:
+        raise ValueError(f"linear takes a 2-D QuantArray, found shape {w.shape}")
+    K, N = w.shape
+    call = lambda x, q, s, k, block: quant_matmul(x, q, s, kind=w.kind, k=k, block=block, backend=backend)
+    y = spmd.quant_linear(x.reshape(-1, K), w.q, w.scale, w.spec, K, w.block, call)
+    return y.reshape(*x.shape[:-1], N)
+
+
+def ragged_dot(x, w, group_sizes, row_expert):
+    """Grouped matmul of the MoE experts: x [n, K] sorted by expert, w [E, K, N] plain or QuantArray,
+    row_expert [n] the expert of each row. Per-channel formats (int8, per-channel fp8) run the grouped dot on the
+    raw values and scale each row by its expert's column scales (exact); grouped formats (int4, fp8 blocks)
+    dequantize the stacked experts to x's dtype first, then one grouped dot."""
+    prec = precision_for(x.dtype)
+    if not isinstance(w, QuantArray):
+        return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes, precision=prec)
+    K = w.shape[-2]
+    if w.block[0] >= K and w.block[1] == 1:
+        v = layout.values(w.q, w.kind, w.block, jnp)[:, :K].astype(x.dtype)
+        y = jax.lax.ragged_dot(x, v, group_sizes, precision=prec, preferred_element_type=jnp.float32)
+        return (y * w.scale[row_expert, 0]).astype(x.dtype)
+    return jax.lax.ragged_dot(x, w.dequantize(x.dtype), group_sizes, precision=prec)
+
+
+# ---------------------------------------------------------------- policy
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantPolicy:
+    """What `load(quant=...)` quantizes. Always kept in the load dtype: embeddings, every norm, the MoE router
+    and shared-expert gate, the GDN conv taps, A_log, dt_bias, and the GDN b / a projections (per-head gates:
+    num_v_heads columns, too narrow to gain and the decay is sensitive to them). Quantized: every other matrix
+    of the trunk (attention q/k/v/o, GDN qkv/z/out, MLP, MoE experts, shared expert). `lm_head` and `mtp`
+    choose for the output projection (for a tied model, a quantized copy of embed^T) and the MTP head."""
+
+    method: str  # "int8" | "int4" | "fp8"
+    group_size: int = 128
+    lm_head: bool = False
+    mtp: bool = True
+    source: str = "load"  # "load": quantized as loaded; "checkpoint": the checkpoint's own (FP8) quantization
+
+    KEPT = ("embed", "norms", "router", "shared_expert_gate", "conv", "A_log", "dt_bias", "in_proj_b", "in_proj_a")
+
+    def to_json(self) -> dict:
+        return {"method": self.method, "group_size": self.group_size, "lm_head": self.lm_head, "mtp": self.mtp,
+                "source": self.source}
+
+    @classmethod
+    def from_json(cls, d: dict) -> QuantPolicy:
+        return cls(method=d["method"], group_size=int(d["group_size"]), lm_head=bool(d["lm_head"]),
+                   mtp=bool(d["mtp"]), source=str(d.get("source", "load")))
+
+    def describe(self) -> str:
+        if self.source == "checkpoint":  # a pre-quantized FP8 checkpoint: its own scales decide, tensor by tensor
+            return ("fp8 e4m3 as the checkpoint stores it (its own block / channel / tensor scales): every matrix "
+                    f"stored with a scale{', lm_head included' if self.lm_head else ''}"
+                    f"{', MTP head included' if self.mtp else ''}; the rest in the load dtype")
+        fmt = {"int8": "int8 per output channel", "int4": f"int4 groups of {self.group_size} along K",
+               "fp8": "fp8 e4m3, 128 x 128 block scales"}[self.method]
+        kept = ", ".join(self.KEPT) + ("" if self.lm_head else ", lm_head") + ("" if self.mtp else ", MTP head")
+        return f"{fmt}: trunk linears{', lm_head' if self.lm_head else ''}{', MTP head' if self.mtp else ''}; " \
+               f"kept in the load dtype: {kept}"
+
+
+# the Weights fields load(quant=...) quantizes (MLPWeights / MoEWeights share gate, up, down; MTPWeights.fc)
+QUANTIZED_FIELDS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
+                              "gate", "up", "down", "fc"})
+
+
+def layout_of(kind: str, shape, group_size: int = 128):
+    """(storage shape of q, shape of scale, block) that `quantize` gives a weight of `shape` [..., K, N]."""
+    *lead, K, N = shape
+    block = {"int8": (K, 1), "int4": (group_size, 1), "fp8": FP8_BLOCK}[kind]
+    kq = layout.padded_k(kind, K, block[0]) // (2 if kind == "int4" else 1)
+    return (*lead, kq, N), (*lead, layout.cdiv(K, block[0]), layout.cdiv(N, block[1])), block
+
+
+def abstract(shapes, policy: QuantPolicy, *, tied: bool = False):
+    """The pytree `load(quant=policy.method)` builds, from weights.weight_shapes(...) (ShapeDtypeStruct leaves):
+    the matrices the policy quantizes become QuantArrays of ShapeDtypeStructs. For exporting and restoring
+    quantized models without building them. `tied`: the config ties lm_head to embed (a quantized lm_head is
+    then a copy of embed^T)."""
+
+    def one(s):
+        qs, ss, block = layout_of(policy.method, s.shape, policy.group_size)
+        return QuantArray(q=jax.ShapeDtypeStruct(qs, np.dtype(STORAGE[policy.method])),
+                          scale=jax.ShapeDtypeStruct(ss, np.float32), kind=policy.method, shape=tuple(s.shape),
+                          block=block)
+
+    def visit(path, leaf):
+        names = [getattr(k, "name", None) for k in path]
+        if names[-1] not in QUANTIZED_FIELDS or (names[0] == "mtp" and not policy.mtp):
+            return leaf
+        return one(leaf)
+
+    out = jax.tree_util.tree_map_with_path(visit, shapes)
+    if policy.lm_head:
+        H, V = shapes.embed.shape[1], shapes.embed.shape[0]
+        out = out.replace(lm_head=one(jax.ShapeDtypeStruct((H, V), shapes.embed.dtype)))
+    return out
+
+
+def weight_bytes(weights) -> dict:
+    """{'total': bytes, 'quantized': bytes in QuantArrays, 'plain': bytes in plain arrays} of a Weights pytree."""
+    quantized = plain = 0
+    for leaf in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, QuantArray)):
+        if isinstance(leaf, QuantArray):
+            quantized += leaf.nbytes
+        elif leaf is not None:
+            plain += int(leaf.size * leaf.dtype.itemsize)
+    return {"total": quantized + plain, "quantized": quantized, "plain": plain}
+
+
+def formats(weights) -> dict:
+    """{format: number of matrices} of a Weights pytree ('int8', ..., or the plain dtype name)."""
+    out: dict = {}
+    for leaf in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, QuantArray)):
+        if leaf is None:
+            continue
+        if isinstance(leaf, QuantArray):
+            key = leaf.format
+        elif leaf.ndim < 2:
+            continue
+        else:
+            key = str(leaf.dtype)
+        out[key] = out.get(key, 0) + 1
+    return out
