@@ -23,7 +23,8 @@ from quant_models import mixed_model
 
 import qwen_mtp
 from qwen_mtp import ArgumentError, CheckpointError
-from qwen_mtp.loading import orbax_io
+from qwen_mtp.loading import orbax_io, publish
+from qwen_mtp.loading.convert import convert
 from qwen_mtp.loading.folder import default_model_path
 from qwen_mtp.tools.cli import main
 from qwen_mtp.trunk.quant import QuantArray
@@ -111,10 +112,10 @@ def test_round_trip_fp8_checkpoint(hf, tmp_path):
     back = qwen_mtp.load(qwen_mtp.save(m, tmp_path / "saved"), dtype="bfloat16")
     assert_identical(back.weights, m.weights)
     assert back.quant == m.quant
-    orbax_io.convert(tmp_path / "fp8", tmp_path / "conv", dtype="bfloat16")
+    convert(tmp_path / "fp8", tmp_path / "conv", dtype="bfloat16")
     assert_identical(qwen_mtp.load(tmp_path / "conv", dtype="bfloat16").weights, m.weights)
     with pytest.raises(ArgumentError, match="quantized already"):
-        orbax_io.convert(tmp_path / "fp8", tmp_path / "x", quant="int4")
+        convert(tmp_path / "fp8", tmp_path / "x", quant="int4")
 
 
 def test_restored_models_generate_the_same_tokens(saved):
@@ -249,7 +250,7 @@ def test_interrupted_save_leaves_nothing_that_loads(saved, tmp_path, monkeypatch
         qwen_mtp.save(model, dst)
     assert _siblings(dst) == [] and not dst.exists()
     # a process killed at that point leaves its temporary folder behind: it is not a loadable checkpoint
-    monkeypatch.setattr(orbax_io, "_discard", lambda tmp: None)
+    monkeypatch.setattr(publish, "discard", lambda tmp: None)
     with pytest.raises(OSError, match="simulated"):
         qwen_mtp.save(model, dst)
     (left,) = dst.parent.iterdir()
@@ -265,19 +266,19 @@ def test_existing_folder_is_never_half_replaced(saved, tmp_path, monkeypatch):
         qwen_mtp.save(new_model, dst)
     with pytest.raises(ArgumentError, match="not one"):  # never replaces what save did not write
         qwen_mtp.save(new_model, Path(new_model.path), overwrite=True)
-    real = orbax_io._rename
+    real = publish.rename
 
     def fail_second(src, target):
         if ".tmp-" in src.name:
             raise OSError("rename failed (simulated)")
         real(src, target)
 
-    monkeypatch.setattr(orbax_io, "_rename", fail_second)
+    monkeypatch.setattr(publish, "rename", fail_second)
     with pytest.raises(OSError, match="simulated"):
         qwen_mtp.save(new_model, dst, overwrite=True)
     assert _siblings(dst) == ["model"]
     assert_identical(qwen_mtp.load(dst).weights, old_model.weights)  # the old one, intact
-    monkeypatch.setattr(orbax_io, "_rename", real)
+    monkeypatch.setattr(publish, "rename", real)
     qwen_mtp.save(new_model, dst, overwrite=True)
     assert _siblings(dst) == ["model"]
     assert_identical(qwen_mtp.load(dst).weights, new_model.weights)
