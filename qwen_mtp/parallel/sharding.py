@@ -6,8 +6,9 @@ jitted step is compiled for them; the loops know nothing of meshes. Two exceptio
 the Pallas kernels (quantized matmul, windowed draft attention) run per shard inside a shard_map, because a
 custom call has no partitioning rule of its own and would otherwise be given whole (gathered) operands.
 
-Rule table: each weight dimension has a LOGICAL axis (`logical_axes`), each logical axis a mesh axis
-(`RULES`). Megatron-style tensor parallelism over `model`:
+Rule table: each weight dimension has a LOGICAL axis (the trunk's description of each leaf,
+qwen_mtp/trunk/weights.py weight_info; `logical_axes` reads them), each logical axis a mesh axis (`RULES`).
+Megatron-style tensor parallelism over `model`:
   heads        attention query heads: q_proj columns (per head: query then gate), o_proj rows
   kv_heads     attention key / value heads: k_proj, v_proj columns, the KV caches' head axis, the MTP ring's
   v_heads      GDN value heads: in_proj_z, in_proj_b / a columns, A_log, dt_bias, out_proj rows, the
@@ -45,6 +46,7 @@ from qwen_mtp.errors import ArgumentError
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.quant import QuantArray
 from qwen_mtp.trunk.state import GDNState, KVCache
+from qwen_mtp.trunk.weights import lm_head_info, weight_info
 
 RULES = {"heads": "model", "kv_heads": "model", "v_heads": "model", "conv": "model", "mlp": "model",
          "expert_mlp": "model", "vocab": "model", "fc_in": "model", "batch": "data"}
@@ -96,33 +98,21 @@ def parse_mesh(text: str) -> Mesh:
 
 
 # ------------------------------------------------------------------------------------------------ the rules
-_ATTN = {"q_proj": ("hidden", "heads"), "k_proj": ("hidden", "kv_heads"), "v_proj": ("hidden", "kv_heads"),
-         "o_proj": ("heads", "hidden"), "q_norm": (None,), "k_norm": (None,)}
-_GDN = {"in_proj_qkv": ("hidden", "conv"), "in_proj_z": ("hidden", "v_heads"), "in_proj_b": ("hidden", "v_heads"),
-        "in_proj_a": ("hidden", "v_heads"), "conv": (None, "conv"), "A_log": ("v_heads",),
-        "dt_bias": ("v_heads",), "norm": (None,), "out_proj": ("v_heads", "hidden")}
-_MLP = {"gate": ("hidden", "mlp"), "up": ("hidden", "mlp"), "down": ("mlp", "hidden")}
-_MOE = {"router": ("hidden", None), "gate": (None, "hidden", "expert_mlp"), "up": (None, "hidden", "expert_mlp"),
-        "down": (None, "expert_mlp", "hidden"), "shared_gate": ("hidden", None)}
-_TOP = {"embed": ("vocab", "hidden"), "lm_head": ("hidden", "vocab"), "final_norm": (None,), "fc": ("fc_in", "hidden"),
-        "pre_fc_norm_embedding": (None,), "pre_fc_norm_hidden": (None,), "norm": (None,),
-        "input_norm": (None,), "post_norm": (None,), "ids": (None,)}  # ids: draft_vocab.ids (its lm_head: vocab)
+def logical_axes(weights, cfg: ModelConfig) -> dict:
+    """{path name ("layers.0.mixer.q_proj"): logical axes} of every weight `weights` (a Weights pytree) may hold,
+    read from the trunk's description of each leaf (weights.weight_info). Beyond those leaves: a tied model's
+    quantized lm_head (a copy of embed^T) and a draft vocabulary's lm_head columns split like lm_head; the
+    draft vocabulary's ids are replicated."""
+    info = weight_info(cfg, "float32", mtp=getattr(weights, "mtp", None) is not None)
+    out = {".".join(path_names(p)): i.axes for p, i in jax.tree_util.tree_flatten_with_path(info)[0]}
+    head = lm_head_info(cfg).axes
+    out.setdefault("lm_head", head)
+    out.update({"draft_vocab.lm_head": head, "draft_vocab.ids": (None,)})
+    return out
 
 
-def logical_axes(names: tuple, ndim: int) -> tuple:
-    """The logical axis of each dimension of the weight at a Weights path (field names, e.g.
-    ('layers', 'mixer', 'q_proj') or ('mtp', 'layer', 'mlp', 'shared', 'down')) of `ndim` dimensions (the
-    MoE's stacked experts [E, ., .] share their field names with the dense MLP's matrices)."""
-    last, parent = names[-1], names[-2] if len(names) > 1 else None
-    axes = None
-    if parent == "mixer":
-        axes = (_ATTN if last in _ATTN and last != "norm" else _GDN).get(last)
-    elif parent == "mlp" and (last in ("router", "shared_gate") or ndim == 3):
-        axes = _MOE.get(last)
-    elif parent in ("mlp", "shared"):
-        axes = _MLP.get(last)
-    elif last in _TOP:
-        axes = _TOP[last]
+def _axes(table: dict, names: tuple, ndim: int) -> tuple:
+    axes = table.get(".".join(names))
     if axes is None or len(axes) != ndim:
         raise KeyError(f"no sharding rule for a {ndim}-D weight {'.'.join(names)}")
     return axes
@@ -166,8 +156,7 @@ def path_names(path) -> tuple:
     return tuple(out)
 
 
-def _plain_spec(names, shape, cfg, mesh, plan):
-    axes = logical_axes(tuple(n for n in names if not n.isdigit()), len(shape))
+def _plain_spec(axes, names, shape, cfg, mesh, plan):
     spec = []
     for axis, dim in zip(axes, shape):
         m, why = _split_size(axis, dim, cfg, mesh)
@@ -177,10 +166,9 @@ def _plain_spec(names, shape, cfg, mesh, plan):
     return P(*spec)
 
 
-def _quant_specs(names, w: QuantArray, cfg, mesh, plan):
+def _quant_specs(axes, names, w: QuantArray, cfg, mesh, plan):
     """(q spec, scale spec) for a QuantArray: a logical dim is split only if both its values and its scale
     blocks split in whole blocks (an int4 K in whole groups; an fp8 N in whole 128-column blocks)."""
-    axes = logical_axes(tuple(n for n in names if not n.isdigit()), len(w.shape))
     lead = w.shape[:-2]
     bk, bn = w.block
     q_spec, s_spec = [], []
@@ -213,16 +201,17 @@ def weight_plan(weights, cfg: ModelConfig, mesh) -> tuple:
     if not isinstance(mesh, jax.sharding.AbstractMesh) or tuple(mesh.axis_names) != AXES:
         mesh = check_mesh(mesh)
     plan = Plan()
+    table = logical_axes(weights, cfg)
 
     def visit(path, leaf):
         names = path_names(path)
         if leaf is None:
             return None
         if isinstance(leaf, QuantArray):
-            qs, ss, kn = _quant_specs(names, leaf, cfg, mesh, plan)
+            qs, ss, kn = _quant_specs(_axes(table, names, len(leaf.shape)), names, leaf, cfg, mesh, plan)
             plan.specs[".".join(names)] = qs
             return dataclasses.replace(leaf, q=qs, scale=ss, spec=kn)
-        spec = _plain_spec(names, leaf.shape, cfg, mesh, plan)
+        spec = _plain_spec(_axes(table, names, len(leaf.shape)), names, leaf.shape, cfg, mesh, plan)
         plan.specs[".".join(names)] = spec
         return spec
 
