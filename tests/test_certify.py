@@ -17,6 +17,7 @@ import pytest
 
 from qwen_mtp.tools import certify as cert
 from qwen_mtp.trunk.config import parse_config
+from qwen_mtp.trunk.random_weights import random_weights
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,7 +30,7 @@ def test_short_sweep_is_identical_and_drafts_are_accepted(report):
     assert rep.identical == rep.configs
     assert rep.loader_mismatches == [] and sum(rep.archs.values()) == 4, rep.archs
     assert {a.split(":")[0] for a in rep.archs} == {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}, rep.archs
-    # the probe: speculation really committed drafts, hundreds of times (seed 11: 391 of 1423; the random
+    # the probe: speculation really committed drafts, hundreds of times (seed 11: 411 of 3349; the random
     # architectures' heads accept far fewer than the shipped model's)
     assert rep.accepted >= 200, rep.summary()
 
@@ -67,7 +68,7 @@ def test_random_architectures_randomise_every_tensor():
         name = d.pop("_name")
         cfg = parse_config(d, name)
         kinds.add(d["model_type"])
-        w = cert.random_weights(cfg, i)
+        w = random_weights(cfg, i, passthrough=cert.PASSTHROUGH)
         for path, x in jax.tree_util.tree_flatten_with_path(w)[0]:
             x = np.asarray(x)
             assert np.unique(x).size > 1 or x.size == 1, jax.tree_util.keystr(path)  # no constant tensor

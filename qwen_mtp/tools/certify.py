@@ -19,9 +19,9 @@ see `near_tie`) is classified a near-tie and reported; any other fails the run.
 --archs N adds N random tiny architectures (dense, MoE, Qwen3-Next: the first three one of each; layer patterns,
 head counts, GDN head counts and sizes, partial RoPE, tied or untied embeddings, a random MTP head leaning on the
 trunk hidden so drafts are accepted sometimes), every tensor randomised (norms, A_log, dt_bias and conv taps
-included), each run on a few configurations of random ids (--cases-per-arch, default 2). Dense and MoE
-architectures go through a Hugging Face checkpoint on disk (MoE experts per expert or fused) and the loader,
-which must give back the drawn weights.
+included; qwen_mtp/trunk/random_weights.py), each run on a few configurations of random ids (--cases-per-arch,
+default 2). Dense and MoE architectures go through a Hugging Face checkpoint on disk (MoE experts per expert or
+fused) and the loader, which must give back the drawn weights.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ NEAR_TIE_BF16 = 2.0 ** -5  # margin / max(1, |top1 logit|) at or below which a b
 PREFILL_CHUNKS = (16, 32, 64, 128, 256)
 QUANTS = (None, "int8", "int4", "fp8")
 KV_DTYPES = (None, "float8_e4m3fn")
+# the random architectures' MTP heads: passthrough * I on mtp.fc's trunk-hidden half (random_weights), so the head
+# leans on the trunk hidden and drafts are accepted sometimes
+PASSTHROUGH = 3.0
 
 
 @dataclasses.dataclass
@@ -224,43 +227,6 @@ def random_arch_config(rng, index: int) -> dict:
     return cfg
 
 
-def random_weights(cfg, seed: int, dtype="float32", passthrough: float = 3.0):
-    """Weights of `cfg` with EVERY tensor random (numpy, seeded), the rules of tests/hf_tiny.py: A_log = log of
-    U[0.1, 1), dt_bias ~ 0.5 N, (1+w) norms ~ 0.3 N, the GDN gated norm ~ 1 + 0.3 N, the embedding ~ 0.2 N tied /
-    N untied, every other matrix N / sqrt(fan-in); mtp.fc gets passthrough * I on its trunk-hidden half."""
-    import jax
-    import jax.numpy as jnp
-
-    from qwen_mtp.trunk.weights import weight_shapes
-
-    rng = np.random.default_rng(seed)
-    shapes = weight_shapes(cfg, jnp.float32)
-    leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
-    out = []
-    H = cfg.hidden_size
-    for path, s in leaves:
-        name = jax.tree_util.keystr(path)
-        r = rng.standard_normal(s.shape).astype(np.float32)
-        if name.endswith("A_log"):
-            x = np.log(rng.random(s.shape) * 0.9 + 0.1)
-        elif name.endswith("dt_bias"):
-            x = 0.5 * r
-        elif len(s.shape) == 1 and name.endswith("mixer.norm"):
-            x = 1.0 + 0.3 * r
-        elif len(s.shape) == 1:
-            x = 0.3 * r
-        elif name == ".embed":
-            x = r * (0.2 if cfg.tie_word_embeddings else 1.0)
-        elif name.endswith("mixer.conv"):
-            x = r / math.sqrt(s.shape[0])
-        else:
-            x = r / math.sqrt(s.shape[-2])
-            if name == ".mtp.fc":
-                x[H:, :] += passthrough * np.eye(H, dtype=np.float32)
-        out.append(jnp.asarray(x, dtype))
-    return jax.tree_util.tree_unflatten(tree, out)
-
-
 def random_model(rng, index: int, dtype="float32"):
     """A random architecture as a Model. Qwen3.5 dense and MoE architectures are written as a Hugging Face
     checkpoint (MoE experts per expert or fused, at random) and read back through the loader, which must return
@@ -270,11 +236,12 @@ def random_model(rng, index: int, dtype="float32"):
 
     import qwen_mtp
     from qwen_mtp.trunk.config import parse_config
+    from qwen_mtp.trunk.random_weights import random_weights
 
     d = random_arch_config(rng, index)
     name = d.pop("_name")
     cfg = parse_config(d, f"<certify {name}>")
-    weights = random_weights(cfg, int(rng.integers(0, 2 ** 31)), dtype)
+    weights = random_weights(cfg, int(rng.integers(0, 2 ** 31)), dtype, passthrough=PASSTHROUGH)
     if cfg.model_type == "qwen3_next":
         return qwen_mtp.Model(config=cfg, weights=weights, path=f"<random {name}:mem>", dtype=dtype,
                               quant=None), name + ":mem"
