@@ -36,13 +36,13 @@ def chunk_memory(model, context, chunk=256):
     import jax
     import jax.numpy as jnp
 
-    from qwen_mtp.decoding.generate import _prefill_chunk
+    from qwen_mtp.decoding.prefill import trunk_chunk
     from qwen_mtp.trunk.state import init_state
 
     cfg = model.config
     state = jax.eval_shape(lambda: init_state(cfg, 1, context, model.weights.embed.dtype))
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-    compiled = _prefill_chunk.lower(model.weights, cfg, i32(1, chunk), state, i32(1), i32(1)).compile()
+    compiled = trunk_chunk.lower(model.weights, cfg, i32(1, chunk), state, i32(1), i32(1)).compile()
     kv = sum(x.size * x.dtype.itemsize for layer in state if hasattr(layer, "k") for x in (layer.k, layer.v))
     return compiled.memory_analysis().temp_size_in_bytes, kv
 

@@ -103,19 +103,20 @@ def profile(model, prompt, ks, batch, new_tokens, sampling=None):
     import jax.numpy as jnp
 
     import qwen_mtp
+    from qwen_mtp.decoding.prefill import hidden_logits, mtp_prefill, prefill
+    from qwen_mtp.decoding.request import round_up
     from qwen_mtp.decoding.sampling import Sampling
 
-    gen = sys.modules["qwen_mtp.decoding.generate"]
     sampling = sampling or Sampling()
     cfg, w = model.config, model.weights
     rows = [np.asarray(prompt)] * batch
     T = len(prompt)
-    cache_len = gen._round_up(T + 256 + 16, 128)
-    state, last, hidden = gen.prefill(model, rows, cache_len, keep_hidden=True)
+    cache_len = round_up(T + 256 + 16, 128)
+    state, last, hidden = prefill(model, rows, cache_len, keep_hidden=True)
     B = batch
     pos = jnp.full((B,), T, jnp.int32)
     key = jax.random.PRNGKey(0)
-    first = jnp.argmax(gen._logits(w, last), -1).astype(jnp.int32)
+    first = jnp.argmax(hidden_logits(w, last), -1).astype(jnp.int32)
     out = {}
     base_fns = phase_functions(cfg, qwen_mtp.SpecConfig(k=1), sampling)
     plain_s = _time(lambda s: base_fns["plain"](w, s, first, pos, key), state)
@@ -125,7 +126,7 @@ def profile(model, prompt, ks, batch, new_tokens, sampling=None):
         nxt = np.zeros((B, hidden.shape[1]), np.int32)
         nxt[:, :T - 1] = np.asarray(prompt[1:])
         nxt[:, T - 1] = np.asarray(first)
-        mout, mcache = gen.mtp_prefill(model, nxt, hidden, cache_len, spec=spec)
+        mout, mcache = mtp_prefill(model, nxt, hidden, cache_len, spec=spec)
         m1 = mout[:, T - 1]
         D, _, _ = f["draft"](w, mcache, m1, pos, key)
         tokens = jnp.concatenate([first[:, None], D], axis=1)

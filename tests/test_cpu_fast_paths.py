@@ -19,7 +19,7 @@ import pytest
 
 import qwen_mtp.head.mtp as mtp_mod
 import qwen_mtp.trunk.forward as model_mod
-from qwen_mtp.decoding.generate import _plain_decode_few_rows, _plain_start
+from qwen_mtp.decoding.plain import plain_decode_few_rows, plain_start
 from qwen_mtp.decoding.sampling import Sampling
 from qwen_mtp.decoding.speculative import SpecConfig, spec_decode_few_rows
 from qwen_mtp.tools.lowering import spec_decode_args
@@ -147,13 +147,13 @@ def _spec_loop_hlo(cfg, batch):
 def _plain_loop_hlo(cfg, batch, dtype=jnp.bfloat16):
     SDS, i32 = jax.ShapeDtypeStruct, jnp.int32
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-    carry = jax.eval_shape(lambda *a: _plain_start(*a, cap=32, keep_logits=False), SDS((batch,), i32),
+    carry = jax.eval_shape(lambda *a: plain_start(*a, cap=32, keep_logits=False), SDS((batch,), i32),
                            SDS((batch, cfg.vocab_size), jnp.float32), SDS((batch,), i32), key, SDS((1,), i32),
                            SDS((), i32))
     state = jax.eval_shape(lambda: init_state(cfg, batch, 128, dtype, None))
-    lowered = _plain_decode_few_rows.lower(weight_shapes(cfg, dtype), cfg, state, carry, SDS((1,), i32),
-                                           SDS((), i32), SDS((), i32), SDS((), i32), keep_logits=False,
-                                           sampling=Sampling())
+    lowered = plain_decode_few_rows.lower(weight_shapes(cfg, dtype), cfg, state, carry, SDS((1,), i32),
+                                          SDS((), i32), SDS((), i32), SDS((), i32), keep_logits=False,
+                                          sampling=Sampling())
     return lowered.compile().as_text()
 
 

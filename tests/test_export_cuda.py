@@ -23,15 +23,8 @@ import pytest
 from kernels_pallas import dispatch
 from kernels_pallas import quant_matmul as qmm
 from kernels_pallas.windowed_attention import unsupported_reason, windowed_attend, windowed_attend_pallas
-from qwen_mtp.decoding.generate import (
-    _first_token,
-    _keep_last,
-    _logits,
-    _mtp_chunk,
-    _plain_decode,
-    _plain_start,
-    _prefill_chunk,
-)
+from qwen_mtp.decoding.plain import first_token, plain_decode, plain_start
+from qwen_mtp.decoding.prefill import hidden_logits, keep_last, mtp_chunk, trunk_chunk
 from qwen_mtp.decoding.sampling import Sampling
 from qwen_mtp.decoding.speculative import SpecConfig
 from qwen_mtp.errors import ArgumentError
@@ -167,9 +160,9 @@ def _spec_program(cfg, dtype, spec, sampling, platform="cuda"):
 
 def _plain_program(cfg, dtype, sampling, cap=CAP, keep_logits=False):
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-    carry = jax.eval_shape(lambda *a: _plain_start(*a, cap=cap, keep_logits=keep_logits), i32(B),
+    carry = jax.eval_shape(lambda *a: plain_start(*a, cap=cap, keep_logits=keep_logits), i32(B),
                            SDS((B, cfg.vocab_size), jnp.float32), i32(B), key, i32(1), i32())
-    return export_for(_plain_decode, weight_shapes(cfg, dtype), cfg, _state(cfg, dtype), carry, i32(1), i32(), i32(),
+    return export_for(plain_decode, weight_shapes(cfg, dtype), cfg, _state(cfg, dtype), carry, i32(1), i32(), i32(),
                       i32(), keep_logits=keep_logits, sampling=sampling)
 
 
@@ -180,16 +173,16 @@ ENTRY_CONFIGS = ["shipped", "Qwen3.5-27B", "Qwen3.5-35B-A3B"]
 def test_prefill_and_head_fill_lower_for_cuda(name):
     cfg, dtype = _config(name)
     w = weight_shapes(cfg, dtype)
-    prefill = export_for(_prefill_chunk, w, cfg, i32(B, CHUNK), _state(cfg, dtype), i32(B), i32(B))
+    prefill = export_for(trunk_chunk, w, cfg, i32(B, CHUNK), _state(cfg, dtype), i32(B), i32(B))
     assert kernel_calls(prefill) == [CAUSAL]  # every attention layer calls the one lowered kernel function
     hidden = SDS((B, CHUNK, cfg.hidden_size), dtype)
     for spec in (NATIVE, WINDOWED):
-        exported = export_for(_mtp_chunk, w, cfg, i32(B, CHUNK), hidden, _head_cache(cfg, dtype, spec), i32(B),
+        exported = export_for(mtp_chunk, w, cfg, i32(B, CHUNK), hidden, _head_cache(cfg, dtype, spec), i32(B),
                               window=spec.window, sinks=spec.sinks)
         assert kernel_calls(exported) == ([KERNEL] if spec.window else [CAUSAL])
-    export_for(_keep_last, SDS((B, CHUNK, cfg.hidden_size), dtype), SDS((B, cfg.hidden_size), dtype), i32(B), i32(B))
-    export_for(_logits, w, SDS((B, cfg.hidden_size), dtype))
-    export_for(_first_token, w, SDS((B, cfg.hidden_size), dtype), jax.eval_shape(lambda: jax.random.PRNGKey(0)),
+    export_for(keep_last, SDS((B, CHUNK, cfg.hidden_size), dtype), SDS((B, cfg.hidden_size), dtype), i32(B), i32(B))
+    export_for(hidden_logits, w, SDS((B, cfg.hidden_size), dtype))
+    export_for(first_token, w, SDS((B, cfg.hidden_size), dtype), jax.eval_shape(lambda: jax.random.PRNGKey(0)),
                sampling=SAMPLED)
 
 
@@ -217,19 +210,19 @@ PENALISED = {"greedy": Sampling(repetition_penalty=1.3),
 def test_repetition_penalty_programs_lower_for_cuda(name):
     """The programs generate adds under a repetition penalty: the prompt's ids, the first token, the plain loop
     and the speculative loop with the [B, vocab] context in their carries (penalty.py)."""
-    from qwen_mtp.decoding.generate import _prompt_seen
+    from qwen_mtp.decoding.plain import prompt_seen
 
     cfg, dtype = _config(name)
     s = PENALISED["sampled"]
-    export_for(_prompt_seen, i32(B, CHUNK), i32(B), vocab_size=cfg.vocab_size, sampling=s)
-    export_for(_first_token, weight_shapes(cfg, dtype), SDS((B, cfg.hidden_size), dtype),
+    export_for(prompt_seen, i32(B, CHUNK), i32(B), vocab_size=cfg.vocab_size, sampling=s)
+    export_for(first_token, weight_shapes(cfg, dtype), SDS((B, cfg.hidden_size), dtype),
                jax.eval_shape(lambda: jax.random.PRNGKey(0)), SDS((B, cfg.vocab_size), jnp.bool_), sampling=s)
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-    carry = jax.eval_shape(lambda *a: _plain_start(*a, cap=CAP, keep_logits=False), i32(B),
+    carry = jax.eval_shape(lambda *a: plain_start(*a, cap=CAP, keep_logits=False), i32(B),
                            SDS((B, cfg.vocab_size), jnp.float32), i32(B), key, i32(1), i32(),
                            SDS((B, cfg.vocab_size), jnp.bool_))
     assert carry.seen.shape == (B, cfg.vocab_size)
-    plain = export_for(_plain_decode, weight_shapes(cfg, dtype), cfg, _state(cfg, dtype), carry, i32(1), i32(),
+    plain = export_for(plain_decode, weight_shapes(cfg, dtype), cfg, _state(cfg, dtype), carry, i32(1), i32(),
                        i32(), i32(), keep_logits=False, sampling=PENALISED["greedy"])
     assert kernel_calls(plain) == [CAUSAL]
     for spec, sampling in ((NATIVE, PENALISED["greedy"]), (WINDOWED, PENALISED["sampled"])):
@@ -239,10 +232,10 @@ def test_repetition_penalty_programs_lower_for_cuda(name):
 def test_a_penalised_loop_without_the_context_is_refused():
     cfg, dtype = _config("shipped")
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-    carry = jax.eval_shape(lambda *a: _plain_start(*a, cap=CAP, keep_logits=False), i32(B),
+    carry = jax.eval_shape(lambda *a: plain_start(*a, cap=CAP, keep_logits=False), i32(B),
                            SDS((B, cfg.vocab_size), jnp.float32), i32(B), key, i32(1), i32())  # no seen=
     with pytest.raises(ArgumentError, match="carry.seen"):
-        export_for(_plain_decode, weight_shapes(cfg, dtype), cfg, _state(cfg, dtype), carry, i32(1), i32(), i32(),
+        export_for(plain_decode, weight_shapes(cfg, dtype), cfg, _state(cfg, dtype), carry, i32(1), i32(), i32(),
                    i32(), keep_logits=False, sampling=PENALISED["greedy"])
 
 

@@ -7,7 +7,6 @@ model computes in float32 with the FP8 weights. Loader-level tests (no compile) 
 dequantized, against the twin exactly, and which tensors stay FP8; the typed errors come last.
 """
 
-import importlib
 import json
 import shutil
 
@@ -22,7 +21,9 @@ from hf_tiny import add_mtp, as_oracle, assert_close, make_hf_model, rel_err, sa
 
 import qwen_mtp
 from qwen_mtp import ArgumentError, CheckpointError, ConfigError, QuantArray, QuantPolicy
-from qwen_mtp.loading.safetensors import ba_rows, load_weights, qkvz_rows, rows_keep_blocks
+from qwen_mtp.loading.hf_layout import ba_rows, qkvz_rows
+from qwen_mtp.loading.safetensors import load_weights
+from qwen_mtp.loading.safetensors_files import rows_keep_blocks
 from qwen_mtp.tools.real_shapes import config as real_config
 from qwen_mtp.trunk.config import load_config, parse_config
 
@@ -264,11 +265,13 @@ def test_dense_block_fp8_with_mtp_head(built, report):
     twin = qwen_mtp.load(c["deq"])
     assert twin.quant is None and not isinstance(twin.weights.mtp.fc, QuantArray)
     got = qwen_mtp.mtp_logits(model, _ids())
-    gen = importlib.import_module("qwen_mtp.decoding.generate")
+    from qwen_mtp.decoding.prefill import mtp_prefill, prefill
+    from qwen_mtp.trunk.forward import lm_logits
+
     ids = _ids()
-    _, _, hidden = gen.prefill(model, [ids], 32, keep_hidden=True)
-    out, _ = gen.mtp_prefill(twin, jnp.asarray(ids[None, 1:]), hidden[:, :T - 1], T)
-    ref = np.asarray(gen.lm_logits(twin.weights, out[0]))
+    _, _, hidden = prefill(model, [ids], 32, keep_hidden=True)
+    out, _ = mtp_prefill(twin, jnp.asarray(ids[None, 1:]), hidden[:, :T - 1], T)
+    ref = np.asarray(lm_logits(twin.weights, out[0]))
     assert got.shape == ref.shape == (T - 1, 97) and ref.std() > 0.1
     mtp = assert_close(got, ref, "dense_block mtp logits")
     report(f"fp8 ckpt dense_block  prefill T={T} max_rel={pre[0]:.2e} max_abs={pre[1]:.2e} | "

@@ -255,18 +255,18 @@ PROMPTS = st.one_of(st.lists(st.integers(-5, 5000), max_size=6), st.lists(st.lis
        st.dictionaries(st.sampled_from(["temperature", "top_k", "top_p", "seed", "eos_token_id", "prefill_chunk",
                                         "kv_dtype", "return_logits"]), WEIRD, max_size=3))
 def test_generate_arguments(shipped, prompt, max_new, spec_kw, kw):
-    """Validation only (generate's own checks, run by _request before any program): a typed error or an
+    """Validation only (generate's own checks, run by make_request before any program): a typed error or an
     accepted request, never another exception."""
-    from qwen_mtp.decoding.generate import _request
+    from qwen_mtp.decoding.request import make_request
     _count("generate / SpecConfig arguments")
     try:
         spec = None if spec_kw is None else qwen_mtp.SpecConfig(**spec_kw)
         args = dict(temperature=0.0, top_k=0, top_p=1.0, seed=0, eos_token_id=None, prefill_chunk=256,
                     return_logits=False, kv_dtype=None)
         args.update(kw)
-        req = _request(shipped, prompt, max_new, spec, args["temperature"], args["top_k"], args["top_p"],
-                       args["seed"], args["eos_token_id"], args["prefill_chunk"], args["return_logits"],
-                       args["kv_dtype"])
+        req = make_request(shipped, prompt, max_new, spec, args["temperature"], args["top_k"], args["top_p"],
+                           args["seed"], args["eos_token_id"], args["prefill_chunk"], args["return_logits"],
+                           args["kv_dtype"])
     except QwenMTPError as e:
         assert "argument" in str(e) or "prompt" in str(e) or "SpecConfig" in str(e) or "ids" in str(e), str(e)
         return

@@ -23,6 +23,8 @@ import pytest
 import qwen_mtp
 from kernels_pallas.masked_attention import attend
 from kernels_pallas.windowed_attention import unsupported_reason, windowed_attend
+from qwen_mtp.decoding.memory import kv_cache_bytes
+from qwen_mtp.decoding.prefill import prefill
 from qwen_mtp.head.mtp import init_mtp_cache, mtp_forward
 from qwen_mtp.tools.lowering import export_for, kernel_calls, triton_kernels
 from qwen_mtp.trunk import attention
@@ -49,7 +51,8 @@ def seen(model):
     got = {}
     wrap = lambda name, fn: lambda *a, **kw: (got.setdefault(name, []).append(a[2:4]), fn(*a, **kw))[1]
     mp = pytest.MonkeyPatch()
-    for name in ("_plain_decode", "_plain_decode_few_rows"):  # (weights, cfg, state, carry, ...)
+    # patched where generate's driver (_run) looks them up: plain.py's and speculative.py's own names are not read
+    for name in ("plain_decode", "plain_decode_few_rows"):  # (weights, cfg, state, carry, ...)
         mp.setattr(gen, name, wrap("plain", getattr(gen, name)))
     for name in ("spec_decode", "spec_decode_few_rows"):  # (weights, cfg, state, mcache, ...)
         mp.setattr(gen, name, wrap("spec", getattr(gen, name)))
@@ -90,7 +93,7 @@ def test_fp8_caches_are_fp8_and_gdn_state_is_not(model, plain, seen):
     gdn = [s for s in state if isinstance(s, GDNState)]
     assert gdn and all(s.conv.dtype == jnp.float32 and s.rec.dtype == jnp.float32 for s in gdn)
     # bytes: fp8 is a quarter of f32, trunk and head alike
-    f32, fp8 = (gen.kv_cache_bytes(model, 4096, kv_dtype=kv, spec=WINDOWED) for kv in (None, F8))
+    f32, fp8 = (kv_cache_bytes(model, 4096, kv_dtype=kv, spec=WINDOWED) for kv in (None, F8))
     assert fp8["trunk"] * 4 == f32["trunk"] and fp8["mtp"] * 4 == f32["mtp"] > 0
 
 
@@ -121,7 +124,7 @@ def _unrounded_attention_layer(x, w, cfg, cache, pos, rope_offset: int = 0):
 @pytest.fixture(scope="module")
 def prefilled(model, plain):
     """The trunk state after the prompt with an fp8 cache: generate's own prefill (same program, compiled)."""
-    return gen.prefill(model, [PROMPT], 128, kv_dtype=FP8_KV)[0]
+    return prefill(model, [PROMPT], 128, kv_dtype=FP8_KV)[0]
 
 
 def _verify_vs_steps(model, plain, state):
@@ -196,7 +199,7 @@ def test_bad_kv_dtype(model, bad):
     for call in (lambda: qwen_mtp.generate(model, [1, 2, 3], 2, kv_dtype=bad),
                  lambda: qwen_mtp.prefill_logits(model, [1, 2, 3], kv_dtype=bad),
                  lambda: qwen_mtp.mtp_logits(model, [1, 2, 3], kv_dtype=bad),
-                 lambda: gen.kv_cache_bytes(model, 16, kv_dtype=bad)):
+                 lambda: kv_cache_bytes(model, 16, kv_dtype=bad)):
         with pytest.raises(qwen_mtp.ArgumentError, match="kv_dtype"):
             call()
 
@@ -204,9 +207,9 @@ def test_bad_kv_dtype(model, bad):
 def test_kv_dtype_names_accepted(model):
     f32 = init_state(model.config, 1, 4, jnp.float32)
     for name in (None, "float32", jnp.float32, np.dtype("float32")):
-        assert gen.kv_cache_bytes(model, 4, kv_dtype=name)["trunk"] == sum(
+        assert kv_cache_bytes(model, 4, kv_dtype=name)["trunk"] == sum(
             x.nbytes for s in f32 if isinstance(s, KVCache) for x in (s.k, s.v))
-    assert gen.kv_cache_bytes(model, 4, kv_dtype="bfloat16")["trunk"] * 2 == gen.kv_cache_bytes(model, 4)["trunk"]
+    assert kv_cache_bytes(model, 4, kv_dtype="bfloat16")["trunk"] * 2 == kv_cache_bytes(model, 4)["trunk"]
 
 
 def test_shipped_model_cache_bytes_at_4096(report):
@@ -216,7 +219,7 @@ def test_shipped_model_cache_bytes_at_4096(report):
     rows = {}
     for label, spec in (("trunk only", None), ("+ native head", qwen_mtp.SpecConfig(k=4)),
                         ("+ Wind-MTP ring W64 S4", qwen_mtp.SpecConfig(k=4, window=64, sinks=4))):
-        bf16, fp8 = (gen.kv_cache_bytes(shipped, 4096, kv_dtype=kv, spec=spec)["total"] for kv in (None, F8))
+        bf16, fp8 = (kv_cache_bytes(shipped, 4096, kv_dtype=kv, spec=spec)["total"] for kv in (None, F8))
         assert fp8 * 2 == bf16
         rows[label] = (bf16, fp8)
         report(f"shipped model KV caches at 4096 positions, {label}: bf16 {bf16 / 2**20:.3f} MiB, "

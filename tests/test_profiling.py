@@ -55,8 +55,8 @@ def test_every_phase_of_a_round_and_of_prefill_is_in_the_trace(spec_trace, repor
     assert {"mtp_attention", "mtp_mlp", "pick"} <= _stages(rows, "jit_spec_decode", "draft")
     assert {"gdn", "attention", "mlp", "lm_head"} <= _stages(rows, "jit_spec_decode", "verify")
     assert {"mtp_embed", "mtp_fc", "mtp_attention", "mtp_mlp"} <= _stages(rows, "jit_spec_decode", "refill")
-    assert {"gdn", "attention", "mlp"} <= _stages(rows, "jit__prefill_chunk", "prefill")
-    assert _stages(rows, "jit__mtp_chunk", "mtp_prefill")
+    assert {"gdn", "attention", "mlp"} <= _stages(rows, "jit_trunk_chunk", "prefill")
+    assert _stages(rows, "jit_mtp_chunk", "mtp_prefill")
     # every op of the round is charged to a phase: nothing lost for want of metadata
     unnamed = sum(s for m, ph, _, _, s, _ in rows if m == "jit_spec_decode" and ph in ("(no metadata)", "?"))
     assert unnamed < 0.01, unnamed
@@ -112,7 +112,7 @@ def test_cli_profile_plain(tmp_path, capsys):
     assert main(["profile", "--no-spec", "--max-new-tokens", str(NEW), "--repeats", "1", "--logdir",
                  str(tmp_path / "tr")]) == 0
     out = capsys.readouterr().out
-    assert "jit__plain_decode" in out and "ms each" in out
+    assert "jit_plain_decode" in out and "ms each" in out
     for phase in ("step", "pick", "commit", "prefill"):
         assert f"  {phase} " in out, phase
     assert f"xprof --logdir {tmp_path / 'tr'} --port 8791" in out and "SSH tunnel" in out

@@ -47,8 +47,8 @@ def test_same_tokens_and_a_second_process_exports_nothing(model, spec, tmp_path,
     with program_cache.enabled(tmp_path):
         first = qwen_mtp.generate(model, ROWS, 20, spec=spec, eos_token_id=[])
         entries = sorted(tmp_path.glob("*.pkl"))
-        loop = "qwen_mtp.decoding.speculative.spec_decode" if spec else "qwen_mtp.decoding.generate._plain_decode"
-        assert loop in exported and "qwen_mtp.decoding.generate._prefill_chunk" in exported, exported
+        loop = "qwen_mtp.decoding.speculative.spec_decode" if spec else "qwen_mtp.decoding.plain.plain_decode"
+        assert loop in exported and "qwen_mtp.decoding.prefill.trunk_chunk" in exported, exported
         assert len(entries) == len(exported) >= 6  # the probe: each program a call runs was exported once
         n = len(exported)
         qwen_mtp.generate(model, ROWS, 20, spec=spec, eos_token_id=[])
@@ -104,7 +104,8 @@ def test_programs_it_does_not_keep():
     import jax
     import jax.numpy as jnp
 
-    from qwen_mtp.decoding.generate import _prefill_chunk, _state_program
+    from qwen_mtp.decoding.placement import state_program
+    from qwen_mtp.decoding.prefill import trunk_chunk
 
     assert program_cache._name(jax.jit(lambda x: x)) is None  # lambdas have no unique name
 
@@ -112,13 +113,13 @@ def test_programs_it_does_not_keep():
         return x
 
     assert program_cache._name(jax.jit(inner)) is None  # nor do nested functions
-    assert program_cache._name(_prefill_chunk) == "qwen_mtp.decoding.generate._prefill_chunk"
+    assert program_cache._name(trunk_chunk) == "qwen_mtp.decoding.prefill.trunk_chunk"
     cfg = qwen_mtp.load(default_model_path()).config
-    a, b = (program_cache._name(_state_program(cfg, 1, n, jnp.float32, None, False, None, 0, 0, None))
+    a, b = (program_cache._name(state_program(cfg, 1, n, jnp.float32, None, False, None, 0, 0, None))
             for n in (128, 256))
     assert a.startswith("qwen_mtp.trunk.state.init_state(") and a != b  # a partial's bound arguments are in its name
     with program_cache.enabled(None):
-        assert program_cache.program(_prefill_chunk, (), {}) is None  # off
+        assert program_cache.program(trunk_chunk, (), {}) is None  # off
 
 
 def test_library_opt_in(tmp_path):

@@ -179,9 +179,9 @@ def test_generation_config_file(tmp_path, capsys):
 
 
 def test_memory_check_counts_the_context(dense_mtp):
-    from qwen_mtp.decoding.generate import _request, request_bytes
+    from qwen_mtp.decoding.request import make_request, request_bytes
 
     args = lambda r: (dense_mtp, PROMPTS, 24, qwen_mtp.SpecConfig(k=3), 0.0, 0, 1.0, 0, None, 256, False, None, r)
-    off, on = request_bytes(dense_mtp, _request(*args(1.0))), request_bytes(dense_mtp, _request(*args(R)))
+    off, on = request_bytes(dense_mtp, make_request(*args(1.0))), request_bytes(dense_mtp, make_request(*args(R)))
     assert "repetition penalty context" not in off
     assert on["repetition penalty context"] == 3 * 97 * 5 and on["total"] == off["total"] + 3 * 97 * 5

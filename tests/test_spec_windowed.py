@@ -7,7 +7,7 @@ import pytest
 
 import qwen_mtp
 from kernels_pallas.masked_attention import attend
-from qwen_mtp.decoding.generate import prefill
+from qwen_mtp.decoding.prefill import prefill
 from qwen_mtp.head.mtp import init_mtp_cache, mtp_forward
 from qwen_mtp.trunk.attention import output, project_qkv
 from qwen_mtp.trunk.forward import lm_logits

@@ -90,7 +90,7 @@ def test_cli_second_process_reads_its_programs_from_the_compile_cache(tmp_path):
     assert "tok/s" in lines[-1] and "AL" in lines[-1] and "alpha_j" in lines[-1]
     assert second.stdout.splitlines()[:-1] == first.stdout.splitlines()[:-1]  # same text, stats line aside
     assert "Persistent compilation cache hit for 'jit_spec_decode'" in second.stderr
-    assert "Persistent compilation cache hit for 'jit__prefill_chunk'" in second.stderr
+    assert "Persistent compilation cache hit for 'jit_trunk_chunk'" in second.stderr
     assert "because it uses host callbacks" not in first.stderr
     assert "PERSISTENT COMPILATION CACHE MISS" in first.stderr  # the probe: a cold folder misses
     missed = re.findall(r"PERSISTENT COMPILATION CACHE MISS for '([^']+)'", second.stderr)

@@ -7,6 +7,8 @@ verify leaves per GDN layer for the rollback (rollback.py: the conv window, the 
 k + 1 positions) with the rebuilt states, and the logits buffer of return_logits. Not counted:
 the weights (already on the device) and XLA's temporaries (a few activations). Available: on a GPU, the
 allocator's limit minus what is in use (Device.memory_stats); on a CPU, the host's MemAvailable.
+
+`kv_cache_bytes` (public, for planning a context length) sizes the attention KV caches alone.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import math
 import jax
 import jax.numpy as jnp
 
+from qwen_mtp.decoding.checks import check_positive_int
+from qwen_mtp.decoding.speculative import SpecConfig
 from qwen_mtp.errors import InsufficientMemoryError
 from qwen_mtp.head.mtp import init_mtp_cache
-from qwen_mtp.trunk.state import GDNState, init_state
+from qwen_mtp.trunk.state import GDNState, init_state, kv_bytes, resolve_kv_dtype
 
 
 def _nbytes(tree) -> int:
@@ -95,3 +99,18 @@ def check(model, need: dict) -> None:
     if per_device > free:
         parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in need.items() if k != "total")
         raise InsufficientMemoryError(per_device, free, where, parts)
+
+
+def kv_cache_bytes(model, context: int, *, batch: int = 1, kv_dtype=None, spec: SpecConfig | None = None) -> dict:
+    """Bytes of the attention KV caches generate holds for `batch` rows of `context` positions, sized without
+    allocating: {"trunk": every full-attention layer's cache, "mtp": the head's (native: context slots; with
+    spec.window: its ring of sinks + window + k slots; 0 without spec), "total"}."""
+    cfg = model.config
+    context, batch = check_positive_int("context", context), check_positive_int("batch", batch)
+    dtype = resolve_kv_dtype(kv_dtype, model.weights.embed.dtype)
+    trunk = kv_bytes(jax.eval_shape(lambda: init_state(cfg, batch, context, model.weights.embed.dtype, dtype)))
+    head = 0
+    if spec is not None:
+        head = kv_bytes(jax.eval_shape(lambda: init_mtp_cache(cfg, batch, context, dtype, window=spec.window,
+                                                              sinks=spec.sinks, k=spec.k)))
+    return {"trunk": trunk, "mtp": head, "total": trunk + head}

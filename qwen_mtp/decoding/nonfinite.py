@@ -1,7 +1,7 @@
 """Non-finite logits during generate: where they first appear.
 
 The decode loops only flag a row whose logits hold a NaN or an Inf (one isfinite reduction over logits already
-read, per step or verify) and freeze it (generate.py, speculative.py); generate then raises NonFiniteError. This
+read, per step or verify) and freeze it (plain.py, speculative.py); generate then raises NonFiniteError. This
 module names the stage: it runs the trunk again, outside the loops, over the row's prompt and the tokens it had
 committed, one layer at a time, and reports the first stage whose output is non-finite.
 """

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qwen_mtp.decoding.generate import generate, prefill
+from qwen_mtp.decoding.generate import generate
+from qwen_mtp.decoding.prefill import prefill
 from qwen_mtp.decoding.speculative import SpecConfig
 from qwen_mtp.decoding.stats import fmt
 from qwen_mtp.head.mtp import init_mtp_cache, mtp_forward

@@ -7,7 +7,7 @@ TensorBoard's profile plugin opens) and <host>.trace.json.gz (Chrome trace event
 records for an executed op carries args.hlo_op and args.hlo_module; ops nest (a `while` op's event spans its
 body's), so `op_events` charges each op its self time: its duration less that of the events inside it.
 
-The phases are jax.named_scope regions in the code: "prefill" / "mtp_prefill" / "first_token" (generate.py),
+The phases are jax.named_scope regions in the code: "prefill" / "mtp_prefill" / "first_token" (prefill.py, plain.py),
 "step" / "pick" / "commit" (a plain decode step: the trunk, then lm_head and the choice), "draft" / "verify" / "accept" / "commit" / "rollback" /
 "refill" (a round, speculative.py), and inside them the stages "embed", "gdn", "attention", "mlp", "final_norm",
 "lm_head" (model.py), "mtp_embed", "mtp_fc", "mtp_attention", "mtp_mlp", "mtp_norm" (mtp.py) and "pick" (a
@@ -240,5 +240,5 @@ def profile_generate(model, prompt_ids, max_new_tokens: int, logdir, *, repeats:
     if kwargs.get("spec") is not None:
         calls = {"jit_spec_decode": repeats * s.rounds}
     else:
-        calls = {"jit__plain_decode": repeats * max(1, (s.new_tokens - s.batch) // max(1, s.batch))}
+        calls = {"jit_plain_decode": repeats * max(1, (s.new_tokens - s.batch) // max(1, s.batch))}
     return r, texts, phase_table(logdir, texts), calls
