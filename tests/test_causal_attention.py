@@ -6,6 +6,8 @@ the dense form at a context many blocks long."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,9 @@ import pytest
 
 import kernels_pallas.causal_attention as ca
 from kernels_pallas.masked_attention import attend
+
+pytest.register_assert_rewrite("kernel_contract")  # its asserts explain their failures as a test file's do
+from kernel_contract import KernelContract  # noqa: E402  (tests/ is on sys.path, as for conftest.py)
 
 
 def _dense(q, k, v, q_pos):
@@ -216,26 +221,86 @@ KERNEL_CASES = [  # (B, T, S, nkv, G, hd, starts, block_k, splits)
     (2, 37, 96, 2, 2, 16, [0, 50], 16, 1),  # a prefill chunk: several row tiles
     (1, 3, 300, 1, 4, 32, [290], 32, 3),    # the last part runs past the cache (masked loads)
 ]
+# (q dtype, cache dtype, tolerance): bf16, bf16 over an fp8 cache, f32 over an fp8 cache
+LOW_PRECISION = [(jnp.bfloat16, None, 2e-2), (jnp.bfloat16, jnp.float8_e4m3fn, 2e-2),
+                 (jnp.float32, jnp.float8_e4m3fn, 1e-5)]
 
 
-@pytest.mark.parametrize("B,T,S,nkv,G,hd,starts,block_k,splits", KERNEL_CASES)
-def test_kernel_matches_reference(B, T, S, nkv, G, hd, starts, block_k, splits):
-    q, k, v, q_pos = _case(5, B, T, S, nkv, G, hd, starts)
-    with jax.default_matmul_precision("highest"):
-        want = _dense(q, k, v, q_pos)
-    got = ca.causal_attend_pallas(q, k, v, q_pos, block_k=block_k, num_splits=splits, interpret=True)
-    abs_err, rel_err = _err(got, want)
-    assert rel_err < 1e-4 or abs_err < 1e-5, (abs_err, rel_err)
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One run of the kernel: _case's shape (B, T, S, nkv, G, hd, starts) and seed, the launch, the dtypes and
+    (low precision) the tolerance of the test it came from."""
+    shape: tuple
+    seed: int
+    block_k: int | None = None
+    splits: int | None = None
+    dtype: object = jnp.float32
+    kv_dtype: object = None
+    tol: float | None = None
 
 
-@pytest.mark.parametrize("dtype,kv_dtype,tol", [(jnp.bfloat16, None, 2e-2), (jnp.bfloat16, jnp.float8_e4m3fn, 2e-2),
-                                                (jnp.float32, jnp.float8_e4m3fn, 1e-5)])
-def test_kernel_bf16_and_fp8_cache(dtype, kv_dtype, tol):
-    q, k, v, q_pos = _case(6, 2, 4, 130, 2, 2, 16, [3, 120], dtype, kv_dtype)
-    assert ca.unsupported_reason(q, k, q_pos) is None
-    got = ca.causal_attend_pallas(q, k, v, q_pos, block_k=16, num_splits=2, interpret=True)
-    want = _dense(q, k, v, q_pos)
-    assert got.dtype == q.dtype and _err(got, want)[0] < tol * 4
+class TestCausalContract(KernelContract):
+    """The kernel contract (tests/kernel_contract.py) for the causal attention kernel: KERNEL_CASES in f32, one
+    ragged verify in bf16 and over an fp8 cache; each case also against the dense masked form (check_more)."""
+
+    F32_TOL = (1e-5, 1e-4)  # (max_abs, max_rel)
+
+    def f32_cases(self):
+        return [Run(tuple(c[:7]), seed=5, block_k=c[7], splits=c[8]) for c in KERNEL_CASES]
+
+    def low_precision_cases(self):
+        return [Run((2, 4, 130, 2, 2, 16, [3, 120]), seed=6, block_k=16, splits=2, dtype=d, kv_dtype=kv, tol=tol)
+                for d, kv, tol in LOW_PRECISION]
+
+    def case_id(self, run):
+        B, T, S, nkv, G, hd, starts = run.shape
+        kv = f"-{jnp.dtype(run.kv_dtype).name}cache" if run.kv_dtype is not None else ""
+        return f"B{B}T{T}S{S}kv{nkv}G{G}hd{hd}-{run.block_k}-{run.splits}-{jnp.dtype(run.dtype).name}{kv}"
+
+    def inputs(self, run):
+        return _case(run.seed, *run.shape, run.dtype, run.kv_dtype)
+
+    def kernel(self, run, *args):
+        return ca.causal_attend_pallas(*args, block_k=run.block_k, num_splits=run.splits, interpret=True)
+
+    def reference(self, run, *args):
+        return ca.causal_attend_reference(*args)
+
+    def dispatching(self, run, *args, **kw):
+        return ca.causal_attend(*args, **kw)
+
+    def reason(self, run, q, k, v, q_pos):
+        return ca.unsupported_reason(q, k, q_pos)
+
+    def error(self, got, want):
+        return _err(got, want)
+
+    def tolerance(self, run):
+        return (run.tol * 4,)  # max_abs
+
+    def check_more(self, run, args, got, ref, report):
+        """The dense masked form the blocked forms replace: the kernel matches it as it matches the reference."""
+        if run.tol is None:
+            with jax.default_matmul_precision("highest"):
+                want = _dense(*args)
+            abs_err, rel_err = _err(got, want)
+            assert rel_err < 1e-4 or abs_err < 1e-5, (abs_err, rel_err)
+        else:
+            assert _err(got, _dense(*args))[0] < run.tol * 4
+
+    FALLBACK_EXACT = False
+
+    def unsupported_case(self):
+        return Run((1, 2, 40, 1, 2, 24, [30]), seed=8), "head_dim 24"
+
+    def lowering_case(self):
+        return self.f32_cases()[1]
+
+    def auto(self, run):
+        return lambda *args: ca.causal_attend(*args)
+
+    def custom_call(self, run):
+        return "causal_attention"
 
 
 def test_kernel_never_reads_future_blocks():
@@ -244,16 +309,6 @@ def test_kernel_never_reads_future_blocks():
     v = v.at[:, 48:].set(jnp.nan)
     got = ca.causal_attend_pallas(q, k, v, q_pos, block_k=16, num_splits=1, interpret=True)
     assert bool(jnp.all(jnp.isfinite(got)))
-
-
-def test_unsupported_shapes_take_the_reference(monkeypatch):
-    from kernels_pallas import dispatch
-    monkeypatch.setattr(dispatch, "_warned", set())
-    q, k, v, q_pos = _case(8, 1, 2, 40, 1, 2, 24, [30])  # head_dim 24
-    assert "head_dim 24" in ca.unsupported_reason(q, k, q_pos)
-    with pytest.warns(UserWarning, match="head_dim 24"):
-        got = ca.causal_attend(q, k, v, q_pos, backend="pallas", interpret=True)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ca.causal_attend_reference(q, k, v, q_pos)))
 
 
 def test_gradients_are_the_dense_forms():

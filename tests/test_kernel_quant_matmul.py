@@ -10,7 +10,7 @@ whole range of their format (int4: every nibble; fp8: subnormals up to 448; int4
 that the kernel must not read into the result), not just what the quantizer produces.
 """
 
-import warnings
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kernels_pallas import dispatch
 from kernels_pallas.quant_layout import cdiv, pack_int4, padded_k
 from kernels_pallas.quant_matmul import (
     plan,
@@ -27,8 +26,10 @@ from kernels_pallas.quant_matmul import (
     quant_matmul_reference,
     unsupported_reason,
 )
-from qwen_mtp.tools.lowering import export_for, kernel_calls
 from tests.hf_tiny import rel_err
+
+pytest.register_assert_rewrite("kernel_contract")  # its asserts explain their failures as a test file's do
+from kernel_contract import KernelContract  # noqa: E402  (tests/ is on sys.path, as for conftest.py)
 
 DT = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 
@@ -95,36 +96,123 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-M{c[2]}K{c[3]}N{c[4]}-{c[5]}".replace(" ", ""))
-def test_kernel_matches_reference(case, report):
-    kind, fmt, M, K, N, dtype, tiling = case
-    x, q, scale, block = _inputs(kind, fmt, M, K, N, dtype, seed=M + K + N)
-    assert unsupported_reason(x, q, scale, kind=kind, k=K, block=block) is None
-    p = plan(M, K, N, kind, block, jnp.dtype(x.dtype).itemsize, **tiling)
-    if "splits" in tiling:  # the plan really cuts K into that many parts, the last one running past the end
-        assert p.splits == tiling["splits"] and p.splits * p.steps_per_split > p.steps, p
-    if tiling:
-        got = quant_matmul_pallas(x, q, scale, kind=kind, k=K, block=block, interpret=True, **tiling)
-    else:  # through the dispatch, as the model calls it
-        got = quant_matmul(x, q, scale, kind=kind, k=K, block=block, backend="pallas", interpret=True)
-    ref = quant_matmul_reference(x, q, scale, kind=kind, k=K, block=block)
-    assert got.dtype == x.dtype and got.shape == (M, N)
-    want = _oracle(x, q, scale, kind, K, block)
-    kernel_vs_ref, kernel_vs_oracle, ref_vs_oracle = rel_err(got, ref)[0], rel_err(got, want)[0], rel_err(ref, want)[0]
-    if dtype == "f32":
-        assert max(kernel_vs_ref, kernel_vs_oracle, ref_vs_oracle) < 1e-5, (kernel_vs_ref, kernel_vs_oracle,
-                                                                             ref_vs_oracle)
-    else:
-        # The kernel's dots run on the exact values with f32 accumulation and apply the f32 scales to the f32
-        # products: its only rounding is the output's, half a unit in the last place of bf16 (2^-9 of the
-        # value) or f16 (2^-12). The reference first rounds every dequantized weight to x's dtype (2^-9 of each
-        # weight in bf16), then rounds its output: within 1e-2 of the oracle and of the kernel.
-        ulp = 2.0 ** -8 if dtype == "bf16" else 2.0 ** -11
-        assert kernel_vs_oracle < ulp, kernel_vs_oracle
-        assert ref_vs_oracle < 1e-2 and kernel_vs_ref < 1e-2, (ref_vs_oracle, kernel_vs_ref)
-    report(f"quant_matmul kernel {kind} {fmt} M{M} K{K} N{N} {dtype} grid ({p.row_tiles},{p.col_tiles},{p.splits}) "
-           f"tile {p.block_m}x{p.block_n} step {p.block_k} dot_k {p.dot_k}: max_rel vs reference "
-           f"{kernel_vs_ref:.1e}, vs float64 {kernel_vs_oracle:.1e} (reference vs float64 {ref_vs_oracle:.1e})")
+def _case_id(c):
+    return f"{c[0]}-{c[1]}-M{c[2]}K{c[3]}N{c[4]}-{c[5]}".replace(" ", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One run of the kernel: a CASES entry and its inputs' seed."""
+    case: tuple
+    seed: int
+
+    @property
+    def block(self):
+        kind, fmt, M, K, N = self.case[:5]
+        return _block(kind, fmt, K, N)
+
+
+def _run(case):
+    return Run(case, seed=sum(case[2:5]))  # seed M + K + N
+
+
+class TestQuantMatmulContract(KernelContract):
+    """The kernel contract (tests/kernel_contract.py) for the quantized matmul: the CASES with x in f32 (int8,
+    int4 and fp8 stored values) tightly, those with x in bf16 / f16 at the output's rounding; each case also
+    against the float64 oracle (check_more)."""
+
+    F32_TOL = (1e-5,)  # max_rel
+
+    def f32_cases(self):
+        return [_run(c) for c in CASES if c[5] == "f32"]
+
+    def low_precision_cases(self):
+        return [_run(c) for c in CASES if c[5] != "f32"]
+
+    def case_id(self, run):
+        return _case_id(run.case)
+
+    def inputs(self, run):
+        kind, fmt, M, K, N, dtype = run.case[:6]
+        return _inputs(kind, fmt, M, K, N, dtype, seed=run.seed)[:3]
+
+    def kernel(self, run, x, q, scale):
+        kind, K, tiling = run.case[0], run.case[3], run.case[6]
+        if tiling:
+            return quant_matmul_pallas(x, q, scale, kind=kind, k=K, block=run.block, interpret=True, **tiling)
+        # through the dispatch, as the model calls it
+        return quant_matmul(x, q, scale, kind=kind, k=K, block=run.block, backend="pallas", interpret=True)
+
+    def reference(self, run, x, q, scale):
+        return quant_matmul_reference(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block)
+
+    def dispatching(self, run, x, q, scale, **kw):
+        return quant_matmul(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block, **kw)
+
+    def reason(self, run, x, q, scale):
+        return unsupported_reason(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block)
+
+    def error(self, got, want):
+        return rel_err(got, want)[:1]
+
+    def tolerance(self, run):
+        return (1e-2,)  # the reference rounds each dequantized weight to x's dtype (2^-9 in bf16): see check_more
+
+    def check_more(self, run, args, got, ref, report):
+        kind, fmt, M, K, N, dtype, tiling = run.case
+        x, q, scale = args
+        block = run.block
+        p = plan(M, K, N, kind, block, jnp.dtype(x.dtype).itemsize, **tiling)
+        if "splits" in tiling:  # the plan really cuts K into that many parts, the last one running past the end
+            assert p.splits == tiling["splits"] and p.splits * p.steps_per_split > p.steps, p
+        assert got.shape == (M, N)
+        want = _oracle(x, q, scale, kind, K, block)
+        kernel_vs_ref, kernel_vs_oracle, ref_vs_oracle = rel_err(got, ref)[0], rel_err(got, want)[0], rel_err(ref,
+                                                                                                              want)[0]
+        if dtype == "f32":
+            assert max(kernel_vs_ref, kernel_vs_oracle, ref_vs_oracle) < 1e-5, (kernel_vs_ref, kernel_vs_oracle,
+                                                                                 ref_vs_oracle)
+        else:
+            # The kernel's dots run on the exact values with f32 accumulation and apply the f32 scales to the f32
+            # products: its only rounding is the output's, half a unit in the last place of bf16 (2^-9 of the
+            # value) or f16 (2^-12). The reference first rounds every dequantized weight to x's dtype (2^-9 of
+            # each weight in bf16), then rounds its output: within 1e-2 of the oracle and of the kernel.
+            ulp = 2.0 ** -8 if dtype == "bf16" else 2.0 ** -11
+            assert kernel_vs_oracle < ulp, kernel_vs_oracle
+            assert ref_vs_oracle < 1e-2 and kernel_vs_ref < 1e-2, (ref_vs_oracle, kernel_vs_ref)
+        report(f"quant_matmul kernel {kind} {fmt} M{M} K{K} N{N} {dtype} grid ({p.row_tiles},{p.col_tiles},"
+               f"{p.splits}) tile {p.block_m}x{p.block_n} step {p.block_k} dot_k {p.dot_k}: max_rel vs reference "
+               f"{kernel_vs_ref:.1e}, vs float64 {kernel_vs_oracle:.1e} (reference vs float64 {ref_vs_oracle:.1e})")
+
+    def unsupported_case(self):
+        return Run(("int4", 16, 3, 40, 24, "f32", {}), seed=0), "int4 group of 16"  # half a group is 8 rows
+
+    def check_fallback(self, run, args, out):
+        assert rel_err(out, _oracle(*args, "int4", 40, run.block))[0] < 1e-5
+
+    def more_unsupported_reasons(self):
+        x8, q8, s8, _ = _inputs("fp8", (96, 16), 2, 200, 40, "f32", seed=1)
+        reasons = [(unsupported_reason(x8, q8, s8, kind="fp8", k=200, block=(96, 16)), "K blocks of 96")]
+        x8, q8, s8, _ = _inputs("fp8", (128, 24), 2, 200, 40, "f32", seed=1)
+        reasons.append((unsupported_reason(x8, q8, s8, kind="fp8", k=200, block=(128, 24)),
+                        "scale blocks of 24 columns"))
+        xi, qi, si, bi = _inputs("int8", "channel", 2, 40, 24, "f32", seed=2)
+        reasons.append((unsupported_reason(xi.astype(jnp.int32), qi, si, kind="int8", k=40, block=bi), "dtype int32"))
+        reasons.append((unsupported_reason(xi[:0], qi, si, kind="int8", k=40, block=bi), "empty"))
+        SDS = jax.ShapeDtypeStruct  # shapes only: a weight of 2^31 int8 values
+        huge = (SDS((1, 8192), jnp.bfloat16), SDS((8192, 1 << 18), jnp.int8), SDS((1, 1 << 18), jnp.float32))
+        reasons.append((unsupported_reason(*huge, kind="int8", k=8192, block=(8192, 1)), "2^31"))
+        return reasons
+
+    def lowering_case(self):
+        return Run(("int4", 32, 2, 300, 40, "f32", {}), seed=4)
+
+    def auto(self, run):
+        kind, K, block = run.case[0], run.case[3], run.block
+        return jax.jit(lambda x, q, s: quant_matmul(x, q, s, kind=kind, k=K, block=block))
+
+    def custom_call(self, run):
+        return f"quant_matmul_{run.case[0]}"
 
 
 def test_plan_gives_a_gpu_enough_programs_at_real_shapes():
@@ -141,30 +229,6 @@ def test_plan_gives_a_gpu_enough_programs_at_real_shapes():
         assert pre.block_m in (64, 128) and pre.splits == 1 and pre.programs >= 264, pre
 
 
-def test_unsupported_formats_fall_back_with_reason(monkeypatch):
-    monkeypatch.setattr(dispatch, "_warned", set())  # the warning is once per process: start afresh
-    x, q, scale, block = _inputs("int4", 16, 3, 40, 24, "f32", seed=0)  # groups of 16: half a group is 8 rows
-    reason = unsupported_reason(x, q, scale, kind="int4", k=40, block=block)
-    assert "int4 group of 16" in reason
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = quant_matmul(x, q, scale, kind="int4", k=40, block=block, backend="pallas", interpret=True)
-    assert any("int4 group of 16" in str(w.message) for w in caught)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(quant_matmul_reference(x, q, scale, kind="int4", k=40,
-                                                                                     block=block)))
-    assert rel_err(out, _oracle(x, q, scale, "int4", 40, block))[0] < 1e-5
-    x8, q8, s8, _ = _inputs("fp8", (96, 16), 2, 200, 40, "f32", seed=1)
-    assert "K blocks of 96" in unsupported_reason(x8, q8, s8, kind="fp8", k=200, block=(96, 16))
-    x8, q8, s8, _ = _inputs("fp8", (128, 24), 2, 200, 40, "f32", seed=1)
-    assert "scale blocks of 24 columns" in unsupported_reason(x8, q8, s8, kind="fp8", k=200, block=(128, 24))
-    xi, qi, si, bi = _inputs("int8", "channel", 2, 40, 24, "f32", seed=2)
-    assert "dtype int32" in unsupported_reason(xi.astype(jnp.int32), qi, si, kind="int8", k=40, block=bi)
-    assert "empty" in unsupported_reason(xi[:0], qi, si, kind="int8", k=40, block=bi)
-    SDS = jax.ShapeDtypeStruct  # shapes only: a weight of 2^31 int8 values
-    huge = (SDS((1, 8192), jnp.bfloat16), SDS((8192, 1 << 18), jnp.int8), SDS((1, 1 << 18), jnp.float32))
-    assert "2^31" in unsupported_reason(*huge, kind="int8", k=8192, block=(8192, 1))
-
-
 def test_inputs_that_break_the_layout_raise():
     x, q, scale, block = _inputs("int8", "channel", 2, 40, 24, "f32", seed=3)
     with pytest.raises(ValueError, match=r"x of shape \[M, 48\]"):
@@ -175,14 +239,3 @@ def test_inputs_that_break_the_layout_raise():
         quant_matmul(x, q, scale[:, :5], kind="int8", k=40, block=block)
     with pytest.raises(ValueError, match="block_n a power of two"):
         plan(2, 40, 24, "int8", block, block_n=24)
-
-
-def test_cpu_auto_lowers_the_reference():
-    """backend="auto" on this CPU: the reference's numbers, and no kernel in the program lowered for cpu (the
-    export tests show the same function lowered for cuda holds the kernel)."""
-    assert jax.default_backend() == "cpu"
-    x, q, scale, block = _inputs("int4", 32, 2, 300, 40, "f32", seed=4)
-    fn = jax.jit(lambda x, q, s: quant_matmul(x, q, s, kind="int4", k=300, block=block))
-    np.testing.assert_array_equal(np.asarray(fn(x, q, scale)),
-                                  np.asarray(quant_matmul_reference(x, q, scale, kind="int4", k=300, block=block)))
-    assert kernel_calls(export_for(fn, x, q, scale, platform="cpu")) == []

@@ -6,14 +6,12 @@ program or split over several (flash-decoding parts, some of which see no visibl
 holds arbitrary stale values (as in real use): only the mask may keep them out.
 """
 
-import warnings
+import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import dispatch
 from kernels_pallas.windowed_attention import (
     plan,
     unsupported_reason,
@@ -22,6 +20,9 @@ from kernels_pallas.windowed_attention import (
     windowed_attend_reference,
 )
 from tests.hf_tiny import rel_err
+
+pytest.register_assert_rewrite("kernel_contract")  # its asserts explain their failures as a test file's do
+from kernel_contract import KernelContract  # noqa: E402  (tests/ is on sys.path, as for conftest.py)
 
 # (B, T, nkv, G, hd, sinks, window, k, start per row)
 CASES = [
@@ -45,21 +46,110 @@ def _inputs(B, T, nkv, G, hd, sinks, window, k, starts, seed):
             jnp.asarray(starts, jnp.int32))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}T{c[1]}kv{c[2]}G{c[3]}hd{c[4]}S{c[5]}W{c[6]}")
-@pytest.mark.parametrize("block_k,splits", PLANS, ids=lambda p: str(p))
-def test_kernel_matches_reference(case, block_k, splits, report):
-    B, T, nkv, G, hd, sinks, window, k, starts = case
-    q, rk, rv, nk, nv, start = _inputs(*case, seed=len(starts) + T)
-    assert unsupported_reason(q, rk, nk, sinks) is None
-    if splits is not None:  # the plan really cuts the ring into that many parts
-        assert plan(B, T, nkv * G, nkv, hd, rk.shape[1], 4, block_k, splits).splits == min(splits, -(-rk.shape[1] // block_k))
-    got = windowed_attend_pallas(q, rk, rv, nk, nv, start, window, sinks, block_k=block_k, num_splits=splits,
-                                 interpret=True)
-    ref = windowed_attend_reference(q, rk, rv, nk, nv, start, window, sinks)
-    err = rel_err(got, ref)
-    assert err[0] < 1e-5 or err[1] < 1e-6, err
-    assert float(jnp.abs(ref).min(axis=-1).max()) > 0  # every query row read real values
-    report(f"windowed kernel {case[:7]} starts={starts} block_k={block_k} parts={splits}: max_rel={err[0]:.1e}")
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One run of the kernel: a CASES entry, its inputs' seed, the launch (None: the automatic plan), q's dtype
+    (the ring's too unless fp8_ring: float8_e4m3fn ring and new rows)."""
+    case: tuple
+    seed: int
+    block_k: int | None = None
+    splits: int | None = None
+    dtype: object = jnp.float32
+    fp8_ring: bool = False
+
+
+def _fp8(x):
+    return (3 * x).astype(jnp.float8_e4m3fn)  # values up to ~12: fp8's normal range, rounded
+
+
+class TestWindowedContract(KernelContract):
+    """The kernel contract (tests/kernel_contract.py) for the windowed draft attention: every CASES shape under
+    every PLANS launch in f32; GQA 6 with 4 queries over a wrapped ring in bf16 (2 ring parts), and with an fp8
+    ring under f32 and bf16 queries (3 parts: test_fp8_ring_plan checks the automatic plan of an fp8 ring)."""
+
+    CUSTOM_CALL = "windowed_draft_attention"
+    F32_TOL = (1e-5, 1e-6)  # (max_rel, max_abs)
+
+    def f32_cases(self):
+        return [Run(c, seed=len(c[8]) + c[1], block_k=b, splits=s) for c in CASES for b, s in PLANS]
+
+    def low_precision_cases(self):
+        return [Run(CASES[2], seed=5, block_k=8, splits=2, dtype=jnp.bfloat16),
+                Run(CASES[2], seed=11, block_k=8, splits=3, fp8_ring=True),
+                Run(CASES[2], seed=11, block_k=8, splits=3, dtype=jnp.bfloat16, fp8_ring=True)]
+
+    def case_id(self, run):
+        B, T, nkv, G, hd, sinks, window = run.case[:7]
+        ring = "-fp8ring" if run.fp8_ring else ""
+        return (f"B{B}T{T}kv{nkv}G{G}hd{hd}S{sinks}W{window}-{run.block_k}-{run.splits}-"
+                f"{jnp.dtype(run.dtype).name}{ring}")
+
+    def inputs(self, run):
+        q, rk, rv, nk, nv, start = _inputs(*run.case, seed=run.seed)
+        if run.fp8_ring:
+            return q.astype(run.dtype), _fp8(rk), _fp8(rv), _fp8(nk), _fp8(nv), start
+        return (*(x.astype(run.dtype) for x in (q, rk, rv, nk, nv)), start)
+
+    def kernel(self, run, *args):
+        return windowed_attend_pallas(*args, run.case[6], run.case[5], block_k=run.block_k, num_splits=run.splits,
+                                      interpret=True)
+
+    def reference(self, run, *args):
+        return windowed_attend_reference(*args, run.case[6], run.case[5])
+
+    def dispatching(self, run, *args, **kw):
+        return windowed_attend(*args, run.case[6], run.case[5], **kw)
+
+    def reason(self, run, q, rk, rv, nk, nv, start):
+        return unsupported_reason(q, rk, nk, run.case[5])
+
+    def error(self, got, want):
+        return rel_err(got.astype(jnp.float32), want.astype(jnp.float32))
+
+    def tolerance(self, run):
+        # bf16 outputs: a few units of bf16 rounding (2^-8); f32 queries over an fp8 ring: f32's
+        return self.F32_TOL if run.dtype == jnp.float32 else (2e-2,)
+
+    def check_more(self, run, args, got, ref, report):
+        B, T, nkv, G, hd, sinks, window, k, starts = run.case
+        q, rk, rv, nk, nv, start = args
+        err = self.error(got, ref)
+        if run.fp8_ring:
+            # the reference over the fp8 values upcast beforehand is the same computation: the ring's dtype
+            # changes nothing but the stored values
+            up = lambda x: x.astype(run.dtype)
+            np.testing.assert_array_equal(np.asarray(ref.astype(jnp.float32)), np.asarray(
+                windowed_attend_reference(q, up(rk), up(rv), up(nk), up(nv), start, window, sinks).astype(
+                    jnp.float32)))
+            report(f"windowed kernel, fp8 ring, q {jnp.dtype(run.dtype).name} {run.case[:7]} block_k={run.block_k} "
+                   f"parts={run.splits}: max_rel={err[0]:.1e}")
+        elif run.dtype == jnp.float32:
+            if run.splits is not None:  # the plan really cuts the ring into that many parts
+                assert plan(B, T, nkv * G, nkv, hd, rk.shape[1], 4, run.block_k, run.splits).splits == min(
+                    run.splits, -(-rk.shape[1] // run.block_k))
+            assert float(jnp.abs(ref).min(axis=-1).max()) > 0  # every query row read real values
+            report(f"windowed kernel {run.case[:7]} starts={starts} block_k={run.block_k} parts={run.splits}: "
+                   f"max_rel={err[0]:.1e}")
+
+    def unsupported_case(self):
+        return Run((1, 3, 1, 1, 24, 0, 4, 2, [10]), seed=0), "head_dim 24"
+
+    def more_unsupported_reasons(self):
+        q8, r8, n8 = jnp.zeros((1, 2, 4, 8)), jnp.zeros((1, 10, 2, 8)), jnp.zeros((1, 2, 2, 8))
+        q16, r16, n16 = jnp.zeros((1, 2, 4, 16)), jnp.zeros((1, 10, 2, 16)), jnp.zeros((1, 2, 2, 16))
+        return [(unsupported_reason(q8, r8, n8, 0), "head_dim 8"),  # Triton dots need dimensions >= 16
+                (unsupported_reason(q16, r16.astype(jnp.bfloat16), n16, 0), "dtypes"),
+                (unsupported_reason(q16, r16, n16, 10), "no room"),
+                (unsupported_reason(q16, r16, n16[:, :1], 0), "rows for")]
+
+    def lowering_case(self):
+        return Run(CASES[1], seed=1)
+
+    def auto(self, run):
+        return lambda *args: windowed_attend(*args, run.case[6], run.case[5])
+
+    def custom_call(self, run):
+        return self.CUSTOM_CALL
 
 
 def test_row_tiles_and_parts_in_the_plan():
@@ -68,17 +158,6 @@ def test_row_tiles_and_parts_in_the_plan():
     assert plan(1, 1, 24, 4, 256, 64 + 4032 + 7).splits > 1  # a batch-1 draft step splits its 4100-slot ring
     p = plan(8, 9, 32, 2, 256, 128 + 8192 + 8)
     assert p.splits * p.blocks_per_split * p.block_k >= 128 + 8192 + 8  # the parts cover the ring
-
-
-def test_kernel_bf16_matches_reference():
-    case = CASES[2]
-    q, rk, rv, nk, nv, start = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x
-                                for x in _inputs(*case, seed=5))
-    got = windowed_attend_pallas(q, rk, rv, nk, nv, start, case[6], case[5], block_k=8, num_splits=2, interpret=True)
-    ref = windowed_attend_reference(q, rk, rv, nk, nv, start, case[6], case[5])
-    assert got.dtype == jnp.bfloat16
-    err = rel_err(got.astype(jnp.float32), ref.astype(jnp.float32))
-    assert err[0] < 2e-2, err  # bf16 outputs: a few units of bf16 rounding (2^-8)
 
 
 def test_kernel_ignores_stale_ring_values():
@@ -96,58 +175,6 @@ def test_kernel_ignores_stale_ring_values():
     b = windowed_attend_pallas(q, poison, jnp.where(jnp.asarray(hidden)[:, :, None, None], 1e4, rv), nk, nv, start,
                                case[6], case[5], block_k=8, num_splits=3, interpret=True)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
-
-
-def test_unsupported_shapes_fall_back_with_reason(monkeypatch):
-    monkeypatch.setattr(dispatch, "_warned", set())  # the warning is once per process: start afresh
-    q, rk, rv, nk, nv, start = _inputs(1, 3, 1, 1, 24, 0, 4, 2, [10], seed=0)  # head_dim 24
-    assert "head_dim 24" in unsupported_reason(q, rk, nk, 0)
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        out = windowed_attend(q, rk, rv, nk, nv, start, 4, 0, backend="pallas", interpret=True)
-    assert any("head_dim 24" in str(x.message) for x in w)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(windowed_attend_reference(q, rk, rv, nk, nv, start, 4, 0)))
-    q8, r8, n8 = jnp.zeros((1, 2, 4, 8)), jnp.zeros((1, 10, 2, 8)), jnp.zeros((1, 2, 2, 8))
-    assert "head_dim 8" in unsupported_reason(q8, r8, n8, 0)  # Triton dots need dimensions >= 16
-    q16, r16, n16 = jnp.zeros((1, 2, 4, 16)), jnp.zeros((1, 10, 2, 16)), jnp.zeros((1, 2, 2, 16))
-    assert "dtypes" in unsupported_reason(q16, r16.astype(jnp.bfloat16), n16, 0)
-    assert "no room" in unsupported_reason(q16, r16, n16, 10)
-    assert "rows for" in unsupported_reason(q16, r16, n16[:, :1], 0)
-
-
-def test_cpu_default_is_reference():
-    assert jax.default_backend() == "cpu"
-    q, rk, rv, nk, nv, start = _inputs(*CASES[1], seed=1)
-    np.testing.assert_array_equal(np.asarray(windowed_attend(q, rk, rv, nk, nv, start, 8, 2)),
-                                  np.asarray(windowed_attend_reference(q, rk, rv, nk, nv, start, 8, 2)))
-
-
-# (case, q dtype, block_k, ring parts): GQA 6 with 4 queries over a wrapped ring streamed in three parts, under
-# f32 and bf16 queries (test_fp8_ring_plan checks the automatic plan of an fp8 ring)
-FP8_CASES = [(CASES[2], jnp.float32, 8, 3), (CASES[2], jnp.bfloat16, 8, 3)]
-
-
-@pytest.mark.parametrize("case,qdtype,block_k,splits", FP8_CASES, ids=["T4G6-wrapped-f32", "T4G6-wrapped-bf16"])
-def test_kernel_fp8_ring_matches_reference(case, qdtype, block_k, splits, report):
-    """The fp8 KV ring (float8_e4m3fn ring and new rows, q in the compute dtype): the kernel loads fp8 blocks
-    and upcasts them in registers, the reference upcasts before its dots; both read the same values."""
-    q, rk, rv, nk, nv, start = _inputs(*case, seed=11)
-    fp8 = lambda x: (3 * x).astype(jnp.float8_e4m3fn)  # values up to ~12: fp8's normal range, rounded
-    q, rk, rv, nk, nv = q.astype(qdtype), fp8(rk), fp8(rv), fp8(nk), fp8(nv)
-    assert unsupported_reason(q, rk, nk, case[5]) is None
-    got = windowed_attend_pallas(q, rk, rv, nk, nv, start, case[6], case[5], block_k=block_k, num_splits=splits,
-                                 interpret=True)
-    ref = windowed_attend_reference(q, rk, rv, nk, nv, start, case[6], case[5])
-    # the reference over the fp8 values upcast beforehand is the same computation: the ring's dtype changes
-    # nothing but the stored values
-    up = lambda x: x.astype(qdtype)
-    np.testing.assert_array_equal(np.asarray(ref.astype(jnp.float32)), np.asarray(
-        windowed_attend_reference(q, up(rk), up(rv), up(nk), up(nv), start, case[6], case[5]).astype(jnp.float32)))
-    assert got.dtype == qdtype
-    err = rel_err(got.astype(jnp.float32), ref.astype(jnp.float32))
-    assert (err[0] < 1e-5 or err[1] < 1e-6) if qdtype == jnp.float32 else err[0] < 2e-2, err
-    report(f"windowed kernel, fp8 ring, q {jnp.dtype(qdtype).name} {case[:7]} block_k={block_k} parts={splits}: "
-           f"max_rel={err[0]:.1e}")
 
 
 def test_fp8_ring_plan():
