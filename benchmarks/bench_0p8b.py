@@ -4,8 +4,8 @@
                                     [--draft-vocab 32768]
 
 The model is qwen_mtp.tools.real_shapes.config("Qwen3.5-0.8B") (24 layers, hidden 1024, vocab 248320, tied
-embeddings) with an MTP head, every array random bf16 (gpu_check._random_model: std 0.02 for the embedding,
-1 / sqrt(fan-in) for other matrices, 0.1 for vectors). Measured, each generate compiled by a first call and timed
+embeddings) with an MTP head, every array random bf16 (qwen_mtp/trunk/random_weights.py: fan-in scaled normals,
+every norm and gate random too). Measured, each generate compiled by a first call and timed
 on a second (eos_token_id=[]):
   plain     TPOT (decode time per token of a row) and GB/s of weights read per step (every trunk layer's arrays,
             the final norm and the tied lm_head = embed; the embedding rows gathered are not counted);
@@ -100,10 +100,12 @@ def main(argv=None):
 
     import qwen_mtp
     from qwen_mtp.tools import real_shapes
+    from qwen_mtp.trunk.random_weights import random_weights
 
     cfg = real_shapes.config("Qwen3.5-0.8B")
     t = time.perf_counter()
-    model = gpu_check._random_model(cfg, "Qwen3.5-0.8B shape", quant=None, dtype="bfloat16")
+    model = qwen_mtp.Model(config=cfg, weights=random_weights(cfg, 0, "bfloat16"), path="<random Qwen3.5-0.8B shape>",
+                           dtype="bfloat16")
     jax.block_until_ready(model.weights)
     trunk, lm_head, head = gpu_check._weight_read_bytes(model.weights)
     spec_model, draft_head = model, lm_head

@@ -101,24 +101,13 @@ def shipped(args):
 
 # ------------------------------------------------------------------------------------------- the 0.8B shape
 def random_model(cfg, seed=0, dtype="bfloat16"):
-    """A qwen_mtp.Model of `cfg` with random weights in `dtype` (normal: std 0.02 for the embedding, 1 / sqrt(fan-in)
-    for other matrices, 0.1 for vectors), made on the default device."""
-    import jax
-    import jax.numpy as jnp
-
+    """A qwen_mtp.Model of `cfg` with random weights in `dtype` (qwen_mtp/trunk/random_weights.py), made on the
+    default device."""
     import qwen_mtp
-    from qwen_mtp.trunk.weights import weight_shapes
+    from qwen_mtp.trunk.random_weights import random_weights
 
-    shapes = weight_shapes(cfg, dtype)
-    leaves, tree = jax.tree.flatten(shapes)
-
-    def one(i, s):
-        std = 0.1 if len(s.shape) < 2 else 0.02 if s.shape[0] == cfg.vocab_size else 1 / np.sqrt(s.shape[-2])
-        return (std * jax.random.normal(jax.random.PRNGKey(1000 * seed + i), s.shape, jnp.float32)).astype(s.dtype)
-
-    make = jax.jit(lambda: [one(i, s) for i, s in enumerate(leaves)])
-    weights = jax.tree.unflatten(tree, make())
-    return qwen_mtp.Model(config=cfg, weights=weights, path="<random Qwen3.5-0.8B>", dtype=dtype)
+    return qwen_mtp.Model(config=cfg, weights=random_weights(cfg, seed, dtype), path="<random Qwen3.5-0.8B>",
+                          dtype=dtype)
 
 
 def draft_round_times(models: dict, k: int, context: int, repeats: int, penalty: float = 1.0) -> dict:

@@ -34,25 +34,16 @@ sys.path.insert(0, str(ROOT))
 
 
 def random_checkpoint(shape: str, layers: int, folder: Path, seed: int = 0) -> Path:
-    """A HF checkpoint of a real shape (real_shapes.py) with `layers` layers, random bf16 weights, an MTP head."""
-    import jax
+    """A HF checkpoint of a real shape (real_shapes.py) with `layers` layers, random bf16 weights
+    (qwen_mtp/trunk/random_weights.py), an MTP head."""
     import ml_dtypes
 
     from qwen_mtp.loading.hf_write import save_checkpoint
     from qwen_mtp.tools.real_shapes import _COMMON, REAL_CONFIGS, config
-    from qwen_mtp.trunk.weights import weight_shapes
+    from qwen_mtp.trunk.random_weights import random_weights
 
     cfg = config(shape, layers=layers)
-    rng = np.random.default_rng(seed)
-
-    def rand(s):
-        fan_in = s.shape[-2] if len(s.shape) >= 2 else 1
-        scale = 0.02 if len(s.shape) >= 2 and s.shape[0] == cfg.vocab_size else 1.0 / np.sqrt(fan_in)
-        x = rng.standard_normal(s.shape, dtype=np.float32) * scale if len(s.shape) >= 2 else \
-            0.1 * rng.standard_normal(s.shape, dtype=np.float32)
-        return x.astype(ml_dtypes.bfloat16)
-
-    weights = jax.tree.map(rand, weight_shapes(cfg, "bfloat16"))
+    weights = random_weights(cfg, seed, "bfloat16")
     raw = {**_COMMON, **REAL_CONFIGS[shape], "num_hidden_layers": layers,
            "architectures": ["Qwen3_5ForCausalLM"]}
     save_checkpoint(folder, weights, cfg, raw, dtype=ml_dtypes.bfloat16)
