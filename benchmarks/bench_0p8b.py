@@ -11,7 +11,7 @@ on a second (eos_token_id=[]):
             the final norm and the tied lm_head = embed; the embedding rows gathered are not counted);
   k         one speculative round, decode time / rounds per row (stats.rounds sums over rows; random weights
             accept ~nothing, so every row runs the same rounds), as a multiple of one plain step, with the
-            weights it reads (gpu_check._round_bytes: trunk + (k + 1) lm_head + k MTP head) and their GB/s.
+            weights it reads (gpu_check.e2e_27b.round_bytes: trunk + (k + 1) lm_head + k MTP head) and their GB/s.
 --draft-vocab N (default 32768; 0: the full vocabulary): the draft head scores N ids (qwen_mtp/head/draft_vocab.py;
 ids 0..N-1 here, random weights have no frequent tokens), the verify all 248320: every draft step reads an
 N x 1024 lm_head instead of the 508 MB embedding. The projection then assumes the alpha_j of the full
@@ -95,8 +95,8 @@ def main(argv=None):
         ap.error(f"--alpha: expected at least {max(ks)} values in [0, 1] (one per draft position), "
                  f"found {args.alpha!r}")
 
-    import gpu_check
     import jax
+    from gpu_check.e2e_27b import round_bytes, weight_read_bytes
 
     import qwen_mtp
     from qwen_mtp.tools import real_shapes
@@ -107,7 +107,7 @@ def main(argv=None):
     model = qwen_mtp.Model(config=cfg, weights=random_weights(cfg, 0, "bfloat16"), path="<random Qwen3.5-0.8B shape>",
                            dtype="bfloat16")
     jax.block_until_ready(model.weights)
-    trunk, lm_head, head = gpu_check._weight_read_bytes(model.weights)
+    trunk, lm_head, head = weight_read_bytes(model.weights)
     spec_model, draft_head = model, lm_head
     if args.draft_vocab:
         from qwen_mtp.head.draft_vocab import build_draft_vocab
@@ -134,7 +134,7 @@ def main(argv=None):
         t = time.perf_counter()
         st = _timed(spec_model, ids, args.new, qwen_mtp.SpecConfig(k=k))
         round_s = st.decode_s / (st.rounds / st.batch)
-        gb = (gpu_check._round_bytes(trunk, lm_head, head, k) - k * (lm_head - draft_head)) / 1e9
+        gb = (round_bytes(trunk, lm_head, head, k) - k * (lm_head - draft_head)) / 1e9
         al = projected_al(alpha, k)
         rows.append((k, round_s, round_s / step_s, gb, gb / round_s, st.acceptance_length, al,
                      al / (round_s / step_s)))

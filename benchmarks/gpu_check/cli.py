@@ -1,0 +1,91 @@
+"""The command line: its flags, and which sections each form runs in which order (`main`, the exit code)."""
+
+import argparse
+import sys
+import time
+
+import jax
+
+from . import budget
+from .budget import section, summary
+from .causal import CAUSAL_LONG, CAUSAL_SMALL, check_causal
+from .e2e_27b import check_end_to_end_27b
+from .end_to_end import check_end_to_end
+from .long_context import check_long_context_27b
+from .quant import QUANT_REAL, QUANT_SMALL, QUANT_SMOKE, check_quant
+from .tensor_parallel import check_tensor_parallel
+from .windowed import REAL, SMALL, check_kernels
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=sys.modules[__package__].__doc__.split("\n\n")[0])
+    ap.add_argument("--interpret", action="store_true", help="kernels in interpret mode (CPU smoke test)")
+    ap.add_argument("--max-new", type=int, default=128, help="new tokens per end-to-end run")
+    ap.add_argument("--quant-only", action="store_true", help="only the quantized-matmul checks (item 5)")
+    ap.add_argument("--long-only", action="store_true", help="only the causal attention checks (item 8)")
+    ap.add_argument("--tp-only", action="store_true", help="only the tensor-parallel check (item 6)")
+    ap.add_argument("--e2e27b-only", action="store_true",
+                    help="only the end-to-end timing on the Qwen3.5-27B slice (item 7; on CPU a small config)")
+    ap.add_argument("--e2e27b-layers", type=int, default=4,
+                    help="layers of the item 7 slice on a GPU (default 4, one 3 GDN : 1 attention period)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds: parts and cases not started by then are skipped and named (a lease is short); "
+                         "the full GPU run then also prefills the 27B slice at 128K and 1M while time is left")
+    ap.add_argument("--long-contexts", default="131072,1048576",
+                    help="contexts of the end-to-end long-context run (item 8), comma separated")
+    args = ap.parse_args(argv)
+    if args.e2e27b_layers < 1:
+        ap.error(f"--e2e27b-layers: expected an integer >= 1, found {args.e2e27b_layers}")
+    if args.budget is not None and args.budget <= 0:
+        ap.error(f"--budget: expected seconds > 0, found {args.budget}")
+    try:
+        contexts = tuple(int(c) for c in args.long_contexts.split(","))
+        assert all(c > 0 for c in contexts)
+    except (ValueError, AssertionError):
+        ap.error(f"--long-contexts: expected positive integers separated by commas, found {args.long_contexts!r}")
+    print("backend:", jax.default_backend(), jax.devices(), "jax", jax.__version__, flush=True)
+    t0 = time.perf_counter()
+    budget.set_deadline(t0, args.budget)
+    results = []
+    sec = lambda name, fn, min_left=0.0: section(results, name, fn, min_left=min_left)
+    interp = args.interpret
+    if args.long_only:
+        sec("causal attention, small", lambda: check_causal(CAUSAL_SMALL, interp, timings=False))
+        if not interp:
+            sec("causal attention, 27B long caches, timed", lambda: check_causal(CAUSAL_LONG, False, timings=True))
+            sec("long context end to end, 27B slice", lambda: check_long_context_27b(contexts=contexts))
+        return summary(results, t0)
+    if args.tp_only or args.e2e27b_only:
+        if args.tp_only:
+            sec("tensor parallel", lambda: check_tensor_parallel(args.max_new))
+        if args.e2e27b_only:
+            sec("end to end, 27B slice", lambda: check_end_to_end_27b(args.max_new, args.e2e27b_layers))
+        return summary(results, t0)
+    if args.quant_only:
+        sec("quantized matmul, small", lambda: check_quant(QUANT_SMOKE if interp else QUANT_SMALL, interp, False))
+        if not interp:
+            sec("quantized matmul, 27B matrices, timed", lambda: check_quant(QUANT_REAL, False, timings=True))
+        return summary(results, t0)
+    if interp:  # the CPU smoke form: the first and the fp8-ring case; the kernel tests cover the rest
+        sec("windowed attention, small", lambda: check_kernels([SMALL[0], SMALL[-1]], True, timings=False))
+        sec("causal attention, small", lambda: check_causal(CAUSAL_SMALL[:1], True, timings=False))
+        sec("quantized matmul, small", lambda: check_quant(QUANT_SMOKE, True, timings=False))
+        sec("end to end, shipped model", lambda: check_end_to_end(args.max_new, thorough=False))
+        sec("tensor parallel", lambda: check_tensor_parallel(args.max_new))
+        print("end to end 27B slice: skipped in the --interpret smoke form (its compiles would cost CI "
+              "seconds; `--e2e27b-only` runs it, on CPU at a small config)", flush=True)
+        return summary(results, t0)
+    # on the device: every kernel's numerics first (what must be fixed before anything else), then the end to end
+    # token equality with the kernels in the program, then the timings, the costliest last
+    sec("windowed attention, small", lambda: check_kernels(SMALL, False, timings=False))
+    sec("causal attention, small", lambda: check_causal(CAUSAL_SMALL, False, timings=False))
+    sec("quantized matmul, small", lambda: check_quant(QUANT_SMALL, False, timings=False))
+    sec("windowed attention, real shapes, timed", lambda: check_kernels(REAL, False, timings=True))
+    sec("causal attention, 27B long caches, timed", lambda: check_causal(CAUSAL_LONG, False, timings=True))
+    sec("end to end, shipped model", lambda: check_end_to_end(args.max_new, thorough=True))
+    sec("tensor parallel", lambda: check_tensor_parallel(args.max_new))
+    sec("end to end, 27B slice", lambda: check_end_to_end_27b(args.max_new, args.e2e27b_layers))
+    sec("quantized matmul, 27B matrices, timed", lambda: check_quant(QUANT_REAL, False, timings=True))
+    if args.budget is not None:  # the long-context prefill only where a budget says how long the lease is
+        sec("long context end to end, 27B slice", lambda: check_long_context_27b(contexts=contexts), min_left=60)
+    return summary(results, t0)

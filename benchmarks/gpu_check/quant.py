@@ -1,0 +1,149 @@
+"""Item 5: the quantized-matmul kernel (int8 per channel, int4 groups, fp8 blocks and per channel) against its XLA
+reference at small shapes and at the real 27B matrices, timed beside XLA dequantize-then-dot, a bf16 dot and qwix,
+with whether backend "auto" picks the faster."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from kernels_pallas import quant_matmul as qmm
+from kernels_pallas.quant_layout import cdiv, padded_k
+
+from .budget import out_of_time
+from .common import bandwidth, max_rel, one_line
+from .timing import checked_time, time_call
+
+# quantized matmul cases (kind, "channel" | int4 group | fp8 block, M, K, N, x dtype): the CPU smoke form runs
+# QUANT_SMOKE only (interpret mode is slow); on a GPU QUANT_SMALL checks numerics, QUANT_REAL numerics and speed
+QUANT_SMOKE = [("int8", "channel", 1, 40, 24, "float32"), ("int4", 128, 5, 100, 24, "bfloat16"),
+               ("fp8", (128, 128), 2, 100, 40, "bfloat16")]
+QUANT_SMALL = QUANT_SMOKE + [("int8", "channel", 1, 200, 72, "float32"), ("int4", 32, 5, 300, 40, "bfloat16"),
+                             ("fp8", (128, 128), 2, 300, 136, "float32"),
+                             ("int4", 64, 64, 200, 72, "float32"), ("int4", 128, 300, 300, 136, "bfloat16"),
+                             ("fp8", "channel", 9, 200, 40, "bfloat16"), ("int8", "channel", 512, 600, 200, "bfloat16"),
+                             ("fp8", (128, 128), 5, 17408, 5120, "float32")]
+QUANT_SHAPES = {"gate/up": (5120, 17408), "down": (17408, 5120), "lm_head": (5120, 248320)}  # Qwen3.5-27B
+QUANT_REAL = [(kind, fmt, M, K, N, "bfloat16") for (K, N) in QUANT_SHAPES.values() for M in (1, 5, 512)
+              for kind, fmt in (("int8", "channel"), ("int4", 128), ("fp8", (128, 128)))]
+# the rows where XLA's dequantize-then-dot overtakes the kernel (qmm.XLA_ROWS; the first H200 run measured 1, 5
+# and 512 only): int4 and fp8 blocks on gate / up and lm_head at 16 .. 256 rows
+QUANT_REAL += [(kind, fmt, M, K, N, "bfloat16") for (K, N) in (QUANT_SHAPES["gate/up"], QUANT_SHAPES["lm_head"])
+               for M in (16, 32, 64, 128, 256) for kind, fmt in (("int4", 128), ("fp8", (128, 128)))]
+QUANT_REAL += [("fp8", "channel", 1, 5120, 17408, "bfloat16"), ("int4", 32, 1, 5120, 17408, "bfloat16"),
+               ("int8", "channel", 5, 5120, 17408, "float32"), ("int4", 128, 5, 17408, 5120, "float32")]
+
+
+def _quant_inputs(kind, fmt, M, K, N, dtype, seed):
+    """x [M, K] and a random weight in quant_layout's format: small ones from numpy (jax.random's compiles cost
+    seconds on a CPU), real shapes made on the device (GBs)."""
+    block = (K, 1) if fmt == "channel" else ((fmt, 1) if kind == "int4" else tuple(fmt))
+    if K * N > 1 << 22:
+        return (*jax.jit(_quant_arrays, static_argnums=(0, 1, 2, 3, 4, 5))(kind, block, M, K, N, dtype,
+                                                                            jax.random.PRNGKey(seed)), block)
+    rng = np.random.default_rng(seed)
+    if kind == "int8":
+        q = rng.integers(-127, 128, (K, N)).astype(np.int8)
+    elif kind == "int4":
+        q = rng.integers(0, 256, (padded_k(kind, K, block[0]) // 2, N)).astype(np.uint8)
+    else:
+        q = np.clip(64 * rng.standard_normal((K, N)), -448, 448).astype(jnp.float8_e4m3fn)
+    scale = rng.uniform(0.5, 2.0, (cdiv(K, block[0]), cdiv(N, block[1]))).astype(np.float32) * 1e-2
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32).astype(dtype)
+    return x, jnp.asarray(q), jnp.asarray(scale), block
+
+
+def _quant_arrays(kind, block, M, K, N, dtype, key):
+    kq, ks, kx = jax.random.split(key, 3)
+    if kind == "int8":
+        q = jax.random.randint(kq, (K, N), -127, 128, jnp.int32).astype(jnp.int8)
+    elif kind == "int4":
+        q = jax.random.randint(kq, (padded_k(kind, K, block[0]) // 2, N), 0, 256, jnp.int32).astype(jnp.uint8)
+    else:
+        q = jnp.clip(64 * jax.random.normal(kq, (K, N)), -448, 448).astype(jnp.float8_e4m3fn)
+    scale = jax.random.uniform(ks, (cdiv(K, block[0]), cdiv(N, block[1])), jnp.float32, 0.5, 2.0) * 1e-2
+    x = jax.random.normal(kx, (M, K), jnp.float32).astype(dtype)
+    return x, q, scale
+
+
+def _qwix_time(kind, block, x, w, dt):
+    """qwix.quantize + qwix.dot of the bf16 weight w in the same format: seconds per call, or why not."""
+    try:
+        import qwix
+    except ImportError:
+        return "not installed"
+    except Exception as e:  # noqa: BLE001 - installed but broken: say why
+        return f"not used ({one_line(e)})"
+    K, N = w.shape
+    bk, bn = block
+    try:
+        if kind == "int8":
+            qa = qwix.quantize(w, jnp.int8, channelwise_axes=(1,))
+        elif kind == "int4" and K % bk == 0:
+            qa = qwix.quantize(w, jnp.int4, channelwise_axes=(1,), tiled_axes={0: bk})
+        elif kind == "fp8" and bn == 1 and bk >= K:
+            qa = qwix.quantize(w, jnp.float8_e4m3fn, channelwise_axes=(1,))
+        elif kind == "fp8" and K % bk == 0 and N % bn == 0:
+            qa = qwix.quantize(w, jnp.float8_e4m3fn, tiled_axes={0: bk, 1: bn})
+        else:
+            return f"not used (qwix's tiles must divide the axes: K {K}, N {N}, block {block})"
+        fn = jax.jit(lambda x, qa: qwix.dot(x, qa, preferred_element_type=jnp.float32).astype(dt))
+        want = np.asarray(jnp.dot(x.astype(jnp.float32), qwix.dequantize(qa).astype(jnp.float32),
+                                  precision=jax.lax.Precision.HIGHEST))
+        return checked_time(fn, want, x, qa)
+    except Exception as e:  # a format or shape qwix does not take says why, in one line
+        return f"not used ({one_line(e, 120)})"
+
+
+def check_quant(cases, interpret, timings):
+    """The quantized-matmul kernel against its reference (and, with timings, the speed comparison)."""
+    kind_of_device, bw = bandwidth()
+    failures = 0
+    bf16_dot = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype))
+    for i, (kind, fmt, M, K, N, dtype) in enumerate(cases):
+        if out_of_time(f"quant case {kind} {fmt} M{M} K{K} N{N} and the rest"):
+            break
+        dt = jnp.dtype(dtype)
+        label = f"quant {kind} {fmt} M{M} K{K} N{N} {dtype}".replace(" (", " ").replace(", ", "x").replace(")", "")
+        try:
+            x, q, scale, block = _quant_inputs(kind, fmt, M, K, N, dt, seed=i)
+            reason = qmm.unsupported_reason(x, q, scale, kind=kind, k=K, block=block)
+            assert reason is None, reason
+            kern = jax.jit(lambda x, q, s, kind=kind, K=K, block=block: qmm.quant_matmul_pallas(
+                x, q, s, kind=kind, k=K, block=block, interpret=interpret))
+            ref = lambda x, q, s, kind=kind, K=K, block=block: qmm.quant_matmul_reference(x, q, s, kind=kind, k=K,
+                                                                                           block=block)
+            want = np.asarray(ref(x, q, scale).astype(jnp.float32))
+            got = np.asarray(kern(x, q, scale).astype(jnp.float32))
+        except Exception as e:  # one case that does not compile or run must not hide the others
+            print(f"{label}: FAIL {type(e).__name__}: {e}", flush=True)
+            failures += 1
+            continue
+        rel = max_rel(got, want)
+        tol = 1e-4 if dt == jnp.float32 else 2e-2  # bf16: the reference rounds each dequantized weight to bf16
+        ok = rel < tol and np.isfinite(got).all()
+        failures += not ok
+        p = qmm.plan(M, K, N, kind, block, dt.itemsize)
+        line = (f"{label}: grid ({p.row_tiles},{p.col_tiles},{p.splits}) tile {p.block_m}x{p.block_n} K step "
+                f"{p.block_k} dot K {p.dot_k} warps {p.num_warps} stages {p.num_stages}, max_rel {rel:.1e} "
+                f"{'OK' if ok else 'FAIL'}")
+        if timings:
+            nbytes = q.nbytes + scale.nbytes + x.nbytes + M * N * dt.itemsize
+            t_k, t_r = time_call(kern, x, q, scale), time_call(ref, x, q, scale)
+            frac = lambda b, t: f" = {100 * b / t / bw:.0f}% of {kind_of_device}'s {bw / 1e12:.2f} TB/s" if bw else ""
+            line += (f"; kernel {1e6 * t_k:.1f} us ({nbytes / t_k / 1e9:.0f} GB/s{frac(nbytes, t_k)}), "
+                     f"reference {1e6 * t_r:.1f} us (kernel/reference {t_k / t_r:.2f}x)")
+            picks = "XLA" if qmm.xla_is_faster(M, kind, K, block) else "kernel"
+            faster = "kernel" if t_k < t_r else "XLA"
+            line += f"; backend auto picks {picks}, {'as' if picks == faster else 'NOT as'} this run measured"
+            if dt == jnp.bfloat16:
+                w = jax.jit(lambda key, K=K, N=N: jax.random.normal(key, (K, N), jnp.bfloat16))(jax.random.PRNGKey(i))
+                t_b = time_call(bf16_dot, x, w)
+                b_bytes = w.nbytes + x.nbytes + M * N * dt.itemsize
+                line += (f", bf16 dot {1e6 * t_b:.1f} us ({b_bytes / t_b / 1e9:.0f} GB/s{frac(b_bytes, t_b)}; "
+                         f"kernel/bf16 {t_k / t_b:.2f}x)")
+                t_q = _qwix_time(kind, block, x, w, dt)
+                line += (f", qwix {1e6 * t_q:.1f} us (kernel/qwix {t_k / t_q:.2f}x)" if isinstance(t_q, float)
+                         else f", qwix: {t_q}")
+                del w
+        print(line, flush=True)
+        del x, q, scale
+    return failures
