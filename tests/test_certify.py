@@ -114,10 +114,10 @@ def test_random_moe_architectures_go_through_the_loader_in_both_expert_layouts(s
     model, name = cert.random_model(np.random.default_rng(seed), 1)  # architecture 1 is the MoE one
     assert name.endswith(f":hf-{layout}") and model.config.num_experts > 1
 
-    real = hw._layer_tensors
+    real = hw.weights_to_tensors
 
-    def swapped(lw, p, experts="per-expert"):
-        out = real(lw, p, experts)
+    def swapped(weights, cfg, dtype=np.float32, experts="per-expert"):
+        out = real(weights, cfg, dtype, experts)
         for key in [k for k in out if k.endswith("experts.gate_up_proj")]:
             gu = out[key]
             out[key] = np.concatenate([gu[:, gu.shape[1] // 2:], gu[:, :gu.shape[1] // 2]], axis=1)
@@ -126,6 +126,6 @@ def test_random_moe_architectures_go_through_the_loader_in_both_expert_layouts(s
             out[key], out[up] = out[up], out[key]
         return out
 
-    monkeypatch.setattr(hw, "_layer_tensors", swapped)
+    monkeypatch.setattr(hw, "weights_to_tensors", swapped)
     with pytest.raises(cert.LoaderMismatch, match=r"\.gate|\.up"):
         cert.random_model(np.random.default_rng(seed), 1)

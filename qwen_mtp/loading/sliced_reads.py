@@ -2,7 +2,7 @@
 in its sharding (qwen_mtp/loading/safetensors.py's load_weights(..., mesh=...)).
 
 Sharded loading (load_weights(..., mesh=...), qwen_mtp.load(path, mesh=...)). The reader hands out lazy tensors
-instead of arrays (same validation); every rearrangement of hf_safetensors' eager path (transpose, row gathers,
+instead of arrays (same validation); every rearrangement of safetensors.py's eager path (transpose, row gathers,
 stacking, conv taps, dequantization) is a lazy view, and each leaf is built at the end with
 jax.make_array_from_callback in its sharding from qwen_mtp/parallel/sharding.py: a device's slice is read from a memory
 map of the tensor's bytes (our [k0:k1, n0:n1] is HF's [n0:n1, k0:k1], transposed), only for this process's
@@ -10,8 +10,9 @@ devices, once per distinct slice. Quantizing as it loads reads each quantized ma
 tensor); an FP8 checkpoint's values are read slice by slice as stored (their NaN check runs on each slice read),
 its scales whole.
 
-Also here, as both the reader (hf_safetensors) and the lazy views use them: NP_DTYPES (safetensors dtype name ->
-numpy dtype), Fp8Tensor (an FP8 weight read whole, the eager counterpart of _LazyFp8) and _dense.
+Also here, as both the reader (safetensors_files.py, safetensors.py) and the lazy views use them: NP_DTYPES
+(safetensors dtype name -> numpy dtype), Fp8Tensor (an FP8 weight read whole, the eager counterpart of
+_LazyFp8) and _dense.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _dense(t):
 # load(mesh=...) builds every weight with jax.make_array_from_callback, so each device's slice is read from the
 # file when that device is filled. The reader then hands out lazy tensors: a shape, a numpy dtype and
 # read(index), where index holds one entry per dimension, a step-1 slice or a 1-D array of positions. The
-# rearrangements of hf_safetensors' eager path (transpose to [in, out], row gathers, per-expert stacking, conv
+# rearrangements of safetensors.py's eager path (transpose to [in, out], row gathers, per-expert stacking, conv
 # taps, FP8 dequantization) are lazy tensors over lazy tensors: reading a slice of the result reads only the
 # source elements that slice needs.
 def _ids(ix, n: int) -> np.ndarray:
