@@ -13,7 +13,7 @@ a decode step reads (every matrix; the embedding only where it serves as the tie
 
 On a CPU the quantized matmul is XLA's dequantize-then-dot (kernels_pallas/quant_matmul.py's reference): each
 step converts the weights it reads, so expect it to be slower than bf16 here; the Pallas kernel that reads the
-packed tiles runs on a GPU (benchmarks/gpu_check.py times it against the same reference and a bf16 dot).
+packed tiles runs on a GPU (benchmarks/gpu_check times it against the same reference and a bf16 dot).
 --mesh shards each loaded model over a device mesh (qwen_mtp.shard; the CLI's --mesh syntax); "weights MB" and
 "read/token" stay the whole model's bytes, the sharding report prints each model's bytes per device.
 """

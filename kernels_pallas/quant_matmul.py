@@ -42,7 +42,7 @@ The real Qwen3.5-27B shapes in bf16 (grid rows x columns x K parts):
                   lm_head   5120 -> 248320: 1 x 1940 x 1 (128 columns)
     M = 512       gate / up: 4 x 136 x 1 (int4: 8 x 136), down: 4 x 80 x 1 (int4: 8 x 40), lm_head 4 x 1940
 tests/test_export_cuda.py lowers the kernel for cuda at these shapes and compiles its Triton IR for sm_90
-(shared memory, registers, spills); benchmarks/gpu_check.py times it on a GPU.
+(shared memory, registers, spills); benchmarks/gpu_check times it on a GPU.
 
 Backend choice is kernels_pallas/dispatch.py's rule: the kernel in a program lowered for cuda, the reference
 elsewhere; `backend="pallas"` with `interpret=True` runs the kernel on CPU, as the tests do. A format or shape

@@ -6,7 +6,7 @@ Real shapes come from qwen_mtp/tools/real_shapes.py as jax.ShapeDtypeStructs: no
 real layer dimensions with one full period of layers (3 GDN : 1 attention; lowering does not depend on depth),
 and one full-depth 27B program. The kernel's Triton IR is then read out of the program and compiled to sm_90
 machine code with the `triton` package (test_kernels_compile_for_sm90), a close proxy for XLA's own Triton
-compile, which only a GPU runs (benchmarks/gpu_check.py). Streaming needs nothing of its own: generate runs the
+compile, which only a GPU runs (benchmarks/gpu_check). Streaming needs nothing of its own: generate runs the
 same decode programs in segments and reads the tokens between them (no host callback in any program).
 """
 
