@@ -24,7 +24,7 @@ HISTORICAL = {"benchmarks/gpu_check.py"}
 GENERATED = {"notebooks/traces"}
 
 ROOTS = ("qwen_mtp", "kernels_pallas", "checkpoints", "benchmarks", "tests", "notebooks", "docs")
-PATH = re.compile(r"(?<![\w./-])((?:%s)(?:/[\w.*-]+)+/?)" % "|".join(ROOTS))
+PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(ROOTS) + r")(?:/[\w.*-]+)+/?)")
 BARE_PY = re.compile(r"(?<![\w./-])([A-Za-z_][\w]*\.py)\b")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
@@ -50,7 +50,7 @@ def _slug(heading: str) -> str:
 
 
 def _anchors(page: Path) -> set[str]:
-    return {_slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", _text(page), re.M)}
+    return {_slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", _text(page), re.MULTILINE)}
 
 
 def test_readme_is_a_front_page():
