@@ -27,7 +27,7 @@ import numpy as np
 
 from checkpoints.corpus import HELD_OUT, encode, held_out_texts, stdlib_root
 from checkpoints.train_small import SEQ, eval_windows, losses_from_logits, teacher_forced_logits
-from qwen_mtp.tools.analysis import alpha_intervals, wilson
+from qwen_mtp.decoding.stats import alpha_intervals, wilson
 
 
 def _hits(x, trunk_logits, mtp_logits):

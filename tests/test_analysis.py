@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 from scipy.stats import binomtest
 
-from qwen_mtp.decoding.stats import GenerateStats
-from qwen_mtp.tools.analysis import alpha_intervals, wilson
+from qwen_mtp.decoding.stats import GenerateStats, alpha_intervals, wilson
 
 
 @pytest.mark.parametrize("s,n", [(0, 10), (5, 10), (10, 10), (37, 120), (1, 3)])

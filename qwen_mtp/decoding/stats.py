@@ -92,3 +92,26 @@ class GenerateStats:
             s += (f", k={self.k}, AL={fmt(self.acceptance_length)}, alpha_j=[{format_alphas(self.alpha)}], "
                   f"rounds={self.rounds}")
         return s
+
+
+def wilson(successes: int, trials: int, z: float = 1.96):
+    """95% (z=1.96) Wilson score interval of a binomial proportion; (nan, nan) with no trials."""
+    if trials <= 0:
+        return float("nan"), float("nan")
+    p = successes / trials
+    d = 1 + z * z / trials
+    c = (p + z * z / (2 * trials)) / d
+    h = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / d
+    return c - h, c + h
+
+
+def alpha_intervals(stats):
+    """Per draft position j: (alpha_j, lo, hi, successes, trials), alpha_j = rounds that accepted >= j drafts
+    over rounds that accepted >= j-1."""
+    tail = np.cumsum(stats.accept_hist[::-1])[::-1]
+    out = []
+    for j in range(1, len(tail)):
+        s, n = int(tail[j]), int(tail[j - 1])
+        lo, hi = wilson(s, n)
+        out.append((s / n if n else float("nan"), lo, hi, s, n))
+    return out

@@ -10,9 +10,9 @@ from qwen_mtp.errors import ArgumentError, ConfigError
 
 
 def default_model_path() -> Path:
-    import checkpoints
-
-    return Path(checkpoints.__file__).parent / "qwen3_5_small"
+    # beside the qwen_mtp package (a checkout or an install of both): found by path, so loading imports
+    # nothing of checkpoints/ (the shipped model's training code)
+    return Path(__file__).resolve().parents[2] / "checkpoints" / "qwen3_5_small"
 
 
 def load_tokenizer(model_path):

@@ -6,7 +6,6 @@ Used by `python -m qwen_mtp analyze-window` and notebooks/acceptance.ipynb.
 
 from __future__ import annotations
 
-import math
 import time
 
 import jax
@@ -16,34 +15,10 @@ import numpy as np
 from qwen_mtp.decoding.generate import generate
 from qwen_mtp.decoding.prefill import prefill
 from qwen_mtp.decoding.speculative import SpecConfig
-from qwen_mtp.decoding.stats import fmt
+from qwen_mtp.decoding.stats import alpha_intervals, fmt
 from qwen_mtp.head.mtp import init_mtp_cache, mtp_forward
 from qwen_mtp.head.ring import visible
 from qwen_mtp.trunk.attention import project_qkv
-from qwen_mtp.trunk.forward import lm_logits
-
-
-def wilson(successes: int, trials: int, z: float = 1.96):
-    """95% (z=1.96) Wilson score interval of a binomial proportion; (nan, nan) with no trials."""
-    if trials <= 0:
-        return float("nan"), float("nan")
-    p = successes / trials
-    d = 1 + z * z / trials
-    c = (p + z * z / (2 * trials)) / d
-    h = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / d
-    return c - h, c + h
-
-
-def alpha_intervals(stats):
-    """Per draft position j: (alpha_j, lo, hi, successes, trials), alpha_j = rounds that accepted >= j drafts
-    over rounds that accepted >= j-1."""
-    tail = np.cumsum(stats.accept_hist[::-1])[::-1]
-    out = []
-    for j in range(1, len(tail)):
-        s, n = int(tail[j]), int(tail[j - 1])
-        lo, hi = wilson(s, n)
-        out.append((s / n if n else float("nan"), lo, hi, s, n))
-    return out
 
 
 def run_window(model, prompts, new, k, window, sinks=0, reference=None):
