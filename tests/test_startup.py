@@ -95,8 +95,11 @@ def test_cli_second_process_reads_its_programs_from_the_compile_cache(tmp_path):
     assert "PERSISTENT COMPILATION CACHE MISS" in first.stderr  # the probe: a cold folder misses
     missed = re.findall(r"PERSISTENT COMPILATION CACHE MISS for '([^']+)'", second.stderr)
     assert missed == [], missed  # every program of the second process came from the cache
-    t1, t2 = (float(re.search(r"compile ([0-9.]+)s", r.stdout).group(1)) for r in (first, second))
+    t1, t2 = (float(re.search(r"warm-up ([0-9.]+)s", r.stdout).group(1)) for r in (first, second))
     assert t2 < t1
+    # the stats line names what the second warm-up did: load the cached executables, compile none
+    assert re.search(r"warm-up [0-9.]+s, compiling [0-9]+ programs?, not counted", first.stdout), first.stdout
+    assert re.search(r"warm-up [0-9.]+s, loading [0-9]+ cached executables?, not counted", second.stdout), second.stdout
     # and traced nothing: the first process kept each program it lowered (program_cache.py), the second read them
     assert len(kept) >= 8 and sorted(programs.glob("*.pkl")) == kept
     assert all(p.stat().st_mtime_ns == mtimes[p] for p in kept)  # none written again

@@ -1,7 +1,10 @@
-"""Generation statistics, including speculative acceptance (Wind-MTP's definitions, SPEC.md section 3)."""
+"""Generation statistics, including speculative acceptance (Wind-MTP's definitions, SPEC.md section 3), and
+what a warm-up did (compile_counts / warmup_note: programs compiled vs executables loaded from jax's persistent
+compilation cache)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -115,3 +118,59 @@ def alpha_intervals(stats):
         lo, hi = wilson(s, n)
         out.append((s / n if n else float("nan"), lo, hi, s, n))
     return out
+
+
+# ------------------------------------------------------------------------------------------------ warm-up
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # every XLA compile request, cache hit or not
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"  # one that jax's persistent cache answered
+
+
+@dataclasses.dataclass
+class CompileCounts:
+    programs: int = 0  # executables asked of XLA (compiled or read back)
+    loaded: int = 0  # of those, read back from jax's persistent compilation cache
+
+    @property
+    def compiled(self) -> int:
+        return self.programs - self.loaded
+
+
+@contextlib.contextmanager
+def compile_counts():
+    """Counts, while open, the executables jax asks XLA for and how many of them its persistent compilation
+    cache answered (jax.monitoring events): yields a CompileCounts, filled as the block runs."""
+    import jax
+
+    counts = CompileCounts()
+
+    def on_event(event, **_):
+        if event == _CACHE_HIT:
+            counts.loaded += 1
+
+    def on_duration(event, duration_secs, **_):
+        if event == _BACKEND_COMPILE:
+            counts.programs += 1
+
+    jax.monitoring.register_event_listener(on_event)
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        yield counts
+    finally:
+        jax.monitoring.unregister_event_listener(on_event)
+        jax.monitoring.unregister_event_duration_listener(on_duration)
+
+
+def warmup_note(seconds: float, counts: CompileCounts | None = None) -> str:
+    """What the warm-up before a timed run spent its time on, for the stats line: compiling programs, or (a
+    second run with the compilation cache on) loading the cached executables, which is neither tracing nor
+    compiling."""
+    head = f"warm-up {seconds:.1f}s"
+    if counts is None or counts.programs == 0:
+        return f"{head} not counted"
+    s = lambda n: "" if n == 1 else "s"
+    parts = []
+    if counts.compiled:
+        parts.append(f"compiling {counts.compiled} program{s(counts.compiled)}")
+    if counts.loaded:
+        parts.append(f"loading {counts.loaded} cached executable{s(counts.loaded)}")
+    return f"{head}, {' and '.join(parts)}, not counted"

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from qwen_mtp.decoding.auto_k import pick_k
-from qwen_mtp.decoding.stats import fmt, format_alphas
+from qwen_mtp.decoding.stats import compile_counts, fmt, format_alphas, warmup_note
 from qwen_mtp.errors import ArgumentError
 from qwen_mtp.loading.folder import default_model_path, generation_repetition_penalty, load_tokenizer
 from qwen_mtp.parallel.distributed import same_on_every_process, start_distributed
@@ -96,11 +96,12 @@ def cmd_generate(args) -> int:
         spec = None if k is None else make_spec(k)
     if spec is not None:
         model = _with_draft_vocab(model, path, args.draft_vocab, stderr)
-    warm = 0.0
+    warm, counts = 0.0, None
     if not args.no_warmup and k_was_not_timed(args):
         # compile ahead of time every program the real run needs, running nothing (read back from the persistent
-        # compilation cache when an earlier process compiled them)
-        warm = precompile(model, ids, args.max_new_tokens, spec=spec, **sampling_kw)
+        # compilation cache when an earlier process compiled them: counts says how many)
+        with compile_counts() as counts:
+            warm = precompile(model, ids, args.max_new_tokens, spec=spec, **sampling_kw)
     stdout.write(args.prompt)
     out = TextStream(tok, stdout)
     t0 = time.perf_counter()
@@ -111,7 +112,7 @@ def cmd_generate(args) -> int:
     line = (f"[{path.name}] {s.new_tokens} new tokens in {wall:.2f}s: {fmt(s.new_tokens / wall, '.1f')} tok/s end "
             f"to end, decode {fmt(s.decode_tokens_per_s, '.1f')} tok/s, TPOT {fmt(1e3 * s.tpot_s)} ms")
     if warm:
-        line += f" (compile {warm:.1f}s not counted)"
+        line += f" ({warmup_note(warm, counts)})"
     if mesh is not None:
         line += (f", mesh data={mesh.shape['data']} model={mesh.shape['model']}"
                  + (f" over {jax.process_count()} processes" if jax.process_count() > 1 else ""))
