@@ -21,7 +21,7 @@ import time
 import jax
 import numpy as np
 
-from qwen_mtp.decoding import memory, nonfinite, penalty
+from qwen_mtp.decoding import memory, nonfinite, penalty, tree_loop
 from qwen_mtp.decoding.checks import check_chunk, single_prompt
 from qwen_mtp.decoding.nonfinite import BIG
 from qwen_mtp.decoding.placement import Compiler, Runner, host, under_mesh
@@ -81,13 +81,14 @@ def generate(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | None 
         raise ArgumentError("stream", "None or a callable taking a list of per-row id arrays", repr(stream))
     memory.check(model, request_bytes(model, req))  # refused before anything is allocated
     with under_mesh(model):
-        out, n_out, logits, hist, hits, t0, t1 = _run(Runner(model), model, req, stream)
+        out, n_out, logits, hist, hits, tree, t0, t1 = _run(Runner(model), model, req, stream)
     t2 = time.perf_counter()
     n = int(n_out.max())
     lens = req.lens
     stats = GenerateStats(batch=len(lens), prompt_tokens=int(lens.sum()), new_tokens=int(n_out.sum()),
                           prefill_s=t1 - t0, decode_s=t2 - t1, k=spec.k if spec is not None else 0,
-                          rounds=int(hist.sum()) if hist is not None else 0, accept_hist=hist, position_hits=hits)
+                          rounds=int(hist.sum()) if hist is not None else 0, accept_hist=hist, position_hits=hits,
+                          tree=tree)
     return GenerateResult(tokens=out[:, :n], lengths=n_out, pad_id=req.pad_id, stats=stats,
                           logits=logits[:, :n] if return_logits else None)
 
@@ -175,13 +176,17 @@ def _run(ex, model, req: Request, stream):
     eos = ex.shared(np.asarray(req.eos, np.int32).reshape(-1))
     pad_id, max_new = ex.shared(np.int32(req.pad_id)), ex.shared(np.int32(req.max_new))
     pos = ex.rows(lens)
+    tree = spec is not None and spec.tree is not None  # tree drafts: tree_loop.py
     if spec is None:
         carry = ex.call(plain_start, first, first_logits, pos, key, eos, pad_id, cap=req.cap,
                         keep_logits=req.return_logits, seen=seen)
     else:
-        carry = ex.call(spec_start, first, bridge, pos, key, eos, pad_id, max_new, cap=req.cap, spec=spec, seen=seen)
-    few = B * (1 if spec is None else spec.k + 1) <= FEW_ROWS
+        carry = ex.call(tree_loop.tree_start if tree else spec_start, first, bridge, pos, key, eos, pad_id, max_new,
+                        cap=req.cap, spec=spec, seen=seen)
+    few = B * (1 if spec is None else tree_loop.tree_rows(spec) if tree else spec.k + 1) <= FEW_ROWS
     plain_loop, spec_loop = (plain_decode_few_rows, spec_decode_few_rows) if few else (plain_decode, spec_decode)
+    if tree:
+        spec_loop = tree_loop.tree_decode_few_rows if few else tree_loop.tree_decode
     until, segment = (1, 1) if stream is not None else (int(_ALL), 0)
     while True:
         until = min(until + segment, int(_ALL))
@@ -215,7 +220,7 @@ def _run(ex, model, req: Request, stream):
     hist = hits = None
     if spec is not None:
         hist, hits = ex.host(carry.hist), ex.host(carry.hits)
-    return out, n_out, logits, hist, hits, t0, t1
+    return out, n_out, logits, hist, hits, tree_loop.tree_stats(*map(ex.host, carry[-4:])) if tree else None, t0, t1
 
 
 def prefill_logits(model, ids, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_dtype=None) -> np.ndarray:

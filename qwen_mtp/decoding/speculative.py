@@ -35,6 +35,7 @@ from qwen_mtp.decoding.sampling import Sampling, argmax, draw, probs
 from qwen_mtp.errors import ArgumentError
 from qwen_mtp.head import draft_vocab
 from qwen_mtp.head.mtp import mtp_forward
+from qwen_mtp.head.tree import check_tree
 from qwen_mtp.trunk.forward import forward, lm_logits
 from qwen_mtp.trunk.ops import DECODE_COMPILER_OPTIONS, LOOP_COMPILER_OPTIONS
 
@@ -51,6 +52,7 @@ class SpecConfig:
     k: int = 4
     window: int | None = None
     sinks: int = 0
+    tree: object = None  # None: a chain; a head/tree.py StaticTree or DynamicTree of depth k (tree_loop.py)
 
     def __post_init__(self):
         if not _is_int(self.k) or not 1 <= self.k <= 16:
@@ -62,6 +64,8 @@ class SpecConfig:
         if self.sinks and self.window is None:
             raise ArgumentError("SpecConfig.sinks", "0 when window is None (sinks only apply to a window)",
                                 repr(self.sinks))
+        if self.tree is not None:
+            check_tree(self.tree, self.k)
 
 
 def draft_vocab_pick(dv, m, sampling, key, vocab_size: int, seen=None):

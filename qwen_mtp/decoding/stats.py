@@ -33,6 +33,7 @@ class GenerateStats:
     rounds: int = 0  # draft/verify rounds summed over rows
     accept_hist: np.ndarray | None = None  # H[n]: rounds with exactly n drafts accepted, n = 0..k
     position_hits: np.ndarray | None = None  # [k]: rounds where draft j passed its own test, ignoring j' < j
+    tree: dict | None = None  # tree drafts (decoding/tree_loop.py tree_stats): acceptance per depth and sibling rank
 
     @property
     def prefill_tokens_per_s(self) -> float:

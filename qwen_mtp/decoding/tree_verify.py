@@ -1,0 +1,207 @@
+"""The trunk over a whole draft tree in one forward, and the state after the accepted path.
+
+tree_forward runs the N1 tree rows (root x at position pos, node i at pos + depth_i) through every layer:
+  - attention: node i sees the cache's committed slots (< pos) and its own ancestors and itself among the
+    tree rows (the ancestor mask); the rows' K / V are not written: commit_path writes the accepted path's;
+  - GDN: node i's conv window is its path's last kernel inputs (its ancestors', then the state's), and its
+    recurrent state is its parent's updated by the node. The tree-shaped chunk form: with G_i = the sum of g
+    over i's path (ancestors and itself),
+        S_i = exp(G_i) S + sum_{s anc-or-self of i} exp(G_i - G_s) k_s delta_s^T
+        delta_i = beta_i (v_i - exp(G_i) S^T k_i - sum_{s strict anc of i} exp(G_i - G_s) (k_i . k_s) delta_s)
+    a unit lower-triangular system over the ancestors (parents come first), solved with gdn.unit_lower_inverse;
+    o_i = S_i^T q_i. It reads the state once; what it leaves (a TreeGDN) rebuilds S and the conv window after
+    any node (commit_path), as rollback.py does for the chain. A chain's mask (lower triangular) gives the
+    chain verify's values. (`per_path_core` is the other form, every root-to-leaf path as its own chain verify:
+    the test oracle, and benchmarks/bench_tree.py times both.)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kernels_pallas.masked_attention import attend
+from qwen_mtp.trunk.attention import output, project_qkv, write_kv
+from qwen_mtp.trunk.gdn import HIGHEST, unit_lower_inverse, verify_gated_delta_rule
+from qwen_mtp.trunk.mlp import feed_forward
+from qwen_mtp.trunk.ops import embed_rows, gated_rmsnorm, l2norm, linear, rmsnorm_1pw
+from qwen_mtp.trunk.state import GDNState, KVCache, to_cache
+
+
+@struct.dataclass
+class TreeKV:
+    k: jax.Array  # [B, N1, nkv, hd] the tree rows' keys (RoPE applied, in the cache dtype)
+    v: jax.Array
+
+
+@struct.dataclass
+class TreeGDN:
+    xc: jax.Array  # [B, kernel - 1 + N1, conv_dim]: the conv state, then the tree rows' conv inputs
+    rec: jax.Array  # [B, h, dk, dv] the recurrent state before the tree
+    G: jax.Array  # [B, h, N1] path-cumulative log decay
+    k: jax.Array  # [B, h, N1, dk]
+    delta: jax.Array  # [B, h, N1, dv]
+
+
+def _mm(a, b):
+    return jnp.matmul(a, b, precision=HIGHEST)
+
+
+def tree_core(q, k, v, g, beta, state, mask):
+    """The gated delta rule over a tree. q, k [B, N1, h, dk]; v [B, N1, h, dv]; g, beta [B, N1, h];
+    state [B, h, dk, dv]; mask [B, N1, N1] ancestor-or-self (lower triangular). Returns out [B, N1, h, dv] and
+    (G [B, h, N1], k [B, h, N1, dk], delta [B, h, N1, dv])."""
+    T = k.shape[1]
+    tr = lambda x: jnp.moveaxis(x, 1, 2)
+    q, k, v, g, beta = map(tr, (q, k, v, g, beta))
+    m = mask[:, None]  # [B, 1, T, T]
+    G = jnp.einsum("bts,bhs->bht", mask.astype(g.dtype), g, precision=HIGHEST)
+    decay = jnp.exp(jnp.where(m, G[..., :, None] - G[..., None, :], -jnp.inf))
+    strict = m & ~jnp.eye(T, dtype=bool)
+    L = jnp.where(strict, _mm(k * beta[..., None], jnp.swapaxes(k, -1, -2)) * decay, 0.0)
+    inv = unit_lower_inverse(L)
+    intra = _mm(q, jnp.swapaxes(k, -1, -2)) * decay
+    s_qk = jnp.einsum("bhtk,bhkv->bhtv", jnp.concatenate([q, k], axis=2), state, precision=HIGHEST)
+    s_q, s_k = s_qk[:, :, :T], s_qk[:, :, T:]
+    grow = jnp.exp(G)[..., None]
+    delta = _mm(inv, beta[..., None] * (v - grow * s_k))
+    out = grow * s_q + _mm(intra, delta)
+    return jnp.moveaxis(out, 1, 2), (G, k, delta)
+
+
+def per_path_core(q, k, v, g, beta, state, paths):
+    """The other form: each root-to-leaf path (paths [P, D + 1] node indices, static numpy, each path's rows
+    in depth order, a short path padded by repeating its leaf) run as its own chain verify
+    (gdn.verify_gated_delta_rule); a node's output is taken from the first path through it. Same arguments
+    and output as tree_core's first result."""
+    import numpy as np
+
+    paths = np.asarray(paths)
+    P, L = paths.shape
+    take = lambda x: x[:, paths.reshape(-1)].reshape((x.shape[0], P, L) + x.shape[2:])
+    fold = lambda x: jnp.moveaxis(x, 1, 0).reshape((-1, L) + x.shape[3:]) if x.ndim > 3 else \
+        jnp.moveaxis(x, 1, 0).reshape(-1, L, x.shape[-1])
+    B = q.shape[0]
+    valid = np.concatenate([np.ones((P, 1), bool), paths[:, 1:] != paths[:, :-1]], axis=1)  # padding: no-op
+    vm = jnp.asarray(valid)[None, :, :, None]
+    args = [take(x) for x in (q, k, v)] + [jnp.where(vm, take(x), 0.0) for x in (g, beta)]
+    st = jnp.broadcast_to(state[None], (P,) + state.shape).reshape((P * B,) + state.shape[1:])
+    out, _ = verify_gated_delta_rule(*(fold(a) for a in args), st)
+    out = jnp.moveaxis(out.reshape((P, B, L) + out.shape[2:]), 0, 1)  # [B, P, L, h, dv]
+    first = {}
+    for p in range(P):
+        for j in range(L):
+            if valid[p, j]:
+                first.setdefault(int(paths[p, j]), (p, j))
+    rows = [first[i] for i in range(len(first))]
+    return jnp.stack([out[:, p, j] for p, j in rows], axis=1)
+
+
+def tree_conv(x, conv_state, w_conv, depth, anc):
+    """The depthwise causal conv along each node's path, then SiLU. x [B, N1, C]; conv_state [B, K-1, C];
+    depth [B, N1]; anc [B, N1, D + 1]. Returns out [B, N1, C] and xc = [conv_state ; x]."""
+    K = w_conv.shape[0]
+    xc = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)
+    idx = window_index(depth, anc, K)  # [B, N1, K]
+    win = jnp.take_along_axis(xc[:, None], idx[..., None], axis=2)  # [B, N1, K, C]
+    w = w_conv.astype(x.dtype)
+    out = sum(win[:, :, j] * w[j] for j in range(K))
+    return jax.nn.silu(out), xc
+
+
+def window_index(depth, anc, K: int):
+    """Indices into [conv_state (K-1) ; tree rows] of each node's last K conv inputs along its path, oldest
+    first: [B, N1, K]. Path depth e >= 0 is the ancestor at depth e; e < 0 reaches into the conv state."""
+    e = depth[..., None] - (K - 1) + jnp.arange(K, dtype=depth.dtype)  # [B, N1, K]
+    tree_row = jnp.take_along_axis(anc, jnp.clip(e, 0, anc.shape[-1] - 1), axis=-1)
+    return jnp.where(e >= 0, K - 1 + tree_row, K - 1 + e)
+
+
+def tree_gdn_layer(x, w, cfg, st: GDNState, layout):
+    """gdn.gdn_layer over the tree rows (x [B, N1, H], input-normed). Returns (out, TreeGDN)."""
+    B, T, _ = x.shape
+    nk, nv, dk, dv = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim
+    qkv, xc = tree_conv(linear(x, w.in_proj_qkv), st.conv, w.conv, layout.depth, layout.anc)
+    z = linear(x, w.in_proj_z).reshape(B, T, nv, dv)
+    b = linear(x, w.in_proj_b)
+    a = linear(x, w.in_proj_a)
+    kd = cfg.gdn_key_dim
+    f32 = lambda t: t.astype(jnp.float32)
+    q = l2norm(f32(qkv[..., :kd].reshape(B, T, nk, dk))) * dk ** -0.5
+    k = l2norm(f32(qkv[..., kd:2 * kd].reshape(B, T, nk, dk)))
+    v = f32(qkv[..., 2 * kd:].reshape(B, T, nv, dv))
+    q, k = (jnp.repeat(t, nv // nk, axis=2) for t in (q, k))
+    beta = f32(jax.nn.sigmoid(b))
+    g = -jnp.exp(f32(w.A_log)) * jax.nn.softplus(f32(a) + f32(w.dt_bias))
+    core, (G, k_all, delta) = tree_core(q, k, v, g, beta, st.rec, layout.mask)
+    core = gated_rmsnorm(core.astype(x.dtype), z, w.norm, cfg.rms_norm_eps)
+    return linear(core.reshape(B, T, nv * dv), w.out_proj), TreeGDN(xc, st.rec, G, k_all, delta)
+
+
+def tree_attention_layer(x, w, cfg, cache: KVCache, pos, layout):
+    """Attention of the tree rows over the committed slots (< pos) and their ancestors (and themselves)."""
+    B, T, _ = x.shape
+    q, k, v, gate = project_qkv(x, w, cfg, pos[:, None] + layout.depth)
+    k, v = to_cache(k, cache.k.dtype), to_cache(v, cache.v.dtype)
+    S = cache.k.shape[1]
+    committed = jnp.broadcast_to((jnp.arange(S)[None] < pos[:, None])[:, None], (B, T, S))
+    keys = jnp.concatenate([cache.k, k], axis=1).astype(q.dtype)
+    vals = jnp.concatenate([cache.v, v], axis=1).astype(q.dtype)
+    o = attend(q, keys, vals, jnp.concatenate([committed, layout.mask], axis=-1))
+    return output(o, gate, w), TreeKV(k, v)
+
+
+def tree_forward(weights, cfg, tokens, state: tuple, pos, layout):
+    """tokens [B, N1] (root first) -> (post-norm hidden [B, N1, H], per layer a TreeKV or a TreeGDN)."""
+    with jax.named_scope("embed"):
+        x = embed_rows(weights.embed, tokens)
+    verified = []
+    for lw, kind, st in zip(weights.layers, cfg.layer_types, state):
+        with jax.named_scope("attention" if kind == "full_attention" else "gdn"):
+            h = rmsnorm_1pw(x, lw.input_norm, cfg.rms_norm_eps)
+            if kind == "full_attention":
+                h, st = tree_attention_layer(h, lw.mixer, cfg, st, pos, layout)
+            else:
+                h, st = tree_gdn_layer(h, lw.mixer, cfg, st, layout)
+            x = x + h
+        with jax.named_scope("mlp"):
+            x = x + feed_forward(rmsnorm_1pw(x, lw.post_norm, cfg.rms_norm_eps), lw.mlp, cfg)
+        verified.append(st)
+    with jax.named_scope("final_norm"):
+        return rmsnorm_1pw(x, weights.final_norm, cfg.rms_norm_eps), tuple(verified)
+
+
+def gdn_state_after(v: TreeGDN, layout, node) -> GDNState:
+    """The GDN state after tree node `node` [B]: the conv window of its path's last kernel-1 inputs and
+    S = exp(G_n) S0 + sum_{s anc-or-self of n} exp(G_n - G_s) k_s delta_s^T."""
+    B = node.shape[0]
+    rows = jnp.arange(B)
+    width = v.xc.shape[1] - v.G.shape[-1]  # kernel - 1
+    idx = window_index(layout.depth[rows, node][:, None], layout.anc[rows, node][:, None], width + 1)[:, 0, 1:]
+    conv = jnp.take_along_axis(v.xc, idx[..., None], axis=1)  # [B, K-1, C]
+    on = layout.mask[rows, node]  # [B, N1]
+    g_n = jnp.take_along_axis(v.G, node[:, None, None], axis=-1)  # [B, h, 1]
+    wgt = jnp.where(on[:, None], jnp.exp(g_n - v.G), 0.0)  # [B, h, N1]
+    kw = v.k * wgt[..., None]
+    rec = jnp.exp(g_n)[..., None] * v.rec
+    for t in range(v.G.shape[-1]):  # summed elementwise, as rollback.rec_after (one fused pass on a CPU)
+        rec = rec + kw[:, :, t, :, None] * v.delta[:, :, t, None, :]
+    return GDNState(conv=conv.astype(v.xc.dtype), rec=rec)
+
+
+def commit_path(verified: tuple, state: tuple, layout, path, n, pos) -> tuple:
+    """The decode state after the accepted path: path [B, D + 1] node indices by depth (the accepted ones up
+    to n [B], then anything), pos [B] the root's position. Attention layers get the path's K / V written at
+    slots pos .. pos + D (rows past pos + n lie beyond the committed length and are overwritten later); GDN
+    layers continue from the state after the path's last node."""
+    rows = jnp.arange(path.shape[0])
+    last = path[rows, n]
+    out = []
+    for st, old in zip(verified, state):
+        if isinstance(st, TreeKV):
+            take = lambda x: jnp.take_along_axis(x, path[:, :, None, None], axis=1)
+            out.append(write_kv(old, take(st.k), take(st.v), pos))
+        else:
+            out.append(gdn_state_after(st, layout, last))
+    return tuple(out)
