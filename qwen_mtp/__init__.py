@@ -30,6 +30,8 @@ from qwen_mtp.errors import (
 )
 from qwen_mtp.loading.model import Model, load, save, shard, with_draft_vocab
 from qwen_mtp.parallel.sharding import make_mesh
+from qwen_mtp.serving.engine import Engine
+from qwen_mtp.serving.requests import SamplingParams
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.quant import QuantArray, QuantPolicy
 
@@ -37,4 +39,4 @@ __all__ = ["load", "save", "shard", "with_draft_vocab", "prefill_logits", "mtp_l
            "enable_compile_cache", "disable_compile_cache", "SpecConfig", "Sampling", "make_mesh", "Model", "ModelConfig",
            "QuantArray", "QuantPolicy", "GenerateResult", "GenerateStats",
            "QwenMTPError", "ConfigError", "CheckpointError", "ArgumentError", "MissingMTPHeadError", "NonFiniteError",
-           "InsufficientMemoryError", "MissingExtraError"]
+           "InsufficientMemoryError", "MissingExtraError", "Engine", "SamplingParams"]

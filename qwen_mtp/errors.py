@@ -67,3 +67,16 @@ class MissingExtraError(QwenMTPError, ImportError):
         super().__init__(f"{feature} needs {', '.join(self.missing)}, which "
                          f"{'is' if len(self.missing) == 1 else 'are'} not installed: "
                          f'pip install -e ".[{extra}]"')
+
+
+class QueueFullError(QwenMTPError, RuntimeError):
+    """The serving engine's waiting queue is full (Engine(max_waiting=...)): the request was not queued. A server
+    answers it with 429 / 503 and Retry-After."""
+
+    def __init__(self, waiting, limit):
+        self.waiting, self.limit = waiting, limit
+        super().__init__(f"the engine's waiting queue is full ({waiting} waiting, max_waiting={limit}): retry later")
+
+
+class EngineStoppedError(QwenMTPError, RuntimeError):
+    """A request was submitted to a serving engine that is stopping or stopped."""

@@ -205,6 +205,14 @@ RULES = [
      and not within(t, "qwen_mtp.compiling", *BASE)),
     ("decoding", "qwen_mtp.decoding does not import tools",
      lambda s, t: within(s, "qwen_mtp.decoding") and within(t, "qwen_mtp.tools")),
+    ("serving", ("qwen_mtp.serving imports only serving, decoding, loading, head, trunk, parallel, compiling, errors, "
+                "extras (and kernels_pallas)"),
+     lambda s, t: within(s, "qwen_mtp.serving") and within(t, "qwen_mtp")
+     and not within(t, *_q("serving", "decoding", "loading", "head", "trunk", "parallel", "compiling"), *BASE)),
+    ("below serving", ("nothing below qwen_mtp.serving (kernels_pallas, trunk, parallel, head, loading, decoding, "
+                      "compiling, errors, extras) imports it"),
+     lambda s, t: within(t, "qwen_mtp.serving")
+     and within(s, "kernels_pallas", *_q("trunk", "parallel", "head", "loading", "decoding", "compiling"), *BASE)),
     ("base", "qwen_mtp.errors / extras import nothing of qwen_mtp but each other",
      lambda s, t: within(s, *BASE) and within(t, "qwen_mtp") and not within(t, *BASE)),
     ("library", "no library module (qwen_mtp but tools and __main__; the face included) imports qwen_mtp.tools",

@@ -7,6 +7,9 @@ Speculation stays exact under it: the verify's row i is penalised with seen | {d
 loop would have had there, `verify_seen`), so a greedy round emits the plain loop's tokens and rejection
 sampling the plain loop's distribution. The drafts are penalised the same way (for acceptance only: any draft
 distribution keeps the output exact).
+
+With per-row settings (sampling.RowSampling, the serving engine's) the penalty is a [B] array (1 in the rows
+without one, which leaves their logits bit-identical) and `seen` is kept when its static `penalize` is set.
 """
 
 from __future__ import annotations
@@ -14,10 +17,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from qwen_mtp.decoding.sampling import RowSampling
 from qwen_mtp.errors import ArgumentError
 
 
 def active(sampling) -> bool:
+    if isinstance(sampling, RowSampling):
+        return sampling.penalize
     return sampling.repetition_penalty != 1.0
 
 
@@ -31,8 +37,10 @@ def check_seen(seen, sampling, vocab_size: int) -> None:
     (checked as the loop is traced: a carry made without the prompt's ids would penalise nothing)."""
     want = vocab_size if active(sampling) else 0
     if seen.shape[-1] != want:
-        raise ArgumentError("carry.seen", f"[batch, {want}] with repetition_penalty "
-                            f"{sampling.repetition_penalty:g} (the start function's seen=)", str(tuple(seen.shape)))
+        what = (f"penalize={sampling.penalize}" if isinstance(sampling, RowSampling)
+                else f"repetition_penalty {sampling.repetition_penalty:g}")
+        raise ArgumentError("carry.seen", f"[batch, {want}] with {what} (the start function's seen=)",
+                            str(tuple(seen.shape)))
 
 
 def prompt_seen(tokens, lens, vocab_size: int, sampling):
@@ -68,7 +76,6 @@ def verify_seen(seen, drafts, sampling):
     is the context before the verify's logits row i, seen | {d_1..d_i}."""
     if not active(sampling):
         return seen[:, None]
-    B, k = drafts.shape
     onehot = jax.nn.one_hot(drafts, seen.shape[-1], dtype=jnp.int32)  # [B, k, V]
     upto = jnp.cumsum(onehot, axis=1) > 0  # row j: d_1..d_{j+1}
     return jnp.concatenate([seen[:, None], seen[:, None] | upto], axis=1)
@@ -79,6 +86,9 @@ def apply(logits, seen, sampling):
     when the penalty is off."""
     if not active(sampling):
         return logits
-    r = jnp.float32(sampling.repetition_penalty)
     x = logits.astype(jnp.float32)
+    if isinstance(sampling, RowSampling):
+        r = sampling.repetition_penalty.reshape((-1,) + (1,) * (x.ndim - 1))
+    else:
+        r = jnp.float32(sampling.repetition_penalty)
     return jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)

@@ -1,6 +1,12 @@
 """Plain decoding: the first token, chosen from prefill's last hidden (both loops start from it), then one trunk
 step per token inside one jitted lax.while_loop (`plain_decode`), its progress between calls in a PlainCarry.
-The speculative loop is speculative.py."""
+The speculative loop is speculative.py.
+
+The serving engine (qwen_mtp/serving/) runs the same loop over its slots, with per-row settings: carry.rows a
+sampling.RowSampling (then carry.key holds one PRNG key per row [B, 2] and each token is chosen by
+sampling.row_scores at its own position), eos per row [B, E] (-1 pads), max_new per row [B], and carry.hidden
+a [B, until, H] buffer that keeps each step's trunk hidden (so the MTP head's cache can be caught up after a
+plain segment). With none of these (generate's call) the loop is the one it always was."""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ import jax.numpy as jnp
 
 from qwen_mtp.decoding import penalty
 from qwen_mtp.decoding.nonfinite import BIG
-from qwen_mtp.decoding.sampling import choose
+from qwen_mtp.decoding.sampling import argmax, choose, row_scores
 from qwen_mtp.trunk.forward import forward, lm_logits
 from qwen_mtp.trunk.ops import DECODE_COMPILER_OPTIONS, LOOP_COMPILER_OPTIONS
 
@@ -44,6 +50,8 @@ class PlainCarry(NamedTuple):
     i: jax.Array  # () tokens per row so far (the next column of out)
     bad: jax.Array  # [B] the new token whose logits held a NaN / Inf (the row is frozen there); BIG: none
     seen: jax.Array  # [B, V] the ids in each row's context so far (the repetition penalty's); [B, 0] without one
+    rows: object = None  # sampling.RowSampling: per-row settings (the engine's); None: the static `sampling`
+    hidden: jax.Array | None = None  # [B, until, H]: each step's trunk hidden, kept (the engine's head catch-up)
 
 
 @partial(jax.jit, static_argnames=("cap", "keep_logits"))
@@ -64,22 +72,27 @@ def plain_decode(weights, cfg, state, carry: PlainCarry, eos, pad_id, max_new, u
     """Plain decode steps until every row is done, max_new (traced, <= the buffer size cap) tokens per row, or
     `until` tokens per row in all (a streaming caller calls again with a larger one). Returns (state, carry)."""
     B = carry.tok.shape[0]
-    is_eos = lambda t: jnp.any(t[:, None] == eos[None, :], axis=-1)
-    penalty.check_seen(carry.seen, sampling, cfg.vocab_size)
+    rows = carry.rows
+    s = sampling if rows is None else rows  # what the penalty reads
+    is_eos = lambda t: jnp.any(t[:, None] == (eos[None, :] if eos.ndim == 1 else eos), axis=-1)
+    penalty.check_seen(carry.seen, s, cfg.vocab_size)
 
     def cond(c):
         i = c[1].i
-        return (i < max_new) & (i < until) & ~jnp.all(c[1].done)
+        return jnp.any(i < max_new) & (i < until) & ~jnp.all(c[1].done)
 
     def body(c):
-        state, (tok, pos, out, logits_buf, n_out, done, key, i, bad, seen) = c
+        state, (tok, pos, out, logits_buf, n_out, done, key, i, bad, seen, _, hid_buf) = c
         with jax.named_scope("step"):  # the trunk; "pick": lm_head and the choice (profiling.py's phases)
             hidden, state = forward(weights, cfg, tok[:, None], state, pos, jnp.ones((B,), jnp.int32),
                                     gdn_mode="step")
         with jax.named_scope("pick"):
             logits = lm_logits(weights, hidden[:, 0])
-            key, sub = jax.random.split(key)
-            nxt = choose(sub, penalty.apply(logits, seen, sampling), sampling)
+            if rows is None:
+                key, sub = jax.random.split(key)
+                nxt = choose(sub, penalty.apply(logits, seen, sampling), sampling)
+            else:  # per row: noise of (the row's key, the new token's position)
+                nxt = argmax(row_scores(penalty.apply(logits, seen, rows), rows, key, pos + 1))
         with jax.named_scope("commit"):
             nonfinite = ~jnp.all(jnp.isfinite(logits), axis=-1) & ~done  # nothing is emitted from these
             bad = jnp.where(nonfinite, i, bad)
@@ -87,9 +100,11 @@ def plain_decode(weights, cfg, state, carry: PlainCarry, eos, pad_id, max_new, u
             if keep_logits:
                 logits_buf = logits_buf.at[:, i].set(logits)
             n_out = n_out + (~done & ~nonfinite).astype(jnp.int32)
-            done = done | nonfinite | is_eos(nxt)
-            seen = penalty.add(seen, nxt, sampling)
-        return state, PlainCarry(nxt, pos + 1, out, logits_buf, n_out, done, key, i + 1, bad, seen)
+            done = done | nonfinite | is_eos(nxt) | (n_out >= max_new)
+            seen = penalty.add(seen, nxt, s)
+            if hid_buf is not None:
+                hid_buf = hid_buf.at[:, i].set(hidden[:, 0].astype(hid_buf.dtype))
+        return state, PlainCarry(nxt, pos + 1, out, logits_buf, n_out, done, key, i + 1, bad, seen, rows, hid_buf)
 
     return jax.lax.while_loop(cond, body, (state, carry))
 

@@ -17,6 +17,10 @@ rows its tokens come from) hold a NaN / Inf emits nothing that round and is froz
 raises NonFiniteError (nonfinite.py).
 With an fp8 KV cache (generate(kv_dtype=...), state.py) the verify's k+1 rows read each other, and themselves,
 as stored (rounded), exactly as k+1 plain steps would: the output is still the plain output under that cache.
+With per-row settings (carry.rows a sampling.RowSampling: the serving engine's, plain.py has the carry's other
+per-row forms) every draft and every verify row is chosen by sampling.row_scores at the position of the token it
+chooses, and a draft is accepted when it equals the verify's choice, as in greedy: sampled rows then commit
+exactly the tokens the plain loop commits with the same keys (the Gumbel-max draw of p at each position).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import jax.numpy as jnp
 from qwen_mtp.decoding import penalty
 from qwen_mtp.decoding.nonfinite import BIG
 from qwen_mtp.decoding.rollback import select_states
-from qwen_mtp.decoding.sampling import Sampling, argmax, draw, probs
+from qwen_mtp.decoding.sampling import Sampling, argmax, draw, probs, row_scores
 from qwen_mtp.errors import ArgumentError
 from qwen_mtp.head import draft_vocab
 from qwen_mtp.head.mtp import mtp_forward
@@ -68,13 +72,16 @@ class SpecConfig:
             check_tree(self.tree, self.k)
 
 
-def draft_vocab_pick(dv, m, sampling, key, vocab_size: int, seen=None):
+def draft_vocab_pick(dv, m, sampling, key, vocab_size: int, seen=None, rows=None, at=None):
     """One draft per row from the head output m [B, H] over a draft vocabulary dv (head/draft_vocab.py): (d [B]
     int32 full-vocabulary ids, q [B, V] the draft distribution over the full vocabulary, zero outside dv.ids;
-    None when greedy). seen [B, V]: the context's ids under a repetition penalty (penalty.py), None without one."""
+    None when greedy). seen [B, V]: the context's ids under a repetition penalty (penalty.py), None without one.
+    rows (a RowSampling, with key [B, 2] and `at` [B] the drafted token's position): row_scores' choice, q None."""
     logits = draft_vocab.draft_logits(dv, m)
     if seen is not None:
-        logits = penalty.apply(logits, seen[:, dv.ids], sampling)
+        logits = penalty.apply(logits, seen[:, dv.ids], sampling if rows is None else rows)
+    if rows is not None:
+        return dv.ids[argmax(row_scores(logits, rows, key, at, ids=dv.ids, vocab_size=vocab_size))], None
     if sampling.greedy:
         return dv.ids[argmax(logits)], None
     q_sub = probs(logits, sampling)
@@ -83,37 +90,41 @@ def draft_vocab_pick(dv, m, sampling, key, vocab_size: int, seen=None):
     return d, q
 
 
-def _draft(weights, cfg, mcache, m1, pos, spec, sampling, key, seen=None):
+def _draft(weights, cfg, mcache, m1, pos, spec, sampling, key, seen=None, rows=None):
     """Returns drafts D [B, k], their draft distributions Q [B, k, V] (None when greedy), the head cache.
     seen [B, V]: the context's ids under a repetition penalty (penalty.py); each draft is penalised with it and
-    the drafts before it, as the verify will be."""
-    use_seen = seen is not None and penalty.active(sampling)
+    the drafts before it, as the verify will be. rows: per-row settings (a RowSampling; key is then [B, 2], and
+    draft j, the token at pos + j, is row_scores' choice at that position)."""
+    s = sampling if rows is None else rows
+    use_seen = seen is not None and penalty.active(s)
 
     @jax.named_scope("pick")  # the draft's lm_head and choice: a stage of profiling.py
-    def pick(m, key, seen):
+    def pick(m, key, seen, j):
         if weights.draft_vocab is not None:  # a reduced draft vocabulary (draft_vocab.py): q zero outside it
             return draft_vocab_pick(weights.draft_vocab, m, sampling, key, cfg.vocab_size,
-                                    seen if use_seen else None)
+                                    seen if use_seen else None, rows, pos + j)
         logits = lm_logits(weights, m)
         if use_seen:
-            logits = penalty.apply(logits, seen, sampling)
+            logits = penalty.apply(logits, seen, s)
+        if rows is not None:
+            return argmax(row_scores(logits, rows, key, pos + j)), None
         if sampling.greedy:
             return argmax(logits), None
         q = probs(logits, sampling)
         return draw(key, q), q
 
     k = spec.k
-    keys = jax.random.split(key, k)
+    keys = jax.random.split(key, k) if rows is None else jnp.broadcast_to(key, (k,) + key.shape)
     seen = seen if use_seen else penalty.empty(m1.shape[0])
-    d1, q1 = pick(m1, keys[0], seen)
+    d1, q1 = pick(m1, keys[0], seen, 1)
 
     def step(carry, xs):
         d_prev, m_prev, mcache, seen = carry
         j, key = xs  # draft index j = 1..k-1 (0-based), head row / slot pos - 1 + j
         m, mcache, _ = mtp_forward(weights, cfg, d_prev[:, None], m_prev[:, None], mcache, pos - 1 + j,
                                    window=spec.window, sinks=spec.sinks)
-        seen = penalty.add(seen, d_prev, sampling) if use_seen else seen
-        d, q = pick(m[:, 0], key, seen)
+        seen = penalty.add(seen, d_prev, s) if use_seen else seen
+        d, q = pick(m[:, 0], key, seen, j + 1)
         return (d, m[:, 0], mcache, seen), (d, q)
 
     if k == 1:
@@ -164,6 +175,9 @@ class SpecCarry(NamedTuple):
     rounds: jax.Array  # () rounds run so far
     bad: jax.Array  # [B] the new token whose logits held a NaN / Inf (the row is frozen there); BIG: none
     seen: jax.Array  # [B, V] the ids in each row's context so far (the repetition penalty's); [B, 0] without one
+    rows: object = None  # sampling.RowSampling: per-row settings (the engine's); key is then [B, 2]
+    row_rounds: jax.Array | None = None  # [B] rounds each row took part in (kept when given: the engine's)
+    row_accepted: jax.Array | None = None  # [B] drafts each row had accepted
 
 
 @partial(jax.jit, static_argnames=("cap", "spec"))
@@ -190,16 +204,23 @@ def spec_decode(weights, cfg, state, mcache, carry: SpecCarry, eos, max_new, unt
     B = carry.x.shape[0]
     k = spec.k
     rows = jnp.arange(B)
-    penalty.check_seen(carry.seen, sampling, cfg.vocab_size)
+    per_row = carry.rows  # a RowSampling (per-row settings), or None
+    s = sampling if per_row is None else per_row  # what the penalty reads
+    if per_row is not None:
+        sampling = Sampling()  # per-row rows are chosen by row_scores and accepted as greedy ones are
+    penalty.check_seen(carry.seen, s, cfg.vocab_size)
     idx = jnp.arange(k + 1)
-    is_eos = lambda t: jnp.any(t[..., None] == eos, axis=-1)
+    is_eos = lambda t: jnp.any(t[..., None] == (eos if eos.ndim == 1 else eos[:, None, :]), axis=-1)
 
     def body(c):
         state, mcache, cr = c
-        pos, x, m1, out, n_out, done, key, hist, hits, rounds, bad, seen = cr
-        key, k_draft, k_acc = jax.random.split(key, 3)
+        pos, x, m1, out, n_out, done, key, hist, hits, rounds, bad, seen, _, row_rounds, row_accepted = cr
+        if per_row is None:
+            key, k_draft, k_acc = jax.random.split(key, 3)
+        else:
+            k_draft = k_acc = key
         with jax.named_scope("draft"):
-            D, Q, mcache = _draft(weights, cfg, mcache, m1, pos, spec, sampling, k_draft, seen)
+            D, Q, mcache = _draft(weights, cfg, mcache, m1, pos, spec, sampling, k_draft, seen, per_row)
 
         with jax.named_scope("verify"):
             tokens = jnp.concatenate([x[:, None], D], axis=1)  # [B, k+1]
@@ -208,7 +229,9 @@ def spec_decode(weights, cfg, state, mcache, carry: SpecCarry, eos, max_new, unt
             logits = lm_logits(weights, hidden)
         with jax.named_scope("accept"):
             # row i is chosen under the context the plain loop would have there: seen | {d_1..d_i}
-            picked = penalty.apply(logits, penalty.verify_seen(seen, D, sampling), sampling)
+            picked = penalty.apply(logits, penalty.verify_seen(seen, D, s), s)
+            if per_row is not None:  # verify row i chooses the token at pos + 1 + i
+                picked = row_scores(picked, per_row, key, pos[:, None] + 1 + idx[None])
             n, bonus, passed = _accept(D, Q, picked, sampling, k_acc)
 
         with jax.named_scope("commit"):
@@ -228,7 +251,10 @@ def spec_decode(weights, cfg, state, mcache, carry: SpecCarry, eos, max_new, unt
             active = ~done
             hist = hist + jnp.zeros((k + 1,), jnp.int32).at[n].add(active.astype(jnp.int32))
             hits = hits + jnp.sum(passed & active[:, None], axis=0).astype(jnp.int32)
-            seen = penalty.add_many(seen, emitted, idx[None] < cnt[:, None], sampling)
+            seen = penalty.add_many(seen, emitted, idx[None] < cnt[:, None], s)
+            if row_rounds is not None:
+                row_rounds = row_rounds + active.astype(jnp.int32)
+                row_accepted = row_accepted + jnp.where(active, n, 0)
 
         # roll back the GDN states to the accepted count; refill the head's KV from the trunk's hiddens
         with jax.named_scope("rollback"):
@@ -243,7 +269,8 @@ def spec_decode(weights, cfg, state, mcache, carry: SpecCarry, eos, max_new, unt
         new_done = done | (hit_eos & active) | (n_out >= max_new) | nonfinite
         pos = jnp.where(done, pos, pos + n + 1)
         x = jnp.where(done, x, bonus)
-        return state, mcache, SpecCarry(pos, x, m1, out, n_out, new_done, key, hist, hits, rounds + 1, bad, seen)
+        return state, mcache, SpecCarry(pos, x, m1, out, n_out, new_done, key, hist, hits, rounds + 1, bad, seen,
+                                        per_row, row_rounds, row_accepted)
 
     cond = lambda c: ~jnp.all(c[2].done) & (c[2].rounds < until)
     return jax.lax.while_loop(cond, body, (state, mcache, carry))

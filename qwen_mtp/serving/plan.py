@@ -1,0 +1,245 @@
+"""The speculation plan: whether to speculate, and with which k, chosen by measurement on this machine.
+
+Plan.choice[o] is the k (0 = plain decoding) a segment with o busy slots runs; Plan.rates holds what it came
+from: tokens per second per busy row, for each bucket (the sub-batch size a segment runs at) and each k.
+`measure(engine)` times the engine's own segment programs: for each bucket it fills that many slots with the same
+greedy request, runs one segment of each k to compile it, then times `segments` segments of each, and keeps the
+fastest k per bucket (every busy count o that runs in that bucket gets it: the bucket's rows cost the same busy
+or not). `plan_for(engine)` reads the plan cached for this machine + model + engine settings beside the compile
+cache (compiling/compile_cache.py's folder, qwen_mtp_plans/), or measures and caches it.
+
+`generate_plan(...)` is the same for the offline `generate` at batch 1 (the CLI's generate): plain and each k
+timed with generate itself, cached the same way; the CLI runs its choice unless --k is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from qwen_mtp.compiling import compile_cache
+from qwen_mtp.errors import ArgumentError
+
+PLAN_DIR = "qwen_mtp_plans"
+VERSION = 1
+# a text-like prompt for the engine's measurement (ids of the shipped tokenizer would do as well: acceptance
+# depends on the text, so the measurement uses the model's own greedy continuation of this prompt)
+DEFAULT_PROMPT_LEN = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    choice: dict  # {busy slots: k}, k = 0 for plain
+    rates: dict  # {bucket: {k: tokens per second per busy row}}
+    key: str = ""
+    measured_at: str = ""
+
+    def __post_init__(self):
+        if not self.choice or not all(isinstance(o, int) and o >= 1 and isinstance(k, int) and 0 <= k <= 16
+                                      for o, k in self.choice.items()):
+            raise ArgumentError("Plan.choice", "{busy slots >= 1: k in [0, 16]}", repr(self.choice))
+
+    def k_for(self, busy: int) -> int:
+        if busy in self.choice:
+            return self.choice[busy]
+        return self.choice[min(self.choice, key=lambda o: (abs(o - busy), -o))]
+
+    def ks(self) -> list:
+        return sorted(set(self.choice.values()) | {0})
+
+    def ratio(self, busy: int) -> float | None:
+        """The measured speed of the chosen k against plain decoding at this busy count's bucket."""
+        rates = self._rates_for(busy)
+        if not rates or 0 not in rates:
+            return None
+        return rates[self.k_for(busy)] / rates[0]
+
+    def _rates_for(self, busy):
+        buckets = sorted(self.rates)
+        b = next((b for b in buckets if b >= busy), buckets[-1] if buckets else None)
+        return self.rates.get(b)
+
+    def describe(self) -> str:
+        parts = []
+        for o in sorted(self.choice):
+            r = self.ratio(o)
+            parts.append(f"{o}:{'plain' if self.choice[o] == 0 else 'k=' + str(self.choice[o])}"
+                         + ("" if r is None else f"({r:.2f}x)"))
+        return " ".join(parts)
+
+    def to_json(self) -> dict:
+        return {"version": VERSION, "key": self.key, "measured_at": self.measured_at,
+                    "choice": {str(o): k for o, k in self.choice.items()},
+                    "rates": {str(b): {str(k): v for k, v in r.items()} for b, r in self.rates.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Plan:
+        return cls({int(o): int(k) for o, k in d["choice"].items()},
+                   {int(b): {int(k): float(v) for k, v in r.items()} for b, r in d["rates"].items()},
+                   d.get("key", ""), d.get("measured_at", ""))
+
+
+# ------------------------------------------------------------------------------------------------ caching
+def machine_id() -> str:
+    d = jax.devices()[0]
+    return f"{platform.node()}|{platform.machine()}|{os.cpu_count()}|{d.platform}|{d.device_kind}|{jax.__version__}"
+
+
+def model_id(model) -> str:
+    """The model's config and a checksum of its embedding and head (a retrained folder gets its own plan)."""
+    w = model.weights
+    h = hashlib.sha256(repr(model.config).encode())
+    for leaf in (w.embed, getattr(w, "lm_head", None)):
+        if leaf is not None and hasattr(leaf, "shape"):
+            h.update(np.asarray(leaf[:8], np.float32).tobytes())
+    dv = getattr(w, "draft_vocab", None)
+    h.update(f"draft_vocab={None if dv is None else int(dv.ids.shape[0])}|mtp={w.mtp is not None}".encode())
+    return h.hexdigest()[:16]
+
+
+def plan_key(model, settings: dict) -> str:
+    text = json.dumps(dict(machine=machine_id(), model=model_id(model), version=VERSION, **settings),
+                      sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def plan_dir() -> Path | None:
+    """<the compile cache folder>/qwen_mtp_plans, or None when the compile cache is off."""
+    folder = compile_cache.resolve()
+    return None if folder is None else folder / PLAN_DIR
+
+
+def load_cached(key: str) -> Plan | None:
+    folder = plan_dir()
+    path = None if folder is None else folder / f"{key}.json"
+    if path is None or not path.is_file():
+        return None
+    try:
+        d = json.loads(path.read_text())
+        return Plan.from_json(d) if d.get("version") == VERSION and d.get("key") == key else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable: measured again and rewritten
+
+
+def save_cached(plan: Plan) -> Path | None:
+    folder = plan_dir()
+    if folder is None:
+        return None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{plan.key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(plan.to_json(), indent=1))
+        tmp.replace(folder / f"{plan.key}.json")
+        return folder / f"{plan.key}.json"
+    except OSError:
+        return None  # a read-only cache folder: the plan is used, not kept
+
+
+def _now():
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+def engine_settings(engine) -> dict:
+    return {"kind": "engine", "max_batch": engine.max_batch, "buckets": list(engine.buckets), "segment": engine.segment,
+                "kv_dtype": str(engine.kv_dtype), "window": engine.window, "sinks": engine.sinks, "max_k": engine.max_k,
+                "cache_len": engine.cache_len, "dtype": str(engine.model.weights.embed.dtype)}
+
+
+def plan_for(engine, prompt_ids=None, segments: int = 3) -> Plan:
+    """The cached plan for this engine, or a new measurement (then cached)."""
+    key = plan_key(engine.model, engine_settings(engine))
+    cached = load_cached(key)
+    if cached is not None:
+        return cached
+    plan = measure(engine, prompt_ids, segments=segments, key=key)
+    save_cached(plan)
+    return plan
+
+
+def _prompt(engine, prompt_ids):
+    if prompt_ids is not None:
+        return np.asarray(prompt_ids, np.int32)
+    V = engine.cfg.vocab_size
+    rng = np.random.default_rng(0)
+    return rng.integers(1, V, DEFAULT_PROMPT_LEN).astype(np.int32)
+
+
+def measure(engine, prompt_ids=None, ks=None, segments: int = 3, key: str = "") -> Plan:
+    """Time the engine's segments: for each bucket b and each k in ks (default 0..engine.max_k), b slots busy
+    with the same greedy request; tokens per second per row over `segments` timed segments (after one that
+    compiles). The engine must be idle; its slots are freed afterwards."""
+    from qwen_mtp.serving.requests import RequestHandle, SamplingParams
+
+    dev = engine.dev
+    if engine.busy_slots():
+        raise RuntimeError("plan.measure needs an idle engine")
+    ks = list(range(engine.max_k + 1)) if ks is None else sorted(set(ks))
+    prompt = _prompt(engine, prompt_ids)
+    budget = engine.max_model_len - len(prompt)
+    rates = {}
+    for bucket in engine.buckets:
+        rates[bucket] = {}
+        for k in ks:
+            steps = engine.segment if k == 0 else max(1, engine.segment // 2)
+            need = (segments + 1) * steps * (k + 1) + 1
+            if need > budget:
+                raise ArgumentError("max_model_len", f"room for the plan's measurement ({len(prompt)} + {need})",
+                                    str(engine.max_model_len))
+            for s in range(bucket):
+                dev.prefill_into(s, RequestHandle(prompt, SamplingParams(max_tokens=budget)))
+            order = list(range(bucket)) if bucket < engine.max_batch else list(range(engine.max_batch))
+            full = bucket == engine.max_batch
+            dev.slots = dev.segment_call(k, bucket, order, full, False, False)[0]  # compile, warm
+            jax.block_until_ready(dev.slots.tok)
+            t0, tokens = time.perf_counter(), 0
+            for _ in range(segments):
+                res = dev.segment_call(k, bucket, order, full, False, False)
+                dev.slots = res[0]
+                tokens += int(np.asarray(res[2])[:bucket].sum())
+            dt = time.perf_counter() - t0
+            rates[bucket][k] = tokens / bucket / dt
+            dev.release(range(bucket))
+    choice = {}
+    for o in range(1, engine.max_batch + 1):
+        b = next(b for b in engine.buckets if b >= o)
+        choice[o] = max(rates[b], key=lambda k: (rates[b][k], -k))
+    return Plan(choice, rates, key, _now())
+
+
+# ------------------------------------------------------------------------------------------------ generate
+def generate_plan(model, ids, max_new, sampling_kw: dict, make_spec, candidates=(1, 2, 3, 4), log=None) -> Plan:
+    """The CLI's plan (generate at batch 1): cached per machine + model + settings; else decoding.auto_k's
+    measurement: plain and each candidate k compiled ahead of time and then timed once with generate itself on
+    these ids, decode seconds per token after the first (as --k auto times them), cached."""
+
+    spec = make_spec(1)
+    settings = dict(kind="generate", window=spec.window, sinks=spec.sinks, candidates=list(candidates),
+                    max_new=int(max_new), **{k: v for k, v in sampling_kw.items() if k != "seed"})
+    key = plan_key(model, settings)
+    cached = load_cached(key)
+    if cached is not None:
+        return cached
+    from qwen_mtp.decoding.generate import generate, precompile
+
+    rates = {}
+    for k in (0, *candidates):
+        spec = None if k == 0 else make_spec(k)
+        precompile(model, ids, max_new, spec=spec, **sampling_kw)
+        r = generate(model, ids, max_new, spec=spec, stream=lambda rows: None, **sampling_kw)
+        rates[k] = max(int(r.lengths.sum()) - len(r.lengths), 1) / max(r.stats.decode_s, 1e-9)
+    if log is not None:
+        row = "  ".join(f"{'plain' if k == 0 else f'k={k}'}: {1e3 / v:.2f}" for k, v in rates.items())
+        print(f"[plan] TPOT ms  {row}", file=log)
+    best = max(rates, key=lambda k: (rates[k], -k))
+    plan = Plan({1: best}, {1: rates}, key, _now())
+    save_cached(plan)
+    return plan
