@@ -1,4 +1,14 @@
-"""SwiGLU MLP and the sparse MoE block (softmax router, top-k, optional renormalisation, shared expert)."""
+"""SwiGLU MLP and the sparse MoE block (softmax router, top-k, optional renormalisation, shared expert).
+
+The routed experts run one of two ways, chosen statically from the shapes (`reads_routed_only`):
+  decode   n_tokens x top_k <= num_experts: each (token, expert) pair reads only its expert's weights
+           (quant.routed_dot: the Pallas grouped GEMV on cuda, XLA's gather of the routed experts on CPU), so
+           the block reads at most as many expert matrices as the grouped path would and, at decode, a small
+           share of them (35B-A3B at batch 1: 8 of 256);
+  prefill  more pairs than experts: tokens sorted by expert through grouped matmuls (quant.ragged_dot:
+           lax.ragged_dot, which reads every expert).
+The router and the shared expert are the same in both.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +17,7 @@ import jax.numpy as jnp
 
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.ops import linear
-from qwen_mtp.trunk.quant import ragged_dot
+from qwen_mtp.trunk.quant import ragged_dot, routed_dot
 from qwen_mtp.trunk.weights import MLPWeights, MoEWeights
 
 
@@ -15,9 +25,14 @@ def mlp(x, w: MLPWeights):
     return linear(jax.nn.silu(linear(x, w.gate)) * linear(x, w.up), w.down)
 
 
+def reads_routed_only(n_tokens: int, cfg: ModelConfig) -> bool:
+    """The decode rule (module doc): no more (token, expert) pairs than experts."""
+    return n_tokens * cfg.top_k <= cfg.num_experts
+
+
 def moe(x, w: MoEWeights, cfg: ModelConfig):
-    """x [..., H]. Tokens are sorted by expert and run through grouped matmuls (quant.ragged_dot: lax.ragged_dot
-    on plain or quantized experts)."""
+    """x [..., H]. Few tokens: each (token, expert) pair reads its expert's weights only (quant.routed_dot);
+    many: tokens sorted by expert through grouped matmuls (quant.ragged_dot). Module doc."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     n, k, E = x2.shape[0], cfg.top_k, cfg.num_experts
@@ -26,6 +41,9 @@ def moe(x, w: MoEWeights, cfg: ModelConfig):
     if cfg.norm_topk_prob:
         top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
     top_p = top_p.astype(x.dtype)
+    shared = mlp(x2, w.shared) * jax.nn.sigmoid(linear(x2, w.shared_gate))
+    if reads_routed_only(n, cfg):
+        return (_routed_pairs(x2, w, top_p, top_e) + shared).reshape(shape)
 
     flat_e = top_e.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)
@@ -38,8 +56,20 @@ def moe(x, w: MoEWeights, cfg: ModelConfig):
     y = ragged_dot(jax.nn.silu(g) * u, w.down, group_sizes, row_expert)
     y = y * top_p.reshape(-1)[order][:, None]
     routed = jnp.zeros_like(x2).at[token].add(y)
-    shared = mlp(x2, w.shared) * jax.nn.sigmoid(linear(x2, w.shared_gate))
     return (routed + shared).reshape(shape)
+
+
+def _routed_pairs(x2, w: MoEWeights, top_p, top_e):
+    """x2 [n, H]; pair p = t * k + j is token t with its j-th expert. Weighted by the router and summed over each
+    token's k pairs in float32 -> [n, H] in x's dtype."""
+    n, k = top_e.shape
+    pair_e = top_e.reshape(-1)
+    xs = jnp.repeat(x2, k, axis=0)
+    g = routed_dot(xs, w.gate, pair_e)
+    u = routed_dot(xs, w.up, pair_e)
+    y = routed_dot(jax.nn.silu(g) * u, w.down, pair_e)
+    y = (y * top_p.reshape(-1, 1)).astype(jnp.float32)
+    return y.reshape(n, k, -1).sum(axis=1).astype(x2.dtype)
 
 
 def feed_forward(x, w, cfg: ModelConfig):

@@ -31,6 +31,7 @@ from flax import struct
 from kernels_pallas import per_shard as spmd
 from kernels_pallas import quant_layout as layout
 from kernels_pallas.masked_attention import precision_for
+from kernels_pallas.moe_gemv import moe_gemv
 from kernels_pallas.quant_matmul import quant_matmul
 from qwen_mtp.errors import ArgumentError
 
@@ -144,6 +145,20 @@ def ragged_dot(x, w, group_sizes, row_expert):
         y = jax.lax.ragged_dot(x, v, group_sizes, precision=prec, preferred_element_type=jnp.float32)
         return (y * w.scale[row_expert, 0]).astype(x.dtype)
     return jax.lax.ragged_dot(x, w.dequantize(x.dtype), group_sizes, precision=prec)
+
+
+def routed_dot(x, w, ids, *, backend: str = "auto"):
+    """The MoE experts at decode, reading only the routed ones: x [P, K] one row per (token, expert) pair,
+    w [E, K, N] plain or QuantArray, ids [P] the pair's expert -> [P, N], x[p] @ w[ids[p]] in x's dtype
+    (kernels_pallas.moe_gemv: the Pallas grouped GEMV on cuda, XLA's gather of the routed experts elsewhere;
+    a QuantArray's values and scales are gathered, never all experts dequantized). Under a mesh the gather
+    reference runs (XLA partitions it by the weights' shardings; a custom call would get them whole)."""
+    if spmd.active_mesh() is not None:
+        backend = "reference"
+    K = w.shape[-2]
+    if isinstance(w, QuantArray):
+        return moe_gemv(x, w.q, w.scale, ids, kind=w.kind, k=K, block=w.block, backend=backend)
+    return moe_gemv(x, w, None, ids, kind="plain", k=K, backend=backend)
 
 
 # ---------------------------------------------------------------- policy

@@ -1,0 +1,289 @@
+"""Routed MoE products at decode: one row of x per (token, expert) pair times THAT expert's weight, reading only
+the routed experts' weights (plain or in quant_layout's format), never a dequantized copy of any expert.
+
+    moe_gemv(x, w, scale, ids, *, kind, k, block) -> [P, N]
+      x      [P, K]        one row per pair (the token's hidden for gate / up, the pair's activation for down)
+      w      [E, Kq, N]    stacked experts: plain float (kind "plain", scale None) or quant_layout values
+      scale  [E, gk, gn]   float32 scales of the quantized formats (None for "plain")
+      ids    [P] int32     the expert of each pair
+      out[p] = x[p] @ weight(w[ids[p]], scale[ids[p]])   in x's dtype, f32 accumulation
+
+The reference (what every non-cuda lowering runs, the CPU's fast path) is XLA's gather of the routed experts'
+values and scales, the format's dequantization of the gathered experts only (per-channel formats: none, the
+column scales multiply the f32 products, exact), and one batched product. The Pallas-Triton kernel beside it
+is a grouped GEMV: program (pair p, column tile j, K part s) reads ids[p] from its ref, then walks its part of
+K over the tiles w[ids[p], rows, n0 : n0 + bn] where they lie in HBM, turns the stored int8 / packed int4 /
+fp8 / float values into f32 in registers (int4: two shifts of the byte as int8 per nibble), multiplies them by
+their block's scale (int4 groups, fp8 K blocks; per-channel and plain formats scale once at the end) and by
+the pair's slice of x, and accumulates [dk, bn] f32 products, summed over the rows at the end. It uses the
+CUDA cores, not tensor cores (one row per pair: a dot would pad it to 16), which is what a memory-bound GEMV
+needs. K is split into parts (partial sums in f32 summed after the call) when pairs x column tiles alone
+give too few programs for 132 SMs (35B-A3B gate / up at batch 1: 8 pairs x 4 tiles of 128 columns).
+
+Backend: kernels_pallas/dispatch.py's rule, the kernel in a program lowered for cuda, the reference
+elsewhere; `backend="pallas"` with interpret=True runs the kernel on CPU (tests). A format or shape the kernel
+does not take (`unsupported_reason`) falls back to the reference with a one-time warning. Inputs that break the
+layout raise ValueError naming what was expected and found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kernels_pallas import dispatch
+from kernels_pallas.masked_attention import precision_for
+from kernels_pallas.quant_layout import (
+    STORAGE,
+    cdiv,
+    check,
+    dequantize,
+    padded_k,
+    values,
+)
+
+KINDS = ("plain", "int8", "int4", "fp8")
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+TARGET_PROGRAMS = 264  # two programs per SM of an H100 / H200 (132 SMs)
+MIN_STEPS_PER_SPLIT = 2
+INT4_GROUPS = (32, 64, 128, 256)
+MAX_K_BLOCK = 256
+MAX_OFFSET = 2 ** 31  # element offsets are int32: every element loaded must lie below this
+PLAIN_STEP = 128  # rows of K per loop step for plain and per-channel formats
+
+
+def _mode(kind: str, k: int, block) -> str:
+    """'plain', 'int4' (packed groups), 'channel' (one scale per column over all of K) or 'block' (K blocks)."""
+    if kind in ("plain", "int4"):
+        return kind
+    return "channel" if block[0] >= k else "block"
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block"))
+def moe_gemv_reference(x, w, scale, ids, *, kind: str, k: int, block):
+    """XLA: gather the routed experts (values and scales), dequantize only those, one batched product."""
+    dt = x.dtype
+    prec = precision_for(dt)
+    prod = lambda v: jnp.einsum("pk,pkn->pn", x, v, precision=prec, preferred_element_type=jnp.float32)
+    if kind == "plain":
+        return prod(w[ids].astype(dt)).astype(dt)
+    q, s = w[ids], scale[ids]
+    if _mode(kind, k, block) == "channel":  # the product on the raw values, then the column scales (exact)
+        y = prod(values(q, kind, block, jnp)[:, :k].astype(dt))
+        if block[1] == 1:
+            return (y * s[:, 0].astype(jnp.float32)).astype(dt)
+        cols = jnp.arange(y.shape[1]) // block[1]
+        return (y * s[:, 0, cols].astype(jnp.float32)).astype(dt)
+    return prod(dequantize(q, s, kind, k, block, dt, jnp)).astype(dt)
+
+
+def check_inputs(x, w, scale, ids, kind: str, k: int, block) -> None:
+    """ValueError naming what is wrong when the arrays do not form a routed product of this layout."""
+    if kind not in KINDS:
+        raise ValueError(f"moe_gemv: kind one of {KINDS}, found {kind!r}")
+    if x.ndim != 2 or w.ndim != 3 or ids.ndim != 1:
+        raise ValueError(f"moe_gemv takes x [P, K], w [E, Kq, N], ids [P], found x {list(x.shape)}, "
+                         f"w {list(w.shape)}, ids {list(ids.shape)}")
+    if x.shape[0] != ids.shape[0]:
+        raise ValueError(f"moe_gemv: one expert id per row of x ({x.shape[0]}), found {ids.shape[0]}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"moe_gemv: integer expert ids, found {ids.dtype}")
+    if x.shape[1] != k:
+        raise ValueError(f"moe_gemv: x of shape [P, {k}], found {list(x.shape)}")
+    if kind == "plain":
+        if scale is not None or w.shape[1] != k:
+            raise ValueError(f"moe_gemv (plain): w [E, {k}, N] and no scale, found w {list(w.shape)}, scale "
+                             f"{None if scale is None else list(scale.shape)}")
+        return
+    if scale is None or scale.ndim != 3:
+        raise ValueError(f"moe_gemv ({kind}): scale [E, gk, gn], found {None if scale is None else list(scale.shape)}")
+    err = check(kind, w.shape, scale.shape, k, w.shape[2], tuple(block))
+    if err is not None:
+        raise ValueError(f"moe_gemv ({kind}, block {tuple(block)}): {err}")
+    if np.dtype(w.dtype) != STORAGE[kind]:
+        raise ValueError(f"moe_gemv: {kind} values stored as {STORAGE[kind].name}, found {np.dtype(w.dtype).name}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Grid (pairs, col_tiles, splits); each program runs steps_per_split loop steps of block_k rows of K, in
+    chunks of dot_k rows (one load of x and of w each) into a [dot_k, block_n] f32 accumulator."""
+    block_n: int
+    col_tiles: int
+    block_k: int
+    dot_k: int
+    steps: int
+    steps_per_split: int
+    splits: int
+    num_warps: int
+    num_stages: int
+
+    def programs(self, pairs: int) -> int:
+        return pairs * self.col_tiles * self.splits
+
+
+def _pow2(x, at_least=16):
+    return max(at_least, 1 << (int(x) - 1).bit_length())
+
+
+def plan(P, K, N, kind, block, itemsize=2, *, block_n=None, dot_k=None, splits=None, num_warps=None,
+         num_stages=None) -> Plan:
+    """Launch parameters from the shapes (module doc); a keyword given wins."""
+    bk, bns = block
+    mode = _mode(kind, K, block)
+    if block_n is None:
+        block_n = 128 if P * cdiv(N, 128) >= TARGET_PROGRAMS // 2 else 64
+        block_n = min(block_n, _pow2(N))
+    if 1 < bns < N:  # a column tile inside one scale block
+        block_n = min(block_n, bns & -bns)
+    if dot_k is None:
+        dot_k = 32 if itemsize <= 2 else 16
+    if mode == "int4":
+        dot_k, block_k, rows = min(dot_k, bk // 2), bk, padded_k(kind, K, bk)
+    elif mode == "block":
+        dot_k, block_k, rows = min(dot_k, bk), bk, K
+    else:
+        dot_k = min(dot_k, _pow2(K, 1))
+        block_k, rows = max(PLAIN_STEP, dot_k), K
+    for name, v in (("block_n", block_n), ("dot_k", dot_k)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"moe_gemv plan: {name} a power of two, found {v}")
+    col_tiles = cdiv(N, block_n)
+    steps = cdiv(rows, block_k)
+    if splits is None:
+        want = cdiv(TARGET_PROGRAMS, P * col_tiles)
+        splits = max(1, min(want, steps // MIN_STEPS_PER_SPLIT))
+    splits = max(1, min(int(splits), steps))
+    per = cdiv(steps, splits)
+    splits = cdiv(steps, per)
+    return Plan(block_n, col_tiles, block_k, dot_k, steps, per, splits, num_warps or 4, num_stages or 3)
+
+
+def unsupported_reason(x, w, scale, ids, *, kind: str, k: int, block):
+    """None if the kernel takes this format, these shapes and dtypes, else why not (the caller falls back)."""
+    P, N = x.shape[0], w.shape[2]
+    bk, bn = block
+    if jnp.dtype(x.dtype) not in {jnp.dtype(d) for d in DTYPES}:
+        return f"x of dtype {jnp.dtype(x.dtype)}: the kernel takes float32 / bfloat16 / float16"
+    if kind == "plain" and jnp.dtype(w.dtype) not in {jnp.dtype(d) for d in DTYPES}:
+        return f"plain experts of dtype {jnp.dtype(w.dtype)}: the kernel takes float32 / bfloat16 / float16"
+    if P == 0 or N == 0 or k == 0:
+        return f"an empty product ({P} pairs, {k} x {N})"
+    mode = _mode(kind, k, block)
+    if mode == "int4" and bk not in INT4_GROUPS:
+        return f"int4 group of {bk} rows: the kernel takes groups of {INT4_GROUPS}"
+    if mode == "block" and (bk & (bk - 1) or not 16 <= bk <= MAX_K_BLOCK):
+        return f"K blocks of {bk} rows: the kernel takes a power of two in [16, {MAX_K_BLOCK}]"
+    if kind != "plain" and 1 < bn < N and bn % 16:
+        return f"scale blocks of {bn} columns: the kernel takes 1, a multiple of 16 or all N"
+    p = plan(P, k, N, kind, block, jnp.dtype(x.dtype).itemsize)
+    # a loaded element's offset is below w.size (masked lanes are never dereferenced)
+    if max(w.size, x.size + 1, p.splits * P * N + 1) > MAX_OFFSET:
+        return f"experts {list(w.shape)}: more than 2^31 elements in one array (the kernel's offsets are int32)"
+    return None
+
+
+def _kernel(x_ref, w_ref, s_ref, id_ref, o_ref, *, mode, K, N, kq, n_groups, bk, bns, bn, tk, dk, per, dt,
+            parts):
+    p, j, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    e = id_ref[p]
+    n0 = j * bn
+    col_ok = (n0 + jnp.arange(bn, dtype=jnp.int32)) < N
+    zero_w = 0.0 if w_ref.dtype in (STORAGE["fp8"],) or mode == "plain" else 0
+
+    def x_chunk(k0):  # [dk, 1] f32: x[p, k0 : k0 + dk], past K read as 0
+        ok = (k0 + jnp.arange(dk, dtype=jnp.int32)) < K
+        return plt.load(x_ref.at[p, pl.ds(k0, dk)], mask=ok, other=0).astype(jnp.float32)[:, None]
+
+    def w_tile(r0, limit):  # [dk, bn] stored values of expert e; rows past `limit`, columns past N read as 0
+        ok = ((r0 + jnp.arange(dk, dtype=jnp.int32)) < limit)[:, None] & col_ok[None, :]
+        return plt.load(w_ref.at[e, pl.ds(r0, dk), pl.ds(n0, bn)], mask=ok, other=zero_w)
+
+    def col_scale(g):  # the scales of K block g for this tile's columns: [1, bn]
+        g = jnp.minimum(g, n_groups - 1)  # a step past the end (the last K part) reads zeros: any scale will do
+        if bns == 1:
+            return plt.load(s_ref.at[e, g, pl.ds(n0, bn)], mask=col_ok, other=0)[None, :]
+        return jnp.full((1, bn), s_ref[e, g, n0 // bns], jnp.float32)
+
+    def value(t):  # stored values -> f32 (plain weights through x's dtype, as the reference casts them)
+        return t.astype(dt).astype(jnp.float32) if mode == "plain" else t.astype(jnp.float32)
+
+    def step(t, acc):
+        k0 = (part * per + t) * tk
+        if mode in ("plain", "channel"):
+            for c in range(0, tk, dk):
+                acc = acc + x_chunk(k0 + c) * value(w_tile(k0 + c, K))
+            return acc
+        s = col_scale(k0 // bk)
+        if mode == "block":
+            for c in range(0, tk, dk):
+                acc = acc + x_chunk(k0 + c) * (value(w_tile(k0 + c, K)) * s)
+            return acc
+        h = bk // 2  # int4: one group; its h packed rows hold rows k0 .. k0+h-1 (low) and k0+h .. k0+bk-1 (high)
+        for c in range(0, h, dk):
+            packed = jax.lax.bitcast_convert_type(w_tile(k0 // 2 + c, kq), jnp.int8)
+            lo = jax.lax.shift_right_arithmetic(jax.lax.shift_left(packed, jnp.int8(4)), jnp.int8(4))
+            hi = jax.lax.shift_right_arithmetic(packed, jnp.int8(4))
+            acc = acc + (x_chunk(k0 + c) * lo.astype(jnp.float32) + x_chunk(k0 + h + c) * hi.astype(jnp.float32)) * s
+        return acc
+
+    acc = jax.lax.fori_loop(0, per, step, jnp.zeros((dk, bn), jnp.float32))
+    out = jnp.sum(acc, axis=0)
+    if mode == "channel":
+        out = out * col_scale(0)[0]
+    if parts > 1:
+        plt.store(o_ref.at[part, p, pl.ds(n0, bn)], out, mask=col_ok)
+    else:
+        plt.store(o_ref.at[p, pl.ds(n0, bn)], out.astype(dt), mask=col_ok)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "block_n", "dot_k", "splits", "num_warps",
+                                             "num_stages", "interpret"))
+def moe_gemv_pallas(x, w, scale, ids, *, kind: str, k: int, block, block_n: int | None = None,
+                    dot_k: int | None = None, splits: int | None = None, num_warps: int | None = None,
+                    num_stages: int | None = None, interpret: bool = False):
+    """The Pallas kernel. Inputs must pass check_inputs and unsupported_reason (moe_gemv checks both)."""
+    block = tuple(block)
+    P, N = x.shape[0], w.shape[2]
+    dt = x.dtype
+    p = plan(P, k, N, kind, block, jnp.dtype(dt).itemsize, block_n=block_n, dot_k=dot_k, splits=splits,
+             num_warps=num_warps, num_stages=num_stages)
+    if scale is None:  # plain: one unused scale (the kernel has one signature for every format)
+        scale = jnp.ones((1, 1, 1), jnp.float32)
+    kernel = functools.partial(
+        _kernel, mode=_mode(kind, k, block), K=k, N=N, kq=w.shape[1], n_groups=scale.shape[1], bk=block[0],
+        bns=block[1], bn=p.block_n, tk=p.block_k, dk=p.dot_k, per=p.steps_per_split, dt=dt, parts=p.splits)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, j, s: (0,) * len(a.shape))  # each program slices in place
+    if p.splits > 1:
+        out_shape = jax.ShapeDtypeStruct((p.splits, P, N), jnp.float32)
+    else:
+        out_shape = jax.ShapeDtypeStruct((P, N), dt)
+    ids = ids.astype(jnp.int32)
+    out = pl.pallas_call(
+        kernel,
+        grid=(P, p.col_tiles, p.splits),
+        in_specs=[whole(x), whole(w), whole(scale), whole(ids)],
+        out_specs=whole(out_shape),
+        out_shape=out_shape,
+        compiler_params=plt.CompilerParams(num_warps=p.num_warps, num_stages=p.num_stages),
+        interpret=interpret,
+        name=f"moe_gemv_{kind}",
+    )(x, w, scale.astype(jnp.float32), ids)
+    return out.sum(axis=0).astype(dt) if p.splits > 1 else out
+
+
+def moe_gemv(x, w, scale, ids, *, kind: str, k: int, block=None, backend: str = "auto", interpret: bool = False):
+    """The kernel in a program lowered for cuda, the reference elsewhere (dispatch.run); see the module doc.
+    block: the quantized layout's (bk, bn); ignored (None) for plain experts."""
+    block = (k, 1) if block is None else tuple(int(b) for b in block)
+    check_inputs(x, w, scale, ids, kind, k, block)
+    reference = functools.partial(moe_gemv_reference, kind=kind, k=k, block=block)
+    kernel = functools.partial(moe_gemv_pallas, kind=kind, k=k, block=block, interpret=interpret)
+    reason = unsupported_reason(x, w, scale, ids, kind=kind, k=k, block=block)
+    return dispatch.run("routed MoE product", kernel, reference, reason, backend, x, w, scale, ids)
