@@ -13,7 +13,7 @@ from qwen_mtp.serving.requests import RequestHandle
 
 
 class QueueFullError(Exception):
-    pass
+    """Named as qwen_mtp.errors.QueueFullError, which the server answers with 429."""
 
 
 class FakeEngine:
@@ -42,10 +42,14 @@ class FakeEngine:
             handle.cancel_requested = True
             self.cancelled_ids.append(handle.id)
 
-    def counters(self):
+    class counters:  # the real engine's EngineCounters attribute: rounds passing draft j
+        passed = (6, 4, 2)
+
+    def metrics(self):
         with self.cond:
-            return {"running": len(self.running), "waiting": len(self.waiting), "spec_drafts": 10,
-                    "spec_draft_tokens": 30, "spec_accepted_tokens": 12, "spec_accepted_per_pos": [6, 4, 2]}
+            return {"running": len(self.running), "waiting": len(self.waiting), "spec_rounds": 10,
+                    "drafts_proposed": 30, "drafts_accepted": 12, "alpha_per_position": [0.6, 4 / 6, 0.5],
+                    "acceptance_length": 2.2}
 
     def stop(self):
         with self.cond:

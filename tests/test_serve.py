@@ -213,12 +213,12 @@ def test_api_key_and_body_limit(tok):
 
 
 def test_full_queue_is_429_not_a_hang(tok):
-    engine = FakeEngine(slots=1, max_waiting=1, step_s=0.05)
+    engine = FakeEngine(slots=1, max_waiting=1, step_s=0.25)
     with _server(tok, engine) as s:
         results = []
 
         def call():
-            results.append(_raw(s, "POST", "/v1/completions", {"prompt": "x = 1", "max_tokens": 8}))
+            results.append(_raw(s, "POST", "/v1/completions", {"prompt": "x = 1", "max_tokens": 4}))
 
         threads = [threading.Thread(target=call) for _ in range(5)]
         t0 = time.perf_counter()

@@ -38,13 +38,20 @@ _WATCH_S = 0.1  # how often a non-streaming request checks that its client is st
 
 
 def engine_snapshot(engine) -> dict:
-    """The engine's figures for /metrics (metrics.py), from its `counters()` when it has one."""
+    """The engine's figures for /metrics (metrics.py's names) from Engine.metrics(), and the accepted drafts per
+    position from its counters (`passed[j]`: rounds whose drafts 1..j+1 were all accepted)."""
+    m = engine.metrics()
     counters = getattr(engine, "counters", None)
-    return dict(counters()) if callable(counters) else {}
+    alpha = m.get("alpha_per_position") or []
+    return {"running": m.get("running", 0), "waiting": m.get("waiting", 0), "spec_drafts": m.get("spec_rounds", 0),
+            "spec_draft_tokens": m.get("drafts_proposed", 0), "spec_accepted_tokens": m.get("drafts_accepted", 0),
+            "spec_accepted_per_pos": list(getattr(counters, "passed", ()) or ()),
+            "spec_alpha": [0.0 if a is None else a for a in alpha],
+            "spec_acceptance_length": m.get("acceptance_length")}
 
 
 def _is_queue_full(e: BaseException) -> bool:
-    return type(e).__name__ in ("QueueFullError", "EngineFullError", "QueueFull")
+    return type(e).__name__ == "QueueFullError"  # qwen_mtp.errors.QueueFullError (and stand-ins in the tests)
 
 
 class _Server:
@@ -141,10 +148,10 @@ class _Server:
         pick = lambda name, default: getattr(req, name) if getattr(req, name) is not None else d.get(name, default)
         top_k = pick("top_k", 0)
         kw = {"max_tokens": max_tokens, "temperature": float(pick("temperature", 1.0)),
-                  "top_p": float(pick("top_p", 1.0)), "top_k": max(top_k, 0),
-                  "seed": (req.seed % 2 ** 63) if req.seed is not None else d.get("seed", 0),
-                  "repetition_penalty": float(pick("repetition_penalty", 1.0)),
-                  "stop_token_ids": tuple(req.stop_token_ids or ())}
+              "top_p": float(pick("top_p", 1.0)), "top_k": max(top_k, 0),
+              "seed": (req.seed % 2 ** 63) if req.seed is not None else d.get("seed", 0),
+              "repetition_penalty": float(pick("repetition_penalty", 1.0)),
+              "stop_token_ids": tuple(req.stop_token_ids or ()), "ignore_eos": req.ignore_eos}
         try:
             return self.params_factory(**kw)
         except ArgumentError as e:
@@ -163,6 +170,9 @@ class _Server:
         except Exception as e:
             if _is_queue_full(e):
                 raise APIError(429, f"the server is at capacity: {e}", None, "queue_full",
+                               {"Retry-After": str(RETRY_AFTER_S)}) from None
+            if type(e).__name__ == "EngineStoppedError":
+                raise APIError(503, "the server is shutting down", None, "shutting_down",
                                {"Retry-After": str(RETRY_AFTER_S)}) from None
             raise
         return run

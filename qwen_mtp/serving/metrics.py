@@ -16,15 +16,23 @@ server's own (two servers in one process do not share counters).
     vllm:spec_decode_num_accepted_tokens_per_pos_total{position}
                                                     counter: accepted drafts at position j (0-based)
     qwen_mtp:spec_decode_acceptance_length          gauge: 1 + accepted / drafts (tokens per round)
-    qwen_mtp:spec_decode_alpha{position}            gauge: alpha_j = accepted at position j / rounds
+    qwen_mtp:spec_decode_alpha{position}            gauge: alpha_j, Wind-MTP's conditional acceptance: of the
+                                                    rounds that tested draft j, the share that accepted it
 
 The engine's figures come from a callable returning a dict (see `engine_snapshot` in http.py): running, waiting,
-spec_drafts, spec_draft_tokens, spec_accepted_tokens, spec_accepted_per_pos (a list).
+spec_drafts, spec_draft_tokens, spec_accepted_tokens, spec_accepted_per_pos (a list), and optionally spec_alpha
+and spec_acceptance_length (else derived from the counts).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -64,15 +72,22 @@ class _EngineCollector:
         yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", accepted)
         pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens at each "
                                   "draft position (0-based).", labels=labels + ["position"])
-        alpha = GaugeMetricFamily("qwen_mtp:spec_decode_alpha", "alpha_j: accepted drafts at position j per "
-                                  "round.", labels=labels + ["position"])
+        alpha = GaugeMetricFamily("qwen_mtp:spec_decode_alpha", "alpha_j: of the rounds that tested draft j (0-based), "
+                                  "the share that accepted it.", labels=labels + ["position"])
+        alphas = s.get("spec_alpha")
+        if alphas is None:  # no conditional figures: those follow from the counts (the tested = the passed before)
+            alphas = [a / r if r else 0.0 for a, r in zip(per_pos, [drafts, *per_pos])]
         for j, a in enumerate(per_pos):
             pos.add_metric(name + [str(j)], float(a))
-            alpha.add_metric(name + [str(j)], float(a) / drafts if drafts else 0.0)
+        for j, a in enumerate(alphas):
+            alpha.add_metric(name + [str(j)], float(a))
         yield pos
         yield alpha
+        length = s.get("spec_acceptance_length")
+        if length is None:
+            length = 1.0 + accepted / drafts if drafts else 0.0
         yield gauge("qwen_mtp:spec_decode_acceptance_length", "Mean tokens committed per draft/verify round: "
-                    "1 + accepted / rounds.", 1.0 + accepted / drafts if drafts else 0.0)
+                    "1 + accepted / rounds.", length)
 
 
 class ServerMetrics:
@@ -80,6 +95,7 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, snapshot=None):
         self.model_name = model_name
+        disable_created_metrics()  # no *_created series (as vLLM): process-wide, prometheus_client's only switch
         self.registry = CollectorRegistry()
         kw = {"labelnames": ["model_name"], "registry": self.registry}
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of answered requests.", **kw)

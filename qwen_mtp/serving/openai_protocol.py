@@ -69,6 +69,7 @@ class _Sampling(_Strict):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False  # vLLM's extension: run to max_tokens (benchmarks)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)

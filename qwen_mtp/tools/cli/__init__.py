@@ -26,7 +26,7 @@ def main(argv=None) -> int:
         ap.error("--sinks needs --window")
     try:
         preflight(args)
-        if args.command in ("generate", "analyze-window", "certify"):  # on by default: a second run compiles nothing
+        if args.command in ("generate", "analyze-window", "certify", "serve"):  # on by default: a second run compiles nothing
             folder = compile_cache.enable_compile_cache(args.compile_cache)
             # and traces nothing: the lowered programs beside it (program_cache.py), for this run only
             with program_cache.enabled(None if folder is None else folder / program_cache.SUBDIR):

@@ -15,6 +15,7 @@ from qwen_mtp.tools.cli.certify_cmd import cmd_certify
 from qwen_mtp.tools.cli.convert_cmd import cmd_convert
 from qwen_mtp.tools.cli.generate_cmd import DRAFT_VOCAB_AUTO, cmd_generate
 from qwen_mtp.tools.cli.profile_cmd import cmd_profile
+from qwen_mtp.tools.cli.serve_cmd import add_serve_command
 from qwen_mtp.trunk.state import KV_DTYPE_NAMES
 
 
@@ -130,6 +131,7 @@ def build_parser():
     r.add_argument("--report", default=None, metavar="FILE", help="write the report as JSON")
     r.add_argument("--compile-cache", default=None, metavar="DIR|off", help="as for generate")
     r.set_defaults(func=cmd_certify)
+    add_serve_command(sub)
     return ap
 
 
