@@ -1,0 +1,206 @@
+"""Tree drafts (decoding/tree_*.py, head/tree.py): lossless against plain decoding, a width-1 tree is the chain,
+the tree verify's GDN states are sequential steps along every root-to-node path, sampled trees keep the
+distribution, every tree program lowers for cuda at real shapes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency
+
+import qwen_mtp
+from qwen_mtp.decoding import tree_loop
+from qwen_mtp.decoding.sampling import Sampling
+from qwen_mtp.decoding.speculative import SpecConfig
+from qwen_mtp.decoding.tree_verify import gdn_state_after, tree_gdn_layer
+from qwen_mtp.errors import ArgumentError
+from qwen_mtp.head.tree import DynamicTree, StaticTree, layout_from_parents, static_parents
+from qwen_mtp.trunk.gdn import gdn_layer
+from qwen_mtp.trunk.state import GDNState
+
+PROMPTS = [np.random.RandomState(1).randint(0, 97, 9), np.random.RandomState(2).randint(0, 97, 40)]
+
+
+def _close(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    err = np.abs(a - b).max()
+    return err < 1e-5 or err / max(np.abs(b).max(), 1e-30) < 1e-4, err
+
+
+# ------------------------------------------------------------------------------ GDN along every root-to-node path
+IRREGULAR = np.array([0, 0, 1, 1, 0, 2, 4, 5, 3, 8, 6], np.int32)  # depths 1..4, parents before children
+
+
+def _paths(parent):
+    out = []
+    for i in range(len(parent)):
+        p = [i]
+        while p[-1] != 0:
+            p.append(int(parent[p[-1]]))
+        out.append(p[::-1])
+    return out
+
+
+def test_tree_gdn_states_equal_sequential_steps_along_every_path(ckpt, report):
+    """Per node: the tree form's output and the state after the node (conv window and recurrent state) against
+    gdn_layer's step form run token by token along the node's path from the root, from the same state. Row 0 a
+    static tree (2, 2, 1), row 1 an irregular one. The control: every node taking its predecessor in node order
+    as parent (a chain over the node order) breaks the match."""
+    model = qwen_mtp.load(ckpt("dense_mtp")[1])
+    cfg = model.config
+    w = model.weights.layers[0].mixer
+    parents = np.stack([static_parents(StaticTree((2, 2, 1))), IRREGULAR])
+    B, N1 = parents.shape
+    r = np.random.RandomState(0)
+    x = jnp.asarray(r.randn(B, N1, cfg.hidden_size), jnp.float32)
+    st = GDNState(jnp.asarray(r.randn(B, cfg.conv_kernel - 1, cfg.conv_dim), jnp.float32),
+                  jnp.asarray(0.3 * r.randn(B, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim),
+                              jnp.float32))
+    step = jax.jit(lambda x, st, n: gdn_layer(x, w, cfg, st, n, mode="step"))
+
+    def check(par, refs):
+        layout = layout_from_parents(jnp.asarray(par), 4, 2)
+        out, tv = tree_gdn_layer(x, w, cfg, st, layout)
+        worst, ok = 0.0, True
+        for b in range(B):
+            for i, path in enumerate(_paths(parents[b])):
+                ref_out, ref_st = refs[b][i]
+                got = gdn_state_after(tv, layout, jnp.full((B,), i, jnp.int32))
+                for a, e in ((out[b, i], ref_out), (got.conv[b], ref_st.conv[b]), (got.rec[b], ref_st.rec[b])):
+                    good, err = _close(a, e)
+                    ok, worst = ok and good, max(worst, err)
+        return ok, worst
+
+    refs = [[None] * N1 for _ in range(B)]
+    for b in range(B):
+        for i, path in enumerate(_paths(parents[b])):
+            xs = x[:, np.asarray(path)]
+            o, s = step(xs, st, jnp.full((B,), len(path), jnp.int32))
+            refs[b][i] = (o[b, -1], GDNState(s.conv, s.rec))
+    ok, worst = check(parents, refs)
+    assert ok, worst
+    predecessor = np.broadcast_to(np.maximum(np.arange(N1) - 1, 0), (B, N1)).astype(np.int32)
+    bad_ok, bad_worst = check(predecessor, refs)
+    report(f"tree GDN vs steps along each path: max abs err {worst:.2e} over {B * N1} nodes; "
+           f"predecessor-as-parent control: {bad_worst:.2e}")
+    assert not bad_ok and bad_worst > 1e-2
+
+
+# ------------------------------------------------------------------------------------------- lossless, end to end
+@pytest.mark.parametrize("name,trees", [
+    ("dense_mtp", [SpecConfig(k=3, tree=StaticTree((2, 2, 1))),
+                   SpecConfig(k=3, window=4, sinks=1, tree=DynamicTree(depth=3, topk=2, budget=6))]),
+    ("moe_mtp", [SpecConfig(k=2, tree=StaticTree((3, 1)))]),
+])
+def test_greedy_tree_equals_plain_greedy(ckpt, name, trees, report):
+    model = qwen_mtp.load(ckpt(name)[1])
+    plain = qwen_mtp.generate(model, PROMPTS, 16, eos_token_id=[])
+    for spec in trees:
+        res = qwen_mtp.generate(model, PROMPTS, 16, eos_token_id=[], spec=spec)
+        np.testing.assert_array_equal(res.tokens, plain.tokens)
+        st = res.stats
+        assert st.rounds == int(st.accept_hist.sum()) > 0 and st.tree is not None
+        report(f"greedy tree {name} {spec.tree} window={spec.window}: == plain, H[n]={st.accept_hist.tolist()}, "
+               f"rank accepts {st.tree['rank_accepts'].tolist()} of {st.tree['rank_tries'].tolist()}")
+
+
+def test_greedy_tree_equals_plain_on_the_shipped_model(report):
+    model = qwen_mtp.load("checkpoints/qwen3_5_small", dtype="float32")
+    prompt = list(range(5, 45))
+    plain = qwen_mtp.generate(model, prompt, 24, eos_token_id=[])
+    res = qwen_mtp.generate(model, prompt, 24, eos_token_id=[], spec=SpecConfig(k=3, tree=StaticTree((2, 2, 1))))
+    np.testing.assert_array_equal(res.tokens, plain.tokens)
+    report(f"shipped model, tree (2, 2, 1): == plain, AL {res.stats.acceptance_length:.2f}")
+
+
+def test_width_one_tree_is_the_chain(ckpt):
+    """Same tokens and the same statistics (H[n], the per-position hits), greedy and sampled (the same keys)."""
+    model = qwen_mtp.load(ckpt("dense_mtp")[1])
+    for kw in (dict(), dict(temperature=1.0, seed=5)):
+        chain = qwen_mtp.generate(model, PROMPTS, 16, eos_token_id=[], spec=SpecConfig(k=3), **kw)
+        tree = qwen_mtp.generate(model, PROMPTS, 16, eos_token_id=[], spec=SpecConfig(k=3, tree=StaticTree((1, 1, 1))),
+                                 **kw)
+        np.testing.assert_array_equal(tree.tokens, chain.tokens)
+        np.testing.assert_array_equal(tree.stats.accept_hist, chain.stats.accept_hist)
+        np.testing.assert_array_equal(tree.stats.position_hits, chain.stats.position_hits)
+
+
+# ------------------------------------------------------------------------------------------------------- sampling
+NS = 2000  # independent rows
+PROMPT = [5, 17, 42, 8]
+
+
+def _pvalue(a, b, j):
+    table = np.stack([np.bincount(a[:, j], minlength=97), np.bincount(b[:, j], minlength=97)])
+    return chi2_contingency(table[:, table.sum(0) > 0])[1]
+
+
+def test_sampled_tree_keeps_the_distribution_and_a_broken_residual_is_caught(ckpt, monkeypatch, report):
+    """Chi-square per position of plain sampling against a static tree (3 independent siblings, then a chain:
+    SpecInfer's recursive rejection) and a dynamic tree (deterministic top choices). The control tries every
+    sibling against p instead of the residual (the same seeds): rejected at the same threshold, so the test has
+    the power to see a broken sibling residual."""
+    model = qwen_mtp.load(ckpt("dense_mtp")[1])
+    kw = dict(eos_token_id=[], temperature=1.0)
+    plain = qwen_mtp.generate(model, [PROMPT] * NS, 3, seed=1, **kw).tokens
+    static = SpecConfig(k=2, tree=StaticTree((3, 1)))
+    for spec in (static, SpecConfig(k=2, tree=DynamicTree(depth=2, topk=3, budget=6))):
+        res = qwen_mtp.generate(model, [PROMPT] * NS, 3, seed=2, spec=spec, **kw)
+        t = res.stats.tree
+        assert t["rank_accepts"][1:].sum() > 100, t  # later siblings were accepted: the residual was used
+        pvals = [_pvalue(plain, res.tokens, j) for j in range(3)]
+        report(f"sampled tree {spec.tree}: p-values {[f'{p:.3f}' for p in pvals]}, rank accepts "
+               f"{t['rank_accepts'].tolist()} of {t['rank_tries'].tolist()}")
+        assert min(pvals) > 1e-3, pvals
+    real = tree_loop.accept_tree
+    jax.clear_caches()
+    monkeypatch.setattr(tree_loop, "accept_tree", lambda *a: real(*a, broken_residual=True))
+    try:
+        bad = qwen_mtp.generate(model, [PROMPT] * NS, 3, seed=2, spec=static, **kw).tokens
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    pvals = [_pvalue(plain, bad, j) for j in range(3)]
+    report(f"sampled tree with a broken sibling residual (p for every sibling): p-values {[f'{p:.1e}' for p in pvals]}")
+    assert min(pvals) < 1e-6, pvals
+
+
+# ------------------------------------------------------------------------------------------------ arguments, cuda
+@pytest.mark.parametrize("make", [lambda: SpecConfig(k=3, tree=StaticTree((2, 2))),
+                                  lambda: SpecConfig(k=2, tree=(2, 1)),
+                                  lambda: StaticTree((0, 1)), lambda: StaticTree([2, 1]),
+                                  lambda: DynamicTree(depth=2, topk=2, budget=7)])
+def test_bad_tree_arguments(make):
+    with pytest.raises(ArgumentError):
+        make()
+
+
+def _tree_program(cfg, dtype, spec, sampling, B=2, cache=1024, cap=32):
+    """tree_loop.tree_decode exported for cuda at abstract shapes (nothing allocated)."""
+    from qwen_mtp.head.mtp import init_mtp_cache
+    from qwen_mtp.tools.lowering import export_for
+    from qwen_mtp.trunk.state import init_state
+    from qwen_mtp.trunk.weights import weight_shapes
+
+    i32, SDS = jnp.int32, jax.ShapeDtypeStruct
+    state = jax.eval_shape(lambda: init_state(cfg, B, cache, dtype))
+    head = jax.eval_shape(lambda: init_mtp_cache(cfg, B, cache, dtype, window=spec.window, sinks=spec.sinks,
+                                                 k=spec.k))
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    eos, scalar = SDS((1,), i32), SDS((), i32)
+    carry = jax.eval_shape(lambda *a: tree_loop.tree_start(*a, cap=cap, spec=spec), SDS((B,), i32),
+                           SDS((B, cfg.hidden_size), dtype), SDS((B,), i32), SDS(key.shape, key.dtype), eos, scalar,
+                           scalar)
+    return export_for(tree_loop.tree_decode, weight_shapes(cfg, dtype), cfg, state, head, carry, eos, scalar, scalar,
+                      platform="cuda", spec=spec, sampling=sampling)
+
+
+@pytest.mark.parametrize("spec,sampling", [
+    (SpecConfig(k=4, window=4032, sinks=64, tree=StaticTree((2, 2, 1, 1))), Sampling(temperature=0.7, top_k=50)),
+    (SpecConfig(k=3, tree=DynamicTree(depth=3, topk=2, budget=8)), Sampling()),
+], ids=["static-windowed-sampled", "dynamic-native-greedy"])
+def test_tree_loop_lowers_for_cuda_at_real_shapes(spec, sampling):
+    from qwen_mtp.tools import real_shapes
+
+    exported = _tree_program(real_shapes.config("Qwen3.5-27B", layers=4), jnp.bfloat16, spec, sampling)
+    assert exported.platforms == ("cuda",) and "stablehlo.while" in exported.mlir_module()
