@@ -3,7 +3,8 @@
 Against a stand-in engine (serve_fakes.FakeEngine: echoes the prompt's ids, so every answer is known): the
 `openai` package as the client for completions and chat, streaming and not, usage that adds up, stop strings;
 raw HTTP (http.client) for every error case; a client that disconnects mid-stream frees its slot; draining on
-stop. Against the real Engine and the shipped model: the load test (test_serve_load.py).
+stop. Against the real Engine and the shipped model in f32: the load test (32 requests from 8 client threads,
+some leaving mid-stream; every answer equals offline generate's).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def served(tok):
 
 
 def _client(s, **kw):
-    return openai.OpenAI(base_url=s.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=30, **kw)
+    return openai.OpenAI(base_url=s.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0,
+                         timeout=kw.pop("timeout", 30), **kw)
 
 
 def _raw(s, method, path, body=None, headers=None):
@@ -273,3 +275,83 @@ def test_stop_drains_running_requests(tok):
     with pytest.raises(OSError):
         _raw(s, "GET", "/health")
     engine.stop()
+
+
+# ---------------------------------------------------------------------------------------------- the real engine
+# The shipped model in f32 behind the real Engine, configured as tests/test_engine.py's (3 slots, one bucket, a
+# plan that speculates with k = 2 at 1-2 busy slots and decodes plain at 3, prompts of at most 16 tokens and at
+# most 16 new ones) so the two share their compiled programs through the persistent compile cache.
+LOAD_REQUESTS, LOAD_CLIENTS, LOAD_LEAVERS = 32, 8, 4
+
+
+@pytest.fixture(scope="module")
+def real(tok):
+    import numpy as np
+
+    import qwen_mtp
+    from qwen_mtp.serving.plan import Plan
+
+    model = qwen_mtp.load(default_model_path(), dtype="float32")
+    plan = Plan({1: 2, 2: 2, 3: 0}, {3: {0: 1.0, 2: 1.0}})
+    engine = qwen_mtp.Engine(model, max_batch=3, max_model_len=64, spec=plan, buckets=(3,), segment=4,
+                             max_waiting=LOAD_CLIENTS).start()
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(1, 4096, int(rng.integers(3, 17))).tolist() for _ in range(LOAD_REQUESTS)]
+    budgets = [int(rng.integers(9, 17)) for _ in range(LOAD_REQUESTS)]
+    refs = []
+    for p, n in zip(prompts, budgets):  # offline generate, each prompt alone, plain greedy: the oracle
+        r = qwen_mtp.generate(model, np.asarray(p, np.int32), n)
+        refs.append(r.tokens[0, :r.lengths[0]].tolist())
+    app = create_app(engine, tok, model_name=MODEL, max_model_len=64, vocab_size=4096,
+                     chat_template=load_chat_template(default_model_path()), defaults={"temperature": 0.0})
+    with ThreadServer(app) as s:
+        yield s, engine, prompts, budgets, refs
+    engine.stop()
+
+
+def test_under_load_every_answer_equals_generate(real, tok):
+    """32 requests of mixed prompt lengths and max_tokens from 8 client threads against 3 slots, 4 of them
+    streamed and dropped after their first chunk: every completed answer is offline generate's for its prompt
+    (none lost, duplicated or cross-wired), the dropped ones are cancelled, the slots all free afterwards, the
+    server healthy."""
+    import concurrent.futures
+
+    s, engine, prompts, budgets, refs = real
+    assert len({tuple(r) for r in refs}) == LOAD_REQUESTS  # distinct answers: a cross-wired one cannot pass
+    leavers = set(range(0, LOAD_REQUESTS, LOAD_REQUESTS // LOAD_LEAVERS))
+    before = engine.metrics()["finished"].get("cancelled", 0)
+
+    def one(i):
+        if i in leavers:
+            c = http.client.HTTPConnection(s.host, s.port, timeout=60)
+            c.request("POST", "/v1/completions", json.dumps({"prompt": prompts[i], "max_tokens": budgets[i],
+                                                             "stream": True}), {"Content-Type": "application/json"})
+            r = c.getresponse()
+            assert r.status == 200 and r.read(6) == b"data: "
+            c.sock.close()
+            c.close()
+            return i, None
+        r = _client(s, timeout=120).completions.create(model=MODEL, prompt=prompts[i], max_tokens=budgets[i])
+        return i, r
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(LOAD_CLIENTS) as pool:
+        answers = dict(pool.map(one, range(LOAD_REQUESTS)))
+    assert len(answers) == LOAD_REQUESTS
+    for i, r in answers.items():
+        if r is None:
+            continue
+        ref = refs[i]
+        assert r.choices[0].text == tok.decode(ref), f"request {i}: not generate's answer for its prompt"
+        assert r.usage.completion_tokens == len(ref) and r.usage.prompt_tokens == len(prompts[i])
+        assert r.choices[0].finish_reason == ("length" if len(ref) == budgets[i] else "stop")
+    deadline = time.time() + 30
+    while (engine.running or engine.waiting) and time.time() < deadline:
+        time.sleep(0.05)
+    m = engine.metrics()
+    assert m["running"] == 0 and m["waiting"] == 0 and m["free_slots"] == 3
+    assert m["finished"].get("cancelled", 0) - before >= 1  # the clients that left freed their slots early
+    assert _raw(s, "GET", "/health")[0] == 200
+    assert _client(s).completions.create(model=MODEL, prompt=prompts[1], max_tokens=budgets[1]).choices[0].text \
+        == tok.decode(refs[1])
+    assert time.perf_counter() - t0 < 300
