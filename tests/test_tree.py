@@ -14,7 +14,8 @@ from qwen_mtp.decoding.sampling import Sampling
 from qwen_mtp.decoding.speculative import SpecConfig
 from qwen_mtp.decoding.tree_verify import gdn_state_after, tree_gdn_layer
 from qwen_mtp.errors import ArgumentError
-from qwen_mtp.head.tree import DynamicTree, StaticTree, layout_from_parents, static_parents
+from qwen_mtp.head import tree as tree_mod
+from qwen_mtp.head.tree import DynamicTree, StaticTree
 from qwen_mtp.trunk.gdn import gdn_layer
 from qwen_mtp.trunk.state import GDNState
 
@@ -49,7 +50,7 @@ def test_tree_gdn_states_equal_sequential_steps_along_every_path(ckpt, report):
     model = qwen_mtp.load(ckpt("dense_mtp")[1])
     cfg = model.config
     w = model.weights.layers[0].mixer
-    parents = np.stack([static_parents(StaticTree((2, 2, 1))), IRREGULAR])
+    parents = np.stack([tree_mod.static_parents(StaticTree((2, 2, 1))), IRREGULAR])
     B, N1 = parents.shape
     r = np.random.RandomState(0)
     x = jnp.asarray(r.randn(B, N1, cfg.hidden_size), jnp.float32)
@@ -59,7 +60,7 @@ def test_tree_gdn_states_equal_sequential_steps_along_every_path(ckpt, report):
     step = jax.jit(lambda x, st, n: gdn_layer(x, w, cfg, st, n, mode="step"))
 
     def check(par, refs):
-        layout = layout_from_parents(jnp.asarray(par), 4, 2)
+        layout = tree_mod.layout_from_parents(jnp.asarray(par), 4, 2)
         out, tv = tree_gdn_layer(x, w, cfg, st, layout)
         worst, ok = 0.0, True
         for b in range(B):
@@ -116,7 +117,7 @@ def test_greedy_tree_equals_plain_on_the_shipped_model(report):
 def test_width_one_tree_is_the_chain(ckpt):
     """Same tokens and the same statistics (H[n], the per-position hits), greedy and sampled (the same keys)."""
     model = qwen_mtp.load(ckpt("dense_mtp")[1])
-    for kw in (dict(), dict(temperature=1.0, seed=5)):
+    for kw in ({}, {"temperature": 1.0, "seed": 5}):
         chain = qwen_mtp.generate(model, PROMPTS, 16, eos_token_id=[], spec=SpecConfig(k=3), **kw)
         tree = qwen_mtp.generate(model, PROMPTS, 16, eos_token_id=[], spec=SpecConfig(k=3, tree=StaticTree((1, 1, 1))),
                                  **kw)
@@ -135,34 +136,72 @@ def _pvalue(a, b, j):
     return chi2_contingency(table[:, table.sum(0) > 0])[1]
 
 
-def test_sampled_tree_keeps_the_distribution_and_a_broken_residual_is_caught(ckpt, monkeypatch, report):
-    """Chi-square per position of plain sampling against a static tree (3 independent siblings, then a chain:
-    SpecInfer's recursive rejection) and a dynamic tree (deterministic top choices). The control tries every
-    sibling against p instead of the residual (the same seeds): rejected at the same threshold, so the test has
-    the power to see a broken sibling residual."""
+def test_sampled_tree_keeps_the_distribution(ckpt, report):
+    """End to end: chi-square per position of plain sampling against a static tree of 3 independent siblings
+    then a chain (SpecInfer's recursive rejection), 2000 rows each, with later siblings accepted many times."""
     model = qwen_mtp.load(ckpt("dense_mtp")[1])
-    kw = dict(eos_token_id=[], temperature=1.0)
+    kw = {"eos_token_id": [], "temperature": 1.0}
     plain = qwen_mtp.generate(model, [PROMPT] * NS, 3, seed=1, **kw).tokens
-    static = SpecConfig(k=2, tree=StaticTree((3, 1)))
-    for spec in (static, SpecConfig(k=2, tree=DynamicTree(depth=2, topk=3, budget=6))):
-        res = qwen_mtp.generate(model, [PROMPT] * NS, 3, seed=2, spec=spec, **kw)
-        t = res.stats.tree
-        assert t["rank_accepts"][1:].sum() > 100, t  # later siblings were accepted: the residual was used
-        pvals = [_pvalue(plain, res.tokens, j) for j in range(3)]
-        report(f"sampled tree {spec.tree}: p-values {[f'{p:.3f}' for p in pvals]}, rank accepts "
-               f"{t['rank_accepts'].tolist()} of {t['rank_tries'].tolist()}")
-        assert min(pvals) > 1e-3, pvals
-    real = tree_loop.accept_tree
-    jax.clear_caches()
-    monkeypatch.setattr(tree_loop, "accept_tree", lambda *a: real(*a, broken_residual=True))
-    try:
-        bad = qwen_mtp.generate(model, [PROMPT] * NS, 3, seed=2, spec=static, **kw).tokens
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
-    pvals = [_pvalue(plain, bad, j) for j in range(3)]
-    report(f"sampled tree with a broken sibling residual (p for every sibling): p-values {[f'{p:.1e}' for p in pvals]}")
-    assert min(pvals) < 1e-6, pvals
+    res = qwen_mtp.generate(model, [PROMPT] * NS, 3, seed=2, spec=SpecConfig(k=2, tree=StaticTree((3, 1))), **kw)
+    t = res.stats.tree
+    assert t["rank_accepts"][1:].sum() > 100, t  # later siblings were accepted: the residual was used
+    pvals = [_pvalue(plain, res.tokens, j) for j in range(1, 3)]
+    report(f"sampled tree (3, 1) vs plain, 2000 rows: p-values {[f'{p:.3f}' for p in pvals]}, rank accepts "
+           f"{t['rank_accepts'].tolist()} of {t['rank_tries'].tolist()}")
+    assert min(pvals) > 1e-3, pvals
+
+
+P1 = np.array([0.5, 0.2, 0.15, 0.1, 0.05])  # the target at the root
+P2 = np.array([[0.1, 0.6, 0.1, 0.1, 0.1], [0.3, 0.3, 0.2, 0.1, 0.1], [0.05, 0.05, 0.8, 0.05, 0.05],
+               [0.2, 0.2, 0.2, 0.2, 0.2], [0.7, 0.1, 0.1, 0.05, 0.05]])  # the target after token a: P2[a]
+Q1 = np.array([0.1, 0.1, 0.2, 0.3, 0.3])  # the draft at the root
+Q2 = P2[::-1] * 0.5 + 0.1  # the draft after token a (rows sum to 1)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["iid-siblings", "top-choices"])
+def test_tree_acceptance_is_exact(deterministic, report):
+    """accept_tree on a known target: a (3, 1) tree per row, siblings drawn independently from the draft (a
+    static tree) or the draft's top choices (a dynamic tree). The first two tokens of the output (the second
+    drawn from P2[x1] where the round emitted one) must follow P1[x1] P2[x1, x2] exactly: a goodness-of-fit
+    chi-square over 40000 rows. The control tries every sibling against p instead of the residual."""
+    from scipy.stats import chisquare
+
+    from qwen_mtp.decoding.tree_accept import accept_tree
+    from qwen_mtp.head.tree import static_layout
+
+    n, V = 40_000, 5
+    tree = StaticTree((3, 1))
+    layout = static_layout(tree, n)
+    k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 4)
+    if deterministic:
+        t1 = jnp.broadcast_to(jnp.argsort(-Q1)[:3], (n, 3))
+        t2 = jnp.argmax(jnp.asarray(Q2)[t1], axis=-1)
+        Q = None
+    else:
+        t1 = jax.random.categorical(k1, jnp.log(jnp.asarray(Q1)), shape=(n, 3))
+        t2 = jax.random.categorical(k2, jnp.log(jnp.asarray(Q2))[t1])
+        Q = jnp.concatenate([jnp.broadcast_to(jnp.asarray(Q1), (n, 1, V)), jnp.asarray(Q2)[t1],
+                             jnp.zeros((n, 3, V))], axis=1).astype(jnp.float32)
+    tokens = jnp.concatenate([jnp.zeros((n, 1), jnp.int32), t1, t2], axis=1).astype(jnp.int32)
+    logits = jnp.log(jnp.concatenate([jnp.broadcast_to(jnp.asarray(P1), (n, 1, V)), jnp.asarray(P2)[t1],
+                                      jnp.full((n, 3, V), 1.0 / V)], axis=1)).astype(jnp.float32)
+    expected = (P1[:, None] * P2).reshape(-1) * n
+
+    def pvalue(broken):
+        acc = jax.jit(accept_tree, static_argnums=(4, 6, 7))(tokens, layout, Q, logits, Sampling(temperature=1.0),
+                                                            k3, deterministic, broken)
+        x1 = jnp.where(acc.n >= 1, tokens[jnp.arange(n), acc.path[:, 1]], acc.bonus)
+        x2 = jnp.where(acc.n >= 2, tokens[jnp.arange(n), acc.path[:, 2]], jnp.where(acc.n == 1, acc.bonus, -1))
+        x2 = jnp.where(x2 < 0, jax.random.categorical(k4, jnp.log(jnp.asarray(P2))[x1]), x2)
+        seen = np.bincount(np.asarray(x1 * V + x2), minlength=V * V)
+        return chisquare(seen, expected)[1], np.asarray(acc.rank_acc).sum(0)
+
+    p, ranks = pvalue(False)
+    p_bad, _ = pvalue(True)
+    report(f"tree acceptance ({'top choices' if deterministic else 'iid siblings'}): goodness of fit p {p:.3f}, "
+           f"accepts per sibling rank {ranks.tolist()}; broken residual p {p_bad:.1e}")
+    assert ranks[1:].sum() > 1000
+    assert p > 1e-3 and p_bad < 1e-6, (p, p_bad)
 
 
 # ------------------------------------------------------------------------------------------------ arguments, cuda
