@@ -7,8 +7,9 @@ Each configuration draws, from one seeded generator: a batch of 1..4 rows of mix
 uniform; cut from held-out text where the model folder is the shipped model, random ids otherwise, and both mixed
 in a batch), k in 1..8, native drafts or Wind-MTP (window 1..128, sinks 0..8), the config's EOS ids or none,
 max_new_tokens 1..200, a prefill chunk (16..256), the weight format (as loaded, int8, int4 or fp8, quantized as it
-loads) and the KV dtype (the compute dtype or float8_e4m3fn). It runs plain greedy (with the logits each token was
-chosen from) and speculative greedy on the same model and compares every row token by token.
+loads), the KV dtype (the compute dtype or float8_e4m3fn) and the drafts (a chain, a static or a dynamic tree:
+`draw_tree`). It runs plain greedy (with the logits each token was chosen from) and speculative greedy on the same
+model and compares every row token by token.
 
 A divergence is reported with its configuration, row, position and the trunk's top1 - top2 logit margin there
 (from the plain run). In float32 any divergence is a bug and fails the run. In bfloat16 the k + 1 rows of a
@@ -35,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from qwen_mtp.errors import ArgumentError
+from qwen_mtp.head.tree import MAX_NODES, DynamicTree, StaticTree
 
 NEAR_TIE_BF16 = 2.0 ** -5  # margin / max(1, |top1 logit|) at or below which a bf16 divergence is a near-tie
 PREFILL_CHUNKS = (16, 32, 64, 128, 256)
@@ -60,13 +62,16 @@ class Case:
     quant: str | None
     kv_dtype: str | None
     arch: str = "model"
+    tree: object = None  # None: a chain of k drafts; a head/tree.py StaticTree or DynamicTree of depth k
+
 
     def describe(self) -> str:
         lens = ",".join(str(len(r)) for r in self.rows)
         win = "native" if self.window is None else f"W{self.window} S{self.sinks}"
         return (f"#{self.index} [{self.arch}] B={len(self.rows)} lens={lens} ({'/'.join(self.sources)}) k={self.k} "
                 f"{win} eos={'cfg' if self.eos is None else 'off'} new={self.max_new} chunk={self.prefill_chunk} "
-                f"quant={self.quant or 'none'} kv={self.kv_dtype or 'compute'}")
+                f"quant={self.quant or 'none'} kv={self.kv_dtype or 'compute'}"
+                + ("" if self.tree is None else f" tree={self.tree}"))
 
 
 @dataclasses.dataclass
@@ -144,12 +149,29 @@ def draw_case(rng, index: int, vocab_size: int, text_ids=None, *, max_prompt: in
             rows.append(rng.integers(1, vocab_size, L).astype(np.int64))
             sources.append("random")
     windowed = rng.random() < 0.4
+    k = int(rng.integers(1, 9))
     return Case(index=index, rows=rows, sources=sources, max_new=_log_uniform(rng, 1, 200),
-                k=int(rng.integers(1, 9)), window=_log_uniform(rng, 1, 128) if windowed else None,
+                k=k, window=_log_uniform(rng, 1, 128) if windowed else None,
                 sinks=int(rng.integers(0, 9)) if windowed and rng.random() < 0.5 else 0,
                 eos=None if rng.random() < 0.5 else [], prefill_chunk=int(rng.choice(PREFILL_CHUNKS)),
                 quant=quants[int(rng.integers(0, len(quants)))], kv_dtype=kv_dtypes[int(rng.integers(0, len(kv_dtypes)))],
-                arch=arch)
+                arch=arch, tree=draw_tree(index, rows, k))
+
+
+def draw_tree(index: int, rows, k: int):
+    """A chain (60%), a static tree of widths 1..3 at the first two depths then a chain (20%), or a dynamic tree of
+    topk 1..3, any budget (20%); from a generator of the case's own, so `rng` draws what it drew before trees."""
+    r = np.random.default_rng([40, index, k] + [len(x) for x in rows])
+    u = r.random()
+    if u < 0.6:
+        return None
+    if u < 0.8:
+        widths = [int(r.integers(1, 4)) for _ in range(min(k, 2))] + [1] * max(k - 2, 0)
+        while int(sum(np.cumprod(widths))) > MAX_NODES:
+            widths[int(np.argmax(widths))] -= 1
+        return StaticTree(tuple(widths))
+    topk = int(r.integers(1, 4))
+    return DynamicTree(depth=k, topk=topk, budget=int(r.integers(1, min(topk + (k - 1) * topk ** 2, MAX_NODES) + 1)))
 
 
 # ---------------------------------------------------------------------------------------------- running a case
@@ -157,8 +179,8 @@ def run_case(model, case: Case, report: Report) -> list:
     """Plain and speculative greedy on `model` (already in the case's weight format); appends to the report."""
     import qwen_mtp
 
-    spec = qwen_mtp.SpecConfig(k=case.k, window=case.window, sinks=case.sinks)
-    kw = dict(eos_token_id=case.eos, prefill_chunk=case.prefill_chunk, kv_dtype=case.kv_dtype)
+    spec = qwen_mtp.SpecConfig(k=case.k, window=case.window, sinks=case.sinks, tree=case.tree)
+    kw = {"eos_token_id": case.eos, "prefill_chunk": case.prefill_chunk, "kv_dtype": case.kv_dtype}
     plain = qwen_mtp.generate(model, case.rows, case.max_new, return_logits=True, **kw)
     fast = qwen_mtp.generate(model, case.rows, case.max_new, spec=spec, **kw)
     found = []
