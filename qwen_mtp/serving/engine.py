@@ -213,6 +213,7 @@ class Engine:
         with self._step_lock:
             self._reap()
             admitted = self._admit()
+            self._reap()  # a request that ended with its first token frees its slot before any segment
             if not self._running:
                 return admitted
             self.dev.run_segment()
@@ -315,6 +316,7 @@ class Engine:
                 h = self._waiting.popleft()
                 self._running[free[0]] = h  # reserved: cancel now finds it running
             h.stats.started_at = time.perf_counter()
+            h.slot = free[0]
             budget -= len(h.prompt_ids)
             admitted = True
             try:

@@ -119,6 +119,7 @@ class RequestHandle:
         self._cond = threading.Condition()
         self._on_update = on_update
         self.cancel_requested = False
+        self.slot: int | None = None  # the engine slot it was given (once admitted)
 
     # ---- the engine's side
     def _commit(self, ids) -> None:

@@ -120,7 +120,7 @@ class SlotRunner:
             k, bucket, order, full, sample, penalize)
         out, n_out, done, bad = np.asarray(out), np.asarray(n_out), np.asarray(done), np.asarray(bad)
         rounds, accepted = np.asarray(rounds), np.asarray(accepted)
-        e.counters.add_segment(k, np.asarray(hist), time.perf_counter() - t0)
+        e.counters.add_segment(k, np.asarray(hist), time.perf_counter() - t0, len(busy))
         for row, slot in enumerate(order):
             h = handles.get(slot)
             if h is None or h.finished or h.cancel_requested:

@@ -19,6 +19,7 @@ class EngineCounters:
     generation_tokens: int = 0
     finished_by_reason: dict = dataclasses.field(default_factory=lambda: collections.Counter())
     segments_by_k: dict = dataclasses.field(default_factory=lambda: collections.Counter())
+    segments_by_busy: dict = dataclasses.field(default_factory=lambda: collections.Counter())  # (busy, k): n
     rounds: int = 0  # speculative (row, round) pairs
     drafts_proposed: int = 0
     drafts_accepted: int = 0
@@ -32,10 +33,12 @@ class EngineCounters:
         with self._lock:
             self.finished_by_reason[reason] += 1
 
-    def add_segment(self, k: int, hist, seconds: float) -> None:
-        """One segment of k drafts per round (0: plain) whose accepted-draft histogram over busy rows is hist."""
+    def add_segment(self, k: int, hist, seconds: float, busy: int = 0) -> None:
+        """One segment of k drafts per round (0: plain) over `busy` busy slots, whose accepted-draft histogram
+        over busy rows is hist."""
         with self._lock:
             self.segments_by_k[k] += 1
+            self.segments_by_busy[(busy, k)] += 1
             self.decode_s += seconds
             if k == 0:
                 return
@@ -59,6 +62,7 @@ class EngineCounters:
                 "submitted": self.submitted, "prompt_tokens": self.prompt_tokens,
                 "generation_tokens": self.generation_tokens, "finished": dict(self.finished_by_reason),
                 "segments_by_k": {int(k): v for k, v in self.segments_by_k.items()},
+                "segments_by_busy_and_k": dict(self.segments_by_busy),
                 "spec_rounds": self.rounds, "drafts_proposed": self.drafts_proposed,
                 "drafts_accepted": self.drafts_accepted, "alpha_per_position": alpha,
                 "acceptance_length": (1 + self.drafts_accepted / self.rounds) if self.rounds else None,

@@ -1,0 +1,148 @@
+"""The serving engine (qwen_mtp/serving/): requests joining and leaving a running batch give, token for token, what
+offline `generate` gives for each prompt alone (f32 greedy; the oracle is generate's checked path, which
+tests/test_spec_lossless.py holds to transformers); a plan that speculates at low occupancy and decodes plain at
+high occupancy is followed as slots fill and empty, output unchanged; freed slots are reused; cancellation; a
+seeded sampled request gives the same tokens alone and among others, in plain and speculative segments;
+per-row sampling values are respected; a full queue is a typed error; the engine's own thread.
+
+Compiles are kept few: one engine for the module (3 slots, one bucket, plan k in {0, 2}), prompts of at most
+16 tokens (one prefill chunk) and at most 16 new tokens (one generate program)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import qwen_mtp
+from qwen_mtp import Engine, SamplingParams
+from qwen_mtp.errors import ArgumentError, QueueFullError
+from qwen_mtp.serving.plan import Plan
+
+SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "qwen3_5_small"
+LENS = (5, 12, 9, 16, 3, 7)
+MAX_TOKENS = (16, 5, 12, 9, 14, 16)
+PLAN = Plan({1: 2, 2: 2, 3: 0}, {3: {0: 1.0, 2: 1.0}})  # speculate (k=2) with 1-2 busy slots, plain with 3
+
+
+@pytest.fixture(scope="module")
+def model():
+    return qwen_mtp.load(SHIPPED, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(7)
+    return [rng.integers(1, 4096, n).astype(np.int32) for n in LENS]
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts):
+    """Offline generate, each prompt alone, plain greedy: the ids up to its EOS or max_tokens."""
+    out = []
+    for p, n in zip(prompts, MAX_TOKENS):
+        r = qwen_mtp.generate(model, p, n)
+        out.append(r.tokens[0, :r.lengths[0]].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return Engine(model, max_batch=3, max_model_len=64, spec=PLAN, buckets=(3,), segment=4, max_waiting=4)
+
+
+def drain(engine, limit=500):
+    for _ in range(limit):
+        if not engine.step():
+            return
+    raise AssertionError("the engine did not finish its requests")
+
+
+def test_joining_and_leaving_equals_generate_and_follows_the_plan(engine, prompts, reference):
+    before = dict(engine.metrics()["segments_by_k"])
+    step = engine.step
+    h = [engine.submit(prompts[0], SamplingParams(max_tokens=MAX_TOKENS[0]))]
+    step()  # admitted alone: 1 busy slot -> k = 2
+    step()
+    h += [engine.submit(prompts[i], SamplingParams(max_tokens=MAX_TOKENS[i])) for i in (1, 2)]
+    step()  # 3 busy -> plain
+    h += [engine.submit(prompts[i], SamplingParams(max_tokens=MAX_TOKENS[i])) for i in (3, 4, 5)]
+    assert engine.waiting >= 2  # the slots are full: these wait for one to free
+    while h[5].stats.completion_tokens < 3:
+        step()
+    engine.cancel(h[5])  # leaves mid-way
+    drain(engine)
+    for i, (handle, ref) in enumerate(zip(h, reference)):
+        if i == 5:
+            assert handle.finish_reason == "cancelled" and handle.tokens == ref[:len(handle.tokens)], i
+            continue
+        assert handle.tokens == ref, (i, handle.tokens, ref)
+        assert handle.finish_reason == ("stop" if len(ref) < MAX_TOKENS[i] else "length"), i
+        assert handle.usage == {"prompt_tokens": LENS[i], "completion_tokens": len(ref),
+                                "total_tokens": LENS[i] + len(ref)}
+        assert handle.stats.ttft_s is not None and handle.stats.ttft_s >= 0
+    assert {x.slot for x in h} == {0, 1, 2} and len(h) == 6  # six requests through three slots: reused
+    done = engine.metrics()["segments_by_k"]
+    assert done.get(0, 0) > before.get(0, 0) and done.get(2, 0) > before.get(2, 0), done  # both modes ran
+    by_busy = engine.metrics()["segments_by_busy_and_k"]
+    assert all(k == PLAN.k_for(busy) for busy, k in by_busy), by_busy  # every segment ran the plan's k
+    assert {1, 3} <= {busy for busy, _ in by_busy}, by_busy  # as slots filled and emptied
+    m = engine.metrics()
+    assert m["running"] == 0 and m["waiting"] == 0 and m["drafts_proposed"] >= m["drafts_accepted"] > 0
+    assert all(a is None or 0 <= a <= 1 for a in m["alpha_per_position"])
+    assert sum(x.stats.rounds for x in h) > 0 and all(x.stats.drafts_accepted <= x.stats.drafts_proposed for x in h)
+
+
+def test_seeded_sampling_is_reproducible_per_request(engine, prompts, reference):
+    sampled = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=40, seed=11)
+    alone = engine.submit(prompts[0], sampled)
+    drain(engine)  # alone: speculative segments (k = 2)
+    segs = dict(engine.metrics()["segments_by_k"])
+    crowd = [engine.submit(prompts[0], sampled),
+             engine.submit(prompts[1], SamplingParams(max_tokens=MAX_TOKENS[1], temperature=0.7, top_k=1, seed=3)),
+             engine.submit(prompts[2], SamplingParams(max_tokens=MAX_TOKENS[2]))]
+    drain(engine)  # among two others: plain segments
+    other_seed = engine.submit(prompts[0], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=40,
+                                                          seed=12))
+    drain(engine)
+    assert engine.metrics()["segments_by_k"][0] > segs.get(0, 0)
+    assert alone.tokens == crowd[0].tokens and len(alone.tokens) >= 8, (alone.tokens, crowd[0].tokens)
+    assert alone.tokens != reference[0]  # it did sample (the control: greedy would give the reference)
+    assert other_seed.tokens != alone.tokens  # the seed matters
+    assert crowd[1].tokens == reference[1]  # top_k = 1: the argmax, whatever the temperature
+    assert crowd[2].tokens == reference[2]  # a greedy row among sampled ones
+
+
+def test_queue_full_is_a_typed_error_and_bad_input_names_the_argument(engine, prompts):
+    waiting = [engine.submit(prompts[4], SamplingParams(max_tokens=2)) for _ in range(4)]
+    with pytest.raises(QueueFullError, match="max_waiting=4"):
+        engine.submit(prompts[4], SamplingParams(max_tokens=2))
+    for h in waiting:
+        engine.cancel(h)
+    assert [h.finish_reason for h in waiting] == ["cancelled"] * 4 and engine.waiting == 0
+    with pytest.raises(ArgumentError, match="max_tokens"):
+        engine.submit(prompts[3], SamplingParams(max_tokens=60))  # 16 + 60 > max_model_len 64
+    with pytest.raises(ArgumentError, match="prompt_ids"):
+        engine.submit([5000], SamplingParams())
+    with pytest.raises(ArgumentError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+
+
+def test_engine_thread_serves_concurrent_submitters(engine, prompts, reference):
+    results = {}
+
+    def client(i):
+        results[i] = list(engine.submit(prompts[i], SamplingParams(max_tokens=MAX_TOKENS[i])))
+
+    engine.start()
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    finally:
+        engine.stop()
+    assert [results.get(i) for i in range(5)] == reference[:5]
