@@ -1,0 +1,115 @@
+"""The routed MoE experts at decode (kernels_pallas/moe_gemv.py): the grouped-GEMV kernel against its reference (XLA's
+gather of the routed experts) and against lax.ragged_dot over every expert (the grouped path the MoE block takes
+at prefill, which decode used before), in bf16, int8, int4 and fp8 blocks, at small shapes and at the expert
+matrices of Qwen3.5-35B-A3B (256 experts; gate / up 2048 -> 512, down 512 -> 2048) with the pairs of batch 1
+and batch 8 (8 and 64 (token, expert) pairs). GB/s counts the bytes the routed product must read: each pair's
+expert (values and scales), x and the output."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas import moe_gemv as mg
+from kernels_pallas.quant_layout import cdiv, padded_k
+
+from .budget import out_of_time
+from .common import bandwidth, max_rel, one_line
+from .timing import time_call
+
+# (kind, int4 group | fp8 block | None, pairs, experts, K, N, x dtype)
+MOE_SMOKE = [("plain", None, 3, 5, 100, 40, "float32"), ("int4", 32, 4, 6, 96, 24, "bfloat16"),
+             ("fp8", (128, 128), 2, 4, 200, 136, "float32")]
+MOE_SMALL = MOE_SMOKE + [("int8", None, 8, 16, 300, 72, "bfloat16"), ("int4", 128, 8, 16, 512, 128, "float32"),
+                         ("plain", None, 16, 32, 256, 200, "bfloat16")]
+MOE_SHAPES = {"gate/up": (2048, 512), "down": (512, 2048)}  # Qwen3.5-35B-A3B experts
+MOE_REAL = [(kind, fmt, P, 256, K, N, "bfloat16") for (K, N) in MOE_SHAPES.values() for P in (8, 64)
+            for kind, fmt in (("plain", None), ("int8", None), ("int4", 128), ("fp8", (128, 128)))]
+
+
+def _block(kind, fmt, K):
+    return (K, 1) if kind in ("plain", "int8") else ((fmt, 1) if kind == "int4" else tuple(fmt))
+
+
+def _arrays(kind, block, P, E, K, N, dtype, key):
+    kw, ks, kx, ki = jax.random.split(key, 4)
+    ids = jax.random.randint(ki, (P,), 0, E, jnp.int32)
+    x = jax.random.normal(kx, (P, K), jnp.float32).astype(dtype)
+    if kind == "plain":
+        return x, (jax.random.normal(kw, (E, K, N), jnp.float32) / np.sqrt(K)).astype(dtype), None, ids
+    if kind == "int8":
+        q = jax.random.randint(kw, (E, K, N), -127, 128, jnp.int32).astype(jnp.int8)
+    elif kind == "int4":
+        q = jax.random.randint(kw, (E, padded_k(kind, K, block[0]) // 2, N), 0, 256, jnp.int32).astype(jnp.uint8)
+    else:
+        q = jnp.clip(64 * jax.random.normal(kw, (E, K, N)), -448, 448).astype(jnp.float8_e4m3fn)
+    scale = jax.random.uniform(ks, (E, cdiv(K, block[0]), cdiv(N, block[1])), jnp.float32, 0.5, 2.0) * 1e-2
+    return x, q, scale, ids
+
+
+def _ragged(kind, K, block):
+    """The grouped path over every expert: rows sorted by expert, quant.ragged_dot (lax.ragged_dot; int4 and fp8
+    blocks dequantize all experts first), back in pair order."""
+    from qwen_mtp.trunk.quant import QuantArray, ragged_dot
+
+    def f(x, w, scale, ids):
+        E = w.shape[0]
+        if kind != "plain":
+            w = QuantArray(q=w, scale=scale, kind=kind, shape=(E, K, w.shape[2]), block=block)
+        order = jnp.argsort(ids, stable=True)
+        sizes = jnp.bincount(ids, length=E).astype(jnp.int32)
+        y = ragged_dot(x[order], w, sizes, ids[order])
+        return jnp.zeros_like(y).at[order].set(y)
+
+    return jax.jit(f)
+
+
+def check_moe(cases, interpret, timings):
+    """The routed-experts kernel against its reference (and, with timings, against lax.ragged_dot)."""
+    kind_of_device, bw = bandwidth()
+    failures = 0
+    for i, (kind, fmt, P, E, K, N, dtype) in enumerate(cases):
+        label = f"moe_gemv {kind} {fmt} P{P} E{E} K{K} N{N} {dtype}".replace(" (", " ").replace(", ", "x")
+        label = label.replace(")", "")
+        if out_of_time(f"{label} and the rest"):
+            break
+        dt = jnp.dtype(dtype)
+        block = _block(kind, fmt, K)
+        try:
+            x, w, scale, ids = jax.jit(_arrays, static_argnums=(0, 1, 2, 3, 4, 5, 6))(
+                kind, block, P, E, K, N, dt, jax.random.PRNGKey(i))
+            reason = mg.unsupported_reason(x, w, scale, ids, kind=kind, k=K, block=block)
+            assert reason is None, reason
+            kern = jax.jit(lambda x, w, s, ids, kind=kind, K=K, block=block: mg.moe_gemv_pallas(
+                x, w, s, ids, kind=kind, k=K, block=block, interpret=interpret))
+            ref = jax.jit(lambda x, w, s, ids, kind=kind, K=K, block=block: mg.moe_gemv_reference(
+                x, w, s, ids, kind=kind, k=K, block=block))
+            want = np.asarray(ref(x, w, scale, ids).astype(jnp.float32))
+            got = np.asarray(kern(x, w, scale, ids).astype(jnp.float32))
+        except Exception as e:  # noqa: BLE001 - one case that does not compile or run must not hide the others
+            print(f"{label}: FAIL {one_line(e)}", flush=True)
+            failures += 1
+            continue
+        rel = max_rel(got, want)
+        ok = rel < (1e-4 if dt == jnp.float32 else 2e-2) and np.isfinite(got).all()
+        failures += not ok
+        p = mg.plan(P, K, N, kind, block, dt.itemsize)
+        line = (f"{label}: grid ({P},{p.col_tiles},{p.splits}) tile {p.dot_k}x{p.block_n} K step {p.block_k}, "
+                f"max_rel {rel:.1e} {'OK' if ok else 'FAIL'}")
+        if timings:
+            per_expert = (w.nbytes + (0 if scale is None else scale.nbytes)) // E
+            nbytes = P * per_expert + x.nbytes + P * N * dt.itemsize
+            t_k, t_r = time_call(kern, x, w, scale, ids), time_call(ref, x, w, scale, ids)
+            frac = f" = {100 * nbytes / t_k / bw:.0f}% of {kind_of_device}'s {bw / 1e12:.2f} TB/s" if bw else ""
+            line += (f"; kernel {1e6 * t_k:.1f} us ({nbytes / t_k / 1e9:.0f} GB/s{frac}), XLA gather "
+                     f"{1e6 * t_r:.1f} us ({nbytes / t_r / 1e9:.0f} GB/s; kernel/gather {t_k / t_r:.2f}x)")
+            try:
+                rag = _ragged(kind, K, block)
+                r_rel = max_rel(np.asarray(rag(x, w, scale, ids).astype(jnp.float32)), want)
+                t_g = time_call(rag, x, w, scale, ids, n=10)
+                line += (f", lax.ragged_dot over all {E} experts {1e6 * t_g:.1f} us (max_rel {r_rel:.1e}; "
+                         f"kernel/ragged {t_k / t_g:.2f}x)")
+            except Exception as e:  # noqa: BLE001 - a failing baseline is reported, not a failure of the kernel
+                line += f", lax.ragged_dot: {one_line(e, 120)}"
+        print(line, flush=True)
+        del x, w, scale
+    return failures

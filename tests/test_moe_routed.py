@@ -1,0 +1,349 @@
+"""The MoE block at decode reads only the routed experts (trunk/mlp.py, quant.routed_dot, kernels_pallas/moe_gemv.py).
+
+* The routed block equals the grouped (lax.ragged_dot) block, itself checked against transformers in
+  tests/test_trunk_oracle.py, in every weight format: f32 experts tightly, int8 / int4 / fp8 experts against the
+  same quantized weights through the grouped path (f32 activations: tight; bf16: at its rounding). Negative
+  control: a gather that takes the wrong expert is caught. The program of a decode step holds no ragged_dot and
+  no array the size of all experts (nothing dequantizes or touches every expert).
+* The Pallas kernel (interpret mode) against its XLA reference (tests/kernel_contract.py), and each case against
+  the independent float64 oracle of tests/test_kernel_quant_matmul.py applied pair by pair.
+* Lowered for cuda at the expert shapes of 35B-A3B, 122B-A10B and 397B-A17B: the MoE block holds the kernel
+  (gate / up, down); lowered for cpu: no Pallas kernel. Compiled for sm_90 (needs `triton`): shared
+  memory within a block, no register spill. (gate and up have the same shapes: one lowered kernel, two calls.)
+* benchmarks/bench_moe.py's short form runs.
+"""
+
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import moe_gemv as mg
+from kernels_pallas.quant_layout import cdiv, pack_int4, padded_k
+from qwen_mtp.tools.lowering import (
+    SM90_SHARED_LIMIT,
+    compile_sm90,
+    export_for,
+    kernel_calls,
+    triton_kernels,
+)
+from qwen_mtp.tools.real_shapes import config as real_config
+from qwen_mtp.trunk import mlp
+from qwen_mtp.trunk.quant import QuantArray, layout_of, quantize
+from qwen_mtp.trunk.weights import MLPWeights, MoEWeights
+from tests.hf_tiny import rel_err
+from tests.test_kernel_quant_matmul import _oracle
+
+pytest.register_assert_rewrite("kernel_contract")
+from kernel_contract import KernelContract
+
+ROOT = Path(__file__).resolve().parents[1]
+SDS = jax.ShapeDtypeStruct
+H, I, E, TOPK = 64, 48, 8, 2  # tiny MoE: 8 experts, top-2 (decode rule: tokens x 2 <= 8)
+CFG = dataclasses.replace(real_config("Qwen3.5-35B-A3B", layers=1), hidden_size=H, num_experts=E, top_k=TOPK,
+                          moe_intermediate_size=I, shared_expert_intermediate_size=I)
+
+
+def _block_weights(seed, fmt):
+    """MoEWeights of the tiny config in f32; experts in `fmt` ('f32', 'int8', 'int4' groups of 32, 'fp8')."""
+    rng = np.random.default_rng(seed)
+    mat = lambda *s: (rng.standard_normal(s) / np.sqrt(s[-2])).astype(np.float32)
+    q = (lambda a: jnp.asarray(a)) if fmt == "f32" else (lambda a: quantize(a, fmt, 32))
+    return MoEWeights(router=jnp.asarray(mat(H, E) * 4), gate=q(mat(E, H, I)), up=q(mat(E, H, I)),
+                      down=q(mat(E, I, H)), shared=MLPWeights(*(jnp.asarray(mat(*s)) for s in ((H, I), (H, I), (I, H)))),
+                      shared_gate=jnp.asarray(mat(H, 1)))
+
+
+def _grouped(x, w, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(mlp, "reads_routed_only", lambda n, cfg: False)
+        return jax.jit(lambda x, w: mlp.moe(x, w, CFG))(x, w)  # a fresh function: no trace cached by the next
+
+
+def test_decode_rule():
+    assert mlp.reads_routed_only(4, CFG) and not mlp.reads_routed_only(5, CFG)
+    big = real_config("Qwen3.5-35B-A3B", layers=1)  # 256 experts, top-8: batch 8 decode and a k=3 verify at 8
+    assert mlp.reads_routed_only(8, big) and mlp.reads_routed_only(32, big) and not mlp.reads_routed_only(33, big)
+
+
+@pytest.mark.parametrize("fmt,dtype", [("f32", "f32"), ("int8", "f32"), ("int4", "f32"), ("fp8", "f32"),
+                                       ("int4", "bf16")])
+def test_routed_block_equals_grouped_block(fmt, dtype, monkeypatch, report):
+    w = _block_weights(1, fmt)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((1, 3, H)), jnp.float32)
+    if dtype == "bf16":
+        x = x.astype(jnp.bfloat16)
+        w = jax.tree.map(lambda a: a if isinstance(a, QuantArray) else a.astype(jnp.bfloat16), w,
+                         is_leaf=lambda a: isinstance(a, QuantArray))
+    assert mlp.reads_routed_only(3, CFG)
+    got = jax.jit(lambda x, w: mlp.moe(x, w, CFG))(x, w)
+    want = _grouped(x, w, monkeypatch)
+    max_rel, max_abs = rel_err(got, want)
+    if dtype == "f32":
+        assert max_rel < 1e-5 or max_abs < 1e-6, (max_rel, max_abs)
+    else:  # the grouped path adds each token's pairs in bf16, the routed one in f32: a few output roundings
+        assert max_rel < 2 ** -6, (max_rel, max_abs)
+    report(f"routed MoE block == grouped block, {fmt} experts, x {dtype}: max_rel {max_rel:.1e}")
+
+
+def test_wrong_expert_is_caught(monkeypatch):
+    """Negative control: the routed path gathering each pair's NEXT expert is far from the grouped block."""
+    w = _block_weights(1, "int4")
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, H)), jnp.float32)
+    want = _grouped(x, w, monkeypatch)
+    real = mlp.routed_dot
+    monkeypatch.setattr(mlp, "routed_dot", lambda x, w, ids: real(x, w, (ids + 1) % E))
+    bad = jax.jit(lambda x, w: mlp.moe(x, w, CFG))(x, w)
+    assert rel_err(bad, want)[0] > 0.05
+
+
+def _all_eqns(jx):
+    out = []
+    for eq in jx.eqns:
+        out.append(eq)
+        for sub in jax.extend.core.jaxprs_in_params(eq.params):
+            out += _all_eqns(sub)
+    return out
+
+
+def test_decode_step_reads_only_routed_experts():
+    """The decode block's program (one token, top-2 of 8 experts): no ragged_dot, and no array larger than the
+    two routed experts' weights anywhere (nothing gathers, dequantizes or multiplies all experts); the prefill
+    block does use ragged_dot."""
+    for fmt in ("f32", "int4", "fp8"):
+        w = _block_weights(1, fmt)
+        jaxpr = jax.make_jaxpr(mlp.moe, static_argnums=2)(jnp.zeros((1, H)), w, CFG)  # one token: 2 pairs
+        eqns = _all_eqns(jaxpr.jaxpr)
+        assert not [e for e in eqns if "ragged" in e.primitive.name], fmt
+        sizes = [int(np.prod(v.aval.shape)) for e in eqns for v in e.outvars if hasattr(v.aval, "shape")]
+        # the 2 routed experts' values (int4: unpacked with K padded to whole groups, 64 x 64), never 8 experts'
+        assert max(sizes) <= TOPK * 64 * 64 < E * H * I, (fmt, max(sizes))
+    prefill = str(jax.make_jaxpr(mlp.moe, static_argnums=2)(jnp.zeros((5, H)), _block_weights(1, "f32"), CFG))
+    assert "ragged_dot" in prefill
+
+
+# ------------------------------------------------------------------------------------------------ the kernel
+def _inputs(kind, fmt, P, K, N, dtype, seed, experts=5):
+    """x [P, K], w [E, Kq, N] (random values over the format's range; int4's padded rows garbage), scale, ids."""
+    rng = np.random.default_rng(seed)
+    dt = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}[dtype]
+    ids = jnp.asarray(rng.integers(0, experts, P), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((P, K)), jnp.float32).astype(dt)
+    if kind == "plain":
+        return x, jnp.asarray(rng.standard_normal((experts, K, N)), jnp.float32).astype(dt), None, ids, (K, 1)
+    block = (K, 1) if fmt == "channel" else (K, N) if fmt == "tensor" else (fmt, 1) if kind == "int4" else fmt
+    bk, bn = block
+    if kind == "int8":
+        q = rng.integers(-127, 128, (experts, K, N)).astype(np.int8)
+    elif kind == "int4":
+        q = pack_int4(rng.integers(-8, 8, (experts, padded_k(kind, K, bk), N)), bk)
+    else:
+        import ml_dtypes
+        v = rng.choice([-1.0, 1.0], (experts, K, N)) * 2.0 ** rng.uniform(-12, 8.8, (experts, K, N))
+        q = v.astype(ml_dtypes.float8_e4m3fn)
+    scale = (rng.uniform(0.5, 2.0, (experts, cdiv(K, bk), cdiv(N, bn))) * 1e-2).astype(np.float32)
+    return x, jnp.asarray(q), jnp.asarray(scale), ids, block
+
+
+# (kind, format, pairs, K, N, x dtype, forced launch parameters)
+CASES = [
+    ("plain", None, 3, 300, 72, "f32", {"splits": 2}),    # K past the step, N past one tile, 2 K parts
+    ("int8", "channel", 5, 130, 40, "f32", {}),
+    ("int4", 32, 4, 300, 40, "f32", {"splits": 3}),       # K 300 padded to 10 groups, a part past the end
+    ("int4", 128, 2, 200, 136, "f32", {}),
+    ("fp8", (128, 128), 3, 300, 200, "f32", {}),          # partial blocks at both edges
+    ("fp8", "tensor", 2, 100, 24, "f32", {}),
+    ("plain", None, 4, 256, 64, "bf16", {}),
+    ("int4", 128, 8, 256, 128, "bf16", {}),
+    ("fp8", "channel", 3, 200, 40, "f16", {}),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    case: tuple
+
+    @property
+    def seed(self):
+        return sum(self.case[2:5])
+
+
+class TestMoeGemvContract(KernelContract):
+    F32_TOL = (1e-5,)
+
+    def f32_cases(self):
+        return [Case(c) for c in CASES if c[5] == "f32"]
+
+    def low_precision_cases(self):
+        return [Case(c) for c in CASES if c[5] != "f32"]
+
+    def case_id(self, c):
+        kind, fmt, P, K, N, dtype = c.case[:6]
+        return f"{kind}-{fmt}-P{P}K{K}N{N}-{dtype}".replace(" ", "")
+
+    def inputs(self, c):
+        return _inputs(*c.case[:6], seed=c.seed)[:4]
+
+    def _kw(self, c):
+        kind, K = c.case[0], c.case[3]
+        return {"kind": kind, "k": K, "block": _inputs(*c.case[:6], seed=c.seed)[4]}
+
+    def kernel(self, c, *args):
+        if c.case[6]:
+            return mg.moe_gemv_pallas(*args, **self._kw(c), interpret=True, **c.case[6])
+        return mg.moe_gemv(*args, **self._kw(c), backend="pallas", interpret=True)
+
+    def reference(self, c, *args):
+        return mg.moe_gemv_reference(*args, **self._kw(c))
+
+    def dispatching(self, c, *args, **kw):
+        return mg.moe_gemv(*args, **self._kw(c), **kw)
+
+    def reason(self, c, *args):
+        return mg.unsupported_reason(*args, **self._kw(c))
+
+    def error(self, got, want):
+        return rel_err(got, want)[:1]
+
+    def tolerance(self, c):
+        return (1e-2,)  # the reference rounds each dequantized weight to x's dtype; the kernel does not
+
+    def check_more(self, c, args, got, ref, report):
+        kind, fmt, P, K, N, dtype, tiling = c.case
+        x, w, scale, ids = args
+        kw = self._kw(c)
+        if kind == "plain":
+            want = np.einsum("pk,pkn->pn", np.asarray(x.astype(jnp.float32), np.float64),
+                             np.asarray(w.astype(jnp.float32), np.float64)[np.asarray(ids)])
+        else:
+            want = np.concatenate([_oracle(x[p:p + 1], w[e], scale[e], kind, K, kw["block"])
+                                   for p, e in enumerate(np.asarray(ids))])
+        kernel_vs_oracle = rel_err(got, want)[0]
+        assert kernel_vs_oracle < (1e-5 if dtype == "f32" else 2.0 ** -7), kernel_vs_oracle
+        p = mg.plan(P, K, N, kind if kind != "plain" else "plain", kw["block"], jnp.dtype(x.dtype).itemsize,
+                    **tiling)
+        if "splits" in tiling:
+            assert p.splits == tiling["splits"], p
+        report(f"moe_gemv kernel {kind} {fmt} P{P} K{K} N{N} {dtype} grid ({P},{p.col_tiles},{p.splits}): "
+               f"max_rel vs float64 {kernel_vs_oracle:.1e}")
+
+    def unsupported_case(self):
+        return Case(("int4", 16, 2, 40, 24, "f32", {})), "int4 group of 16"
+
+    def more_unsupported_reasons(self):
+        x, w, s, ids, blk = _inputs("fp8", (96, 16), 2, 200, 40, "f32", seed=1)
+        reasons = [(mg.unsupported_reason(x, w, s, ids, kind="fp8", k=200, block=blk), "K blocks of 96")]
+        reasons.append((mg.unsupported_reason(x[:0], w, s, ids[:0], kind="fp8", k=200, block=blk), "empty"))
+        huge = (SDS((1, 4096), jnp.bfloat16), SDS((513, 4096, 1024), jnp.bfloat16), None, SDS((1,), jnp.int32))
+        reasons.append((mg.unsupported_reason(*huge, kind="plain", k=4096, block=(4096, 1)), "2^31"))
+        return reasons
+
+    def lowering_case(self):
+        return Case(("int4", 32, 3, 300, 40, "f32", {}))
+
+    def auto(self, c):
+        return jax.jit(lambda *a: mg.moe_gemv(*a, **self._kw(c)))
+
+    def custom_call(self, c):
+        return f"moe_gemv_{c.case[0]}"
+
+
+def test_bad_inputs_name_what_is_wrong():
+    x, w, s, ids, blk = _inputs("int4", 32, 3, 64, 16, "f32", seed=0)
+    with pytest.raises(ValueError, match="one expert id per row"):
+        mg.moe_gemv(x, w, s, ids[:2], kind="int4", k=64, block=blk)
+    with pytest.raises(ValueError, match="stored as uint8"):
+        mg.moe_gemv(x, w.astype(jnp.int8), s, ids, kind="int4", k=64, block=blk)
+    with pytest.raises(ValueError, match="kind one of"):
+        mg.moe_gemv(x, w, s, ids, kind="int2", k=64, block=blk)
+
+
+# --------------------------------------------------------------------------------- real shapes, cuda / sm_90
+REAL = ["Qwen3.5-35B-A3B", "Qwen3.5-122B-A10B", "Qwen3.5-397B-A17B"]
+
+
+def _moe_shapes(name, quant, tokens=1):
+    cfg = dataclasses.replace(real_config(name, layers=1))
+    Hh, Ii, Ee = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    bf = jnp.bfloat16
+
+    def experts(K, N):
+        if quant is None:
+            return SDS((Ee, K, N), bf)
+        qs, ss, block = layout_of(quant, (Ee, K, N))
+        return QuantArray(q=SDS(qs, {"int8": jnp.int8, "int4": jnp.uint8, "fp8": jnp.float8_e4m3fn}[quant]),
+                          scale=SDS(ss, jnp.float32), kind=quant, shape=(Ee, K, N), block=block)
+
+    w = MoEWeights(router=SDS((Hh, Ee), bf), gate=experts(Hh, Ii), up=experts(Hh, Ii), down=experts(Ii, Hh),
+                   shared=MLPWeights(SDS((Hh, Ii), bf), SDS((Hh, Ii), bf), SDS((Ii, Hh), bf)),
+                   shared_gate=SDS((Hh, 1), bf))
+    return cfg, (SDS((tokens, Hh), bf), w)
+
+
+def _export(name, quant, platform, tokens=1):
+    cfg, args = _moe_shapes(name, quant, tokens)
+    return export_for(jax.jit(mlp.moe, static_argnums=2), *args, cfg, platform=platform)
+
+
+@pytest.mark.parametrize("name,quant", [(n, None) for n in REAL] + [("Qwen3.5-35B-A3B", q)
+                                                                    for q in ("int8", "int4", "fp8")])
+def test_moe_block_lowers_the_kernel_for_cuda_at_real_shapes(name, quant):
+    kernel = f"moe_gemv_{quant or 'plain'}"
+    # gate and up share one lowered kernel function (the same shapes), down has its own
+    assert kernel_calls(_export(name, quant, "cuda")) == [kernel] * 2, (name, quant)
+    assert kernel_calls(_export(name, quant, "cpu")) == []
+
+
+def test_batch8_and_prefill_at_35b():
+    """Batch 8 decode (64 pairs) routes; a prefill chunk of 64 tokens takes the grouped path (no kernel)."""
+    assert kernel_calls(_export("Qwen3.5-35B-A3B", "int4", "cuda", tokens=8)) == ["moe_gemv_int4"] * 2
+    assert kernel_calls(_export("Qwen3.5-35B-A3B", None, "cuda", tokens=64)) == []
+
+
+SM90 = [("35B-A3B bf16 gate", "Qwen3.5-35B-A3B", None), ("35B-A3B int4", "Qwen3.5-35B-A3B", "int4"),
+        ("35B-A3B fp8", "Qwen3.5-35B-A3B", "fp8"), ("35B-A3B int8", "Qwen3.5-35B-A3B", "int8"),
+        ("397B-A17B bf16", "Qwen3.5-397B-A17B", None)]
+
+
+def test_kernel_compiles_for_sm90(report):
+    if importlib.util.find_spec("triton") is None:
+        why = "the sm_90 compile needs the `triton` package: pip install -e '.[sm90]'"
+        if os.environ.get("QWEN_MTP_REQUIRE_SM90") == "1":  # CI installs it and requires the test to run
+            pytest.fail(why)
+        pytest.skip(why)
+    kernels = []
+    for label, name, quant in SM90:
+        gate, down = triton_kernels(_export(name, quant, "cuda"))
+        kernels += [(f"{label} gate/up", gate), (f"{label} down", down)]
+    for (label, k), r in zip(kernels, compile_sm90([k for _, k in kernels])):
+        assert r["error"] is None, (label, r["error"])
+        report(f"sm_90 compile, moe_gemv {label}: grid {k.grid}, {k.num_warps} warps, shared {r['shared']} B, "
+               f"{r['registers']} registers, {r['stack']} B stack, {r['local']} B local")
+        assert 0 < r["shared"] <= SM90_SHARED_LIMIT and r["stack"] == 0 and r["local"] == 0, (label, r)
+        assert k.grid[0] * k.grid[1] * k.grid[2] >= 132, (label, k.grid)  # every SM of an H100 / H200 busy
+
+
+def test_bench_moe_short_form_runs():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_moe.py"), "--short"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "MoE block / dense MLP" in out.stdout, out.stdout
+
+
+def test_gpu_check_moe_section_runs_on_cpu(capsys):
+    """benchmarks/gpu_check's MoE section (the kernel in interpret mode on CPU, one smoke case) reports no failure."""
+    bench = str(ROOT / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from gpu_check.moe import MOE_SMOKE, check_moe
+
+    assert check_moe(MOE_SMOKE[:1], interpret=True, timings=False) == 0
+    assert "OK" in capsys.readouterr().out
