@@ -355,3 +355,20 @@ def test_under_load_every_answer_equals_generate(real, tok):
     assert _client(s).completions.create(model=MODEL, prompt=prompts[1], max_tokens=budgets[1]).choices[0].text \
         == tok.decode(refs[1])
     assert time.perf_counter() - t0 < 300
+
+
+def test_bench_serve_short_form_runs(tmp_path):
+    """benchmarks/bench_serve.py --short: the server and static batching measured, the table and figure written."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_serve.py"), "--short", "--out",
+                          str(tmp_path)], capture_output=True, text=True, cwd=root, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    table = (tmp_path / "bench_serve.md").read_text()
+    assert "| server | plain | 2 |" in table and "| static | plain | 2 |" in table, table
+    assert (tmp_path / "bench_serve.png").stat().st_size > 1000
+    rows = json.loads((tmp_path / "bench_serve.json").read_text())["results"]
+    assert rows["server/plain"]["2"]["errors"] == 0 and rows["server/plain"]["2"]["tokens"] == 2 * 8
