@@ -46,8 +46,8 @@ def test_plot_without_matplotlib_is_one_line_before_any_work(monkeypatch, no_wor
     _hide(monkeypatch, "matplotlib")
     rc, out, err = _run_cli(["analyze-window", "--windows", "16,native", "--plot", str(tmp_path / "out.png")])
     assert rc == 2 and out == ""
-    assert err.strip().splitlines() == ['error: --plot needs matplotlib, which is not installed: '
-                                        'pip install -e ".[plot]"']
+    assert err.strip().splitlines() == ['qwen_mtp analyze-window: error: --plot needs matplotlib, which is not '
+                                        'installed: pip install -e ".[plot]"']
     assert not (tmp_path / "out.png").exists()
 
 

@@ -25,7 +25,7 @@ import qwen_mtp
 from qwen_mtp import ArgumentError, CheckpointError
 from qwen_mtp.loading import orbax_io, publish
 from qwen_mtp.loading.convert import convert
-from qwen_mtp.loading.folder import default_model_path
+from qwen_mtp.loading.folder import CARRIED_FILES, default_model_path
 from qwen_mtp.tools.cli import main
 from qwen_mtp.trunk.quant import QuantArray
 
@@ -307,28 +307,51 @@ def test_convert_cli_equals_load_with_quant(hf, tmp_path, capsys):
 
 
 def test_convert_cli_errors(tmp_path, capsys):
-    for args, part in ((["convert", str(tmp_path / "missing"), str(tmp_path / "dst"), "--quant", "int4"], "'src'"),
+    """One line each, naming the flag as typed (SRC, --group-size, DST, --overwrite), exit 2, nothing written."""
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    for args, part in ((["convert", str(tmp_path / "missing"), str(tmp_path / "dst"), "--quant", "int4"],
+                        "SRC: " + str(tmp_path / "missing") + ": no such folder"),
                        (["convert", str(tmp_path), str(tmp_path / "dst"), "--quant", "int4", "--group-size", "48"],
-                        "group_size")):
+                        "--group-size: expected a power of two"),
+                       (["convert", str(default_model_path()), str(tmp_path / "full")],
+                        "DST: expected a path that does not exist yet, an empty folder, or --overwrite")):
         assert main(args) == 2
         err = capsys.readouterr().err
-        assert err.startswith("error: ") and part in err and "Traceback" not in err
-        assert len(err.strip().splitlines()) == 1
+        assert err.startswith("qwen_mtp convert: error: ") and part in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1 and "overwrite=True" not in err and "usage:" not in err
     assert not (tmp_path / "dst").exists()
 
 
 def test_generate_cli_runs_a_converted_folder(tmp_path, capsys):
-    """generate --model DST on the shipped model converted to f32: the program test_shipped_model.py's plain CLI
-    run compiles, so in one session this costs no compile; the text is the shipped folder's own."""
+    """convert the shipped model to f32: DST holds, byte for byte, every file of the source the model uses
+    (draft_vocab_counts.npy, generation_config.json, the tokenizer, ...; folder.CARRIED_FILES), convert says which
+    it copied and which it left behind, and generate --model DST prints the source's own text with the same draft
+    vocabulary and repetition penalty (the same programs as test_shipped_model.py's CLI runs: no compile of its
+    own in one session). Before the counts were carried, DST ran without a draft vocabulary: the stats line check
+    fails then."""
     dst = tmp_path / "shipped"
     src = default_model_path()
     assert main(["convert", str(src), str(dst), "--dtype", "float32", "--no-progress"]) == 0
-    assert (dst / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
-    capsys.readouterr()
+    out = capsys.readouterr().out
+    used = ["config.json", *(f for f in CARRIED_FILES if (src / f).is_file())]
+    assert {"draft_vocab_counts.npy", "generation_config.json", "tokenizer.json"} <= set(used)
+    for f in used:
+        assert (dst / f).read_bytes() == (src / f).read_bytes(), f
+    assert f"copied beside the weights: {', '.join(used)}" in out
+    left = sorted(p.name for p in src.iterdir() if p.name not in used and not p.name.endswith(".safetensors"))
+    assert left and f"left behind (not read by qwen_mtp): {', '.join(left)}" in out  # eval.json, train_log.json
+    assert not any((dst / f).exists() for f in left)
+    ids = lambda folder: np.asarray(qwen_mtp.load(folder, draft_vocab=1024).weights.draft_vocab.ids)
+    np.testing.assert_array_equal(ids(dst), ids(src))
     prompt = "def fibonacci(n):"
-    args = [prompt, "--max-new-tokens", "48", "--no-spec", "--stats-to-stderr"]
-    assert main(["generate", "--model", str(dst), *args]) == 0
-    out = capsys.readouterr()
-    assert out.out.startswith(prompt) and len(out.out) > len(prompt) + 20 and "[shipped]" in out.err
-    assert main(["generate", *args]) == 0
-    assert capsys.readouterr().out == out.out
+    args = [prompt, "--max-new-tokens", "48", "--k", "3", "--stats-to-stderr"]
+    runs = []
+    for model in (dst, src):
+        assert main(["generate", "--model", str(model), *args]) == 0
+        runs.append(capsys.readouterr())
+    (got, want) = runs
+    assert got.out.startswith(prompt) and len(got.out) > len(prompt) + 20 and got.out == want.out
+    for r in runs:
+        assert "draft vocab 1024" in r.err and "repetition penalty 1.3 (generation_config.json)" in r.err, r.err
+    assert "[shipped]" in got.err

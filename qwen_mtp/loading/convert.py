@@ -1,5 +1,7 @@
 """`convert` (python -m qwen_mtp convert SRC DST --quant int4): load a checkpoint, quantize it tensor by tensor
-as `load(..., quant=...)` would, bit for bit, and save it as an orbax folder (qwen_mtp/loading/orbax_io.py).
+as `load(..., quant=...)` would, bit for bit, and save it as an orbax folder (qwen_mtp/loading/orbax_io.py), with
+every other file of the source the model uses (folder.CARRIED_FILES: tokenizer, generation_config.json,
+draft_vocab_counts.npy, ...; carried_files says which were copied and which stayed behind).
 
 quantize_model does the quantizing of a loaded Model; source_dtype picks the dtype a Hugging Face checkpoint
 loads in exactly (so quantizing from it equals quantizing as it loads).
@@ -17,10 +19,17 @@ import numpy as np
 
 from qwen_mtp.errors import ArgumentError
 from qwen_mtp.loading import publish
+from qwen_mtp.loading.folder import CARRIED_FILES
 from qwen_mtp.loading.model import Model, load
-from qwen_mtp.loading.orbax_io import DTYPES, is_orbax_folder, save
+from qwen_mtp.loading.orbax_io import DTYPES, META, WEIGHTS, is_orbax_folder, save
 from qwen_mtp.loading.orbax_names import is_quant, leaf_name
-from qwen_mtp.trunk.quant import QuantArray, QuantPolicy, abstract, check_method, quantize
+from qwen_mtp.trunk.quant import (
+    QuantArray,
+    QuantPolicy,
+    abstract,
+    check_method,
+    quantize,
+)
 from qwen_mtp.trunk.weights import weight_shapes
 
 
@@ -105,7 +114,8 @@ def convert(src, dst, *, dtype: str = "bfloat16", quant: str | None = None, grou
             raise ArgumentError(name, "True or False", repr(flag))
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
-        raise ArgumentError("src", "an existing checkpoint folder", f"{src} (no such folder)")
+        raise ArgumentError("src", "an existing checkpoint folder",
+                            f"{src} ({'a file' if src.exists() else 'no such folder'})")
     publish.replaceable(dst, overwrite, is_orbax_folder, "dst")  # refuse before the work
     policy = None if quant is None else QuantPolicy(quant, int(group_size), quant_lm_head, quant_mtp)
     native = "float32" if is_orbax_folder(src) else source_dtype(src)
@@ -116,6 +126,18 @@ def convert(src, dst, *, dtype: str = "bfloat16", quant: str | None = None, grou
         raise ArgumentError("dst", e.expected, e.found) from None
     before = _bytes_as(weight_shapes(model.config, dtype, mtp=model.has_mtp), dtype)
     return before, dataclasses.replace(model, path=str(dst))
+
+
+def carried_files(src) -> tuple[list, list]:
+    """(the files of the folder `src` that convert / save copy beside the new weights: config.json and each of
+    folder.CARRIED_FILES it has; the other files, which stay behind: not the model's, e.g. an eval report), the
+    weights themselves (*.safetensors and their index, an orbax weights/ folder and its metadata) in neither."""
+    src = Path(src)
+    copied = ["config.json", *(f for f in CARRIED_FILES if (src / f).is_file())]
+    weights = {"model.safetensors.index.json", META, WEIGHTS}
+    left = sorted(p.name for p in src.iterdir() if p.name not in copied and p.name not in weights
+                  and not p.name.endswith(".safetensors") and not p.name.startswith("."))
+    return copied, left
 
 
 def _bytes_as(weights, dtype: str) -> int:

@@ -1,5 +1,6 @@
-"""What a model folder holds besides the weights: the shipped model's location, the tokenizer and the decoding
-defaults of generation_config.json."""
+"""What a model folder holds besides the weights: the files qwen_mtp reads from it (CARRIED_FILES, which `save`
+and `convert` copy beside the weights they write), the shipped model's location, the tokenizer, the decoding
+defaults of generation_config.json, and what is wrong with a path given as a model folder (folder_problem)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,30 @@ import json
 from pathlib import Path
 
 from qwen_mtp.errors import ArgumentError, ConfigError
+from qwen_mtp.head.draft_vocab import COUNTS_FILE
+
+# Every file of a model folder, besides config.json and the weights, that qwen_mtp or the tokenizer reads: the
+# tokenizer's files (tokenizer.json is what the command line loads; the others are Hugging Face's, kept for tools
+# that read them), the chat template, generation_config.json (the CLI's default repetition penalty) and the draft
+# vocabulary's token counts (draft_vocab_counts.npy, generate's --draft-vocab). qwen_mtp.save and convert copy
+# each one the source folder has; any other file (an eval report, a training log) is not the model's and stays.
+CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                 "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+                 "generation_config.json", COUNTS_FILE)
+# what a model folder holds, for a message about a path that is not one
+HOLDS = ("a model folder holds config.json, the weights as *.safetensors or as the orbax checkpoint convert "
+         "writes, and tokenizer.json")
+
+
+def folder_problem(path) -> str | None:
+    """Why `path` cannot be a model folder ('<path>: no such folder', '<path>: is a file, not a model folder'),
+    or None when it is a folder (what is inside is checked by load, naming the file)."""
+    p = Path(path)
+    if p.is_dir():
+        return None
+    if p.exists():
+        return f"{p}: is a file, not a model folder; {HOLDS}"
+    return f"{p}: no such folder; {HOLDS}"
 
 
 def default_model_path() -> Path:

@@ -13,7 +13,8 @@ A saved folder holds
                              leaf: a model loaded from an FP8 checkpoint can have different blocks per tensor), and
                              per array its shape, dtype and CRC-32 (checked on restore: OCDBT checksums its b-tree
                              but not the uncompressed array bytes, so a flipped byte would otherwise load)
-    tokenizer.json, ...      whatever tokenizer files the source folder has (TOKENIZER_FILES)
+    tokenizer.json, ...      every other file of the source folder the model uses (folder.CARRIED_FILES: tokenizer,
+                             generation_config.json, draft_vocab_counts.npy, ...), byte for byte
 
 Restoring builds the target tree from config.json (weights.weight_shapes) and the per-leaf metadata, checks the
 two agree before orbax reads anything (a config that does not match the arrays is a CheckpointError naming
@@ -47,6 +48,7 @@ from kernels_pallas import quant_layout as layout
 from qwen_mtp.errors import ArgumentError, CheckpointError
 from qwen_mtp.loading import orbax_names as names
 from qwen_mtp.loading import publish
+from qwen_mtp.loading.folder import CARRIED_FILES
 from qwen_mtp.trunk.config import load_config
 from qwen_mtp.trunk.quant import KINDS, STORAGE, QuantArray, QuantPolicy
 from qwen_mtp.trunk.weights import weight_shapes
@@ -55,9 +57,6 @@ FORMAT = "qwen_mtp.orbax"
 VERSION = 1
 META = "qwen_mtp_checkpoint.json"
 WEIGHTS = "weights"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 FLOATS = {np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)}  # (np.floating lacks bf16)
 
@@ -151,7 +150,7 @@ def save(model, folder, *, overwrite: bool = False) -> Path:
             "quant": None if model.quant is None else model.quant.to_json(), "mtp": model.weights.mtp is not None,
             "quantized": quantized,
             "arrays": {n: {"shape": list(a.shape), "dtype": str(a.dtype), "crc32": crcs[n]} for n, a in arrays.items()},
-            "tokenizer_files": [f for f in TOKENIZER_FILES if (source / f).is_file()]}
+            "tokenizer_files": [f for f in CARRIED_FILES if (source / f).is_file()]}  # (named before the counts)
 
     def fill(tmp: Path) -> None:
         _write_arrays((tmp / WEIGHTS).absolute(), arrays)

@@ -1,10 +1,12 @@
-"""The argparse value types of the commands' flags: --k (an integer or 'auto'), counts, --draft-vocab,
---repetition-penalty (the benchmarks take it too) and analyze-window's --windows. Each refuses a bad value with an
-ArgumentTypeError that names what it expected."""
+"""The argparse value types of the commands' flags: --k (an integer or 'auto'), counts, integers, --temperature,
+--top-p, --draft-vocab, --repetition-penalty (the benchmarks take it too) and analyze-window's --windows. Each
+refuses a bad value with an ArgumentTypeError that names what it expected and what it found (usage.py puts the
+flag in front)."""
 
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def k_arg(value: str):
@@ -30,19 +32,58 @@ def nonneg_int(value: str):
 
 
 def pos_int(value: str):
-    v = nonneg_int(value)
+    try:
+        v = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, found {value!r}") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, found {v}")
     return v
+
+
+def int_arg(value: str):
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, found {value!r}") from None
+
+
+def _number(value: str, expected: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, found {value!r}") from None
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"expected {expected}, found {value!r}")
+    return x
+
+
+def nonneg_float(value: str) -> float:
+    """--temperature: a finite number >= 0 (0 = greedy)."""
+    x = _number(value, "a finite number >= 0 (0 = greedy)")
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0 (0 = greedy), found {value!r}")
+    return x
+
+
+def top_p_arg(value: str) -> float:
+    """--top-p: a number in (0, 1] (1 = off)."""
+    x = _number(value, "a number in (0, 1] (1 = off)")
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1] (1 = off), found {value!r}")
+    return x
 
 
 def draft_vocab_arg(value: str):
     if value in ("auto", "off"):
         return value
     try:
-        return int(value)
+        n = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, 'auto' or 'off', found {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, 'auto' or 'off', found {n}")
+    return n
 
 
 def penalty_arg(value: str) -> float:

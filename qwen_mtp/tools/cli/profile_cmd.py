@@ -19,7 +19,13 @@ def cmd_profile(args) -> int:
     step marker, and print the time of each phase and stage read back from the trace (profiling.py)."""
     from qwen_mtp import load
     from qwen_mtp.decoding.speculative import SpecConfig
-    from qwen_mtp.tools.profiling import format_phase_table, format_top_ops, profile_generate, top_ops, trace_files
+    from qwen_mtp.tools.profiling import (
+        format_phase_table,
+        format_top_ops,
+        profile_generate,
+        top_ops,
+        trace_files,
+    )
 
     path = Path(args.model) if args.model else default_model_path()
     model = load(path)
@@ -31,6 +37,9 @@ def cmd_profile(args) -> int:
     if spec is not None and not model.has_mtp:
         raise ArgumentError("--model", "a checkpoint with an MTP head, or --no-spec", f"{path} without mtp.*")
     logdir = Path(args.logdir)
+    where = "the default ./traces" if args.logdir == "traces" else "--logdir"
+    print(f"tracing {args.repeats} generate call(s) into {logdir.resolve()} ({where}; created if missing)",
+          flush=True)
     t = time.perf_counter()
     r, texts, rows, calls = profile_generate(model, ids, args.max_new_tokens, logdir, repeats=args.repeats,
                                              spec=spec, kv_dtype=args.kv_dtype)
