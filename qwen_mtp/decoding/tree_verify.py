@@ -8,7 +8,7 @@ tree_forward runs the N1 tree rows (root x at position pos, node i at pos + dept
     over i's path (ancestors and itself),
         S_i = exp(G_i) S + sum_{s anc-or-self of i} exp(G_i - G_s) k_s delta_s^T
         delta_i = beta_i (v_i - exp(G_i) S^T k_i - sum_{s strict anc of i} exp(G_i - G_s) (k_i . k_s) delta_s)
-    a unit lower-triangular system over the ancestors (parents come first), solved with gdn.unit_lower_inverse;
+    a unit lower-triangular system over the ancestors (parents come first), solved depth by depth (every row of one depth at once);
     o_i = S_i^T q_i. It reads the state once; what it leaves (a TreeGDN) rebuilds S and the conv window after
     any node (commit_path), as rollback.py does for the chain. A chain's mask (lower triangular) gives the
     chain verify's values. (`per_path_core` is the other form, every root-to-leaf path as its own chain verify:
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from kernels_pallas.masked_attention import attend
@@ -48,10 +49,22 @@ def _mm(a, b):
     return jnp.matmul(a, b, precision=HIGHEST)
 
 
-def tree_core(q, k, v, g, beta, state, mask):
+def depth_lower_inverse(L, depth, max_depth: int):
+    """(I + L)^-1 for L [B, h, T, T] nonzero only at (node, strict ancestor): gdn.unit_lower_inverse's row
+    recurrence N[i] = -L[i] - L[i] @ N, for all the rows of one depth at once (their ancestors lie at smaller
+    depths, already final): max_depth steps instead of T. depth [B, T]."""
+    N = jnp.zeros_like(L)
+    at = depth[:, None, :, None]
+    for d in range(1, max_depth + 1):
+        N = jnp.where(at == d, -L - jnp.einsum("...ij,...jk->...ik", L, N, precision=HIGHEST), N)
+    return N + jnp.eye(L.shape[-1], dtype=L.dtype)
+
+
+def tree_core(q, k, v, g, beta, state, mask, depth=None, max_depth: int = 0):
     """The gated delta rule over a tree. q, k [B, N1, h, dk]; v [B, N1, h, dv]; g, beta [B, N1, h];
-    state [B, h, dk, dv]; mask [B, N1, N1] ancestor-or-self (lower triangular). Returns out [B, N1, h, dv] and
-    (G [B, h, N1], k [B, h, N1, dk], delta [B, h, N1, dv])."""
+    state [B, h, dk, dv]; mask [B, N1, N1] ancestor-or-self (lower triangular); depth [B, N1] with max_depth:
+    the solve runs depth by depth (depth_lower_inverse; None: row by row, gdn.unit_lower_inverse). Returns out
+    [B, N1, h, dv] and (G [B, h, N1], k [B, h, N1, dk], delta [B, h, N1, dv])."""
     T = k.shape[1]
     tr = lambda x: jnp.moveaxis(x, 1, 2)
     q, k, v, g, beta = map(tr, (q, k, v, g, beta))
@@ -60,7 +73,7 @@ def tree_core(q, k, v, g, beta, state, mask):
     decay = jnp.exp(jnp.where(m, G[..., :, None] - G[..., None, :], -jnp.inf))
     strict = m & ~jnp.eye(T, dtype=bool)
     L = jnp.where(strict, _mm(k * beta[..., None], jnp.swapaxes(k, -1, -2)) * decay, 0.0)
-    inv = unit_lower_inverse(L)
+    inv = unit_lower_inverse(L) if depth is None else depth_lower_inverse(L, depth, max_depth)
     intra = _mm(q, jnp.swapaxes(k, -1, -2)) * decay
     s_qk = jnp.einsum("bhtk,bhkv->bhtv", jnp.concatenate([q, k], axis=2), state, precision=HIGHEST)
     s_q, s_k = s_qk[:, :, :T], s_qk[:, :, T:]
@@ -75,8 +88,6 @@ def per_path_core(q, k, v, g, beta, state, paths):
     in depth order, a short path padded by repeating its leaf) run as its own chain verify
     (gdn.verify_gated_delta_rule); a node's output is taken from the first path through it. Same arguments
     and output as tree_core's first result."""
-    import numpy as np
-
     paths = np.asarray(paths)
     P, L = paths.shape
     take = lambda x: x[:, paths.reshape(-1)].reshape((x.shape[0], P, L) + x.shape[2:])
@@ -134,7 +145,7 @@ def tree_gdn_layer(x, w, cfg, st: GDNState, layout):
     q, k = (jnp.repeat(t, nv // nk, axis=2) for t in (q, k))
     beta = f32(jax.nn.sigmoid(b))
     g = -jnp.exp(f32(w.A_log)) * jax.nn.softplus(f32(a) + f32(w.dt_bias))
-    core, (G, k_all, delta) = tree_core(q, k, v, g, beta, st.rec, layout.mask)
+    core, (G, k_all, delta) = tree_core(q, k, v, g, beta, st.rec, layout.mask, layout.depth, layout.anc.shape[-1] - 1)
     core = gated_rmsnorm(core.astype(x.dtype), z, w.norm, cfg.rms_norm_eps)
     return linear(core.reshape(B, T, nv * dv), w.out_proj), TreeGDN(xc, st.rec, G, k_all, delta)
 
