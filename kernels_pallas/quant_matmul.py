@@ -75,8 +75,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels_pallas import dispatch
+from kernels_pallas import quant_gemv as gemv
 from kernels_pallas.masked_attention import precision_for
-from kernels_pallas.quant_layout import STORAGE, cdiv, check, dequantize, padded_k, values
+from kernels_pallas.quant_layout import (
+    STORAGE,
+    cdiv,
+    check,
+    dequantize,
+    padded_k,
+    values,
+)
 
 HIGHEST = jax.lax.Precision.HIGHEST
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -149,9 +157,17 @@ def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
     return None
 
 
+def gemv_rows(M: int, kind: str) -> bool:
+    """backend "auto" takes the decode kernel (quant_gemv.py) at these rows: M <= gemv.ROWS_FMA[kind]."""
+    return M <= gemv.ROWS_FMA[kind]
+
+
 def xla_is_faster(M: int, kind: str, k: int, block):
-    """None where the kernel is the faster on a GPU, else why XLA's dequantize-then-dot is (module doc: the
-    first H200 run). backend="auto" then lowers the reference for cuda as well."""
+    """None where a kernel is the faster on a GPU, else why XLA's dequantize-then-dot is (module doc: the
+    first H200 run). backend="auto" then lowers the reference for cuda as well. At decode rows
+    (gemv_rows) the decode kernel is the choice for every format."""
+    if gemv_rows(M, kind):
+        return None
     if _mode(kind, k, block) == "channel":
         return (f"{kind} per channel: XLA's dot with the column scales fused after it measured as fast or faster "
                 "at every M on an H200")
@@ -345,10 +361,26 @@ def quant_matmul_pallas(x, q, scale, *, kind: str, k: int, block, block_m: int |
     return out.sum(axis=0).astype(dt) if p.splits > 1 else out
 
 
-def quant_matmul(x, q, scale, *, kind: str, k: int, block, backend: str = "auto", interpret: bool = False):
-    """The kernel in a program lowered for cuda, the reference elsewhere (dispatch.run); see the module doc."""
+def quant_gemv(x, q, scale, *, kind: str, k: int, block, backend: str = "auto", interpret: bool = False):
+    """The decode kernel (quant_gemv.py) in a program lowered for cuda, the reference elsewhere; a shape it
+    does not take (more than 16 rows, N not a multiple of 4, ...) falls back to the reference with a warning."""
     block = tuple(int(b) for b in block)
     check_inputs(x, q, scale, kind, k, block)
+    reference = functools.partial(quant_matmul_reference, kind=kind, k=k, block=block)
+    kernel = functools.partial(gemv.quant_gemv_pallas, kind=kind, k=k, block=block, interpret=interpret)
+    reason = gemv.unsupported_reason(x, q, scale, kind=kind, k=k, block=block)
+    return dispatch.run("quantized matmul (decode kernel)", kernel, reference, reason, backend, x, q, scale)
+
+
+def quant_matmul(x, q, scale, *, kind: str, k: int, block, backend: str = "auto", interpret: bool = False):
+    """The kernel in a program lowered for cuda, the reference elsewhere (dispatch.run); see the module doc.
+    backend "auto" at decode rows (gemv_rows) runs the decode kernel (quant_gemv) where it takes the shape;
+    "pallas" always means this module's tiled kernel."""
+    block = tuple(int(b) for b in block)
+    check_inputs(x, q, scale, kind, k, block)
+    if backend == "auto" and gemv_rows(x.shape[0], kind) and \
+            gemv.unsupported_reason(x, q, scale, kind=kind, k=k, block=block) is None:
+        return quant_gemv(x, q, scale, kind=kind, k=k, block=block, interpret=interpret)
     reference = functools.partial(quant_matmul_reference, kind=kind, k=k, block=block)
     kernel = functools.partial(quant_matmul_pallas, kind=kind, k=k, block=block, interpret=interpret)
     reason = unsupported_reason(x, q, scale, kind=kind, k=k, block=block)

@@ -1,0 +1,352 @@
+"""Quantized matmul at decode rows (M = 1 .. 16): x [M, K] @ a weight in quant_layout's format -> [M, N].
+
+    quant_gemv_pallas(x, q, scale, *, kind, k, block) -> [M, N]   (reference: quant_matmul_reference)
+
+A decode matmul reads every byte of the weight once and does M multiply-adds per weight: it is bound by HBM as
+long as the instructions that turn each stored value into a number cost less than the bytes take to arrive.
+The tiled kernel (quant_matmul.py) converts each int8 / int4 value with I2F (sm_90: 16 conversions per SM per
+clock, an eighth of the FMA rate) and feeds tensor-core dots padded to 16 rows; the first H200 run measured it
+at 26% (int4), 43% (fp8 blocks) and 55% (int8 per channel) of HBM on the 27B lm_head. This kernel instead:
+
+- reads the packed values as int32 words (int8 / int4: XLA reinterprets q [Kq, N] as int32 [Kq, N / 4], a
+  bitcast, no copy) or as fp8 bytes, in tiles as wide as one 16-byte load per thread (a CTA of w warps covers
+  512 w bytes of a row), so every load is a full 128-byte line per 8 threads;
+- turns the values into f32 with integer logic and one subtraction, no conversion instruction (the
+  "magic number" of FasterTransformer / Marlin's dequantizers): the values are first offset to unsigned
+  (int4: word ^ 0x88888888, u = v + 8; int8: word ^ 0x80808080, u = v + 128), then each value's bits, where
+  they lie in the word (bits p .. p + b - 1, p + b <= 23) or after one shift of the word shared by several
+  values, are masked and OR-ed under the exponent of 1.0: float(0x3F800000 | u << p) - 1 = u * 2^(p - 23),
+  exact. x is multiplied by 2^(23 - p) once per tile row (not per weight) so the products are x * u; the
+  offset comes back once per scale block as -8 (-128) times the sum of x's entries over the block. int4: 10
+  integer and 16 float instructions per 8 values (one word), int8: 6 and 8 per 4;
+- fp8 (e4m3) tiles load as bytes and convert with the hardware's paired fp8 -> f16 instruction;
+- multiplies on the FMA units (no tensor cores: at M <= ROWS_FMA rows there is nothing to pad to 16), keeps the
+  tile's rows inside each thread (a CTA spreads only along columns) so the sum over K is a chain of FMAs in
+  registers with no shuffle, and applies each scale in f32 once per scale block and column;
+- runs many small CTAs: a tile of 128 words (512 columns) per warp, K split into parts (written as f32 partial
+  products, summed in XLA) until the grid gives every SM several CTAs (`plan`).
+
+The FMA path costs M multiply-adds per weight on top of the conversion, so it stays under the bytes' time up
+to a few rows only (ROWS_FMA: an issue-slot budget, module `rows_fma`); quant_matmul dispatches M <= ROWS_FMA to
+this kernel and keeps the tiled kernel / XLA rule above.
+
+Layout per loop step (one scale block of stored rows, cut into sub-steps of `rows` rows, each one load):
+    int4 (g, 1):   the g/2 packed rows of one group; word c of packed row j holds columns 4c .. 4c+3 (byte b),
+                   low nibble = row G*g + j, high nibble = row G*g + g/2 + j (quant_layout's packing)
+    int8 / fp8:    bk rows of one K block (per channel: STEP_ROWS rows, the scales applied at the end)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kernels_pallas.quant_layout import cdiv
+
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+MAX_ROWS = 16  # decode rows: the kernel takes M <= 16
+# backend "auto" (quant_matmul.gemv_rows) runs this kernel up to these rows; above, the tiled kernel / XLA. From
+# the sm_90 machine code of the inner loop (instructions issued per stored value, an SM issuing 4 warp
+# instructions per clock: 33.5e12 lane-instructions/s on 132 SMs at 1.98 GHz) against the bytes' time at 4.8 TB/s:
+#   int4 M 1: 3.8 / value -> 93% of HBM, M 2: 4.9 -> 72%, M 4: 8.3 -> 42% (tiled kernel measured 26%)
+#   int8 M 1: 4.1 -> memory bound, M 4: 7.9 -> 89%, M 8: 16.8 -> 42% (tiled kernel / XLA measured 55%)
+#   fp8  M 1: 3.1 -> memory bound, M 4: 6.1 -> memory bound, M 8: 13.8 -> 51% (tiled kernel measured 43%)
+ROWS_FMA = {"int4": 4, "int8": 4, "fp8": 8}
+SUB_ROWS = 16  # stored rows per load (per thread: 16 x 16 bytes in flight)
+STEP_ROWS = 16  # per-channel formats: rows per loop step (one load)
+TARGET_PROGRAMS = 132 * 4  # CTAs: four per SM of an H100 / H200
+MIN_STEPS_PER_SPLIT = 2
+MAX_ELEMENTS = 2 ** 31
+MAX_GRID = 65535
+ONE = 0x3F800000  # float32 1.0
+
+
+def _i32(v: int):
+    return jnp.int32(np.array(v & 0xFFFFFFFF, np.uint32).view(np.int32))
+
+
+def mode(kind: str, k: int, block) -> str:
+    """'int4', 'channel' (one scale per column over all of K, or one per tensor) or 'block' (per K block)."""
+    if kind == "int4":
+        return "int4"
+    return "channel" if block[0] >= k else "block"
+
+
+def _words(kind: str) -> bool:
+    return kind in ("int8", "int4")
+
+
+def vector_words(M: int) -> int:
+    """4-byte words per thread and row: 4 (one 16-byte load) at 1 .. 2 rows; more rows hold more accumulators
+    (2 x M x 4 x words per thread), so 2 words at 3 .. 4 rows and 1 above (no spill on sm_90)."""
+    return 4 if M <= 2 else (2 if M <= 4 else 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """grid (col_tiles, splits); a program covers `cols` stored columns (int32 words for int8 / int4, bytes for
+    fp8) and `per` loop steps of `step` stored rows (one scale block), loaded `rows` rows at a time."""
+    cols: int
+    col_tiles: int
+    step: int
+    rows: int
+    steps: int
+    per: int
+    splits: int
+    num_warps: int
+
+    @property
+    def programs(self) -> int:
+        return self.col_tiles * self.splits
+
+
+def plan(M, K, N, kind, block, *, num_warps=None, splits=None, rows=None) -> Plan:
+    """Launch parameters from the shapes (module doc); a keyword given wins (tests: `rows` < 16 keeps the
+    interpret-mode program small)."""
+    bk = block[0]
+    md = mode(kind, K, block)
+    unit = 4 if _words(kind) else 1
+    ncols = cdiv(N, unit)  # stored columns: words or bytes
+    if num_warps is None:
+        num_warps = 1
+    cols = 32 * vector_words(M) * num_warps * (1 if _words(kind) else 4)
+    col_tiles = cdiv(ncols, cols)
+    if md == "int4":
+        step = bk // 2
+    elif md == "block":
+        step = bk
+    else:
+        step = STEP_ROWS
+    rows = min(SUB_ROWS if rows is None else rows, step)
+    if step % rows:
+        raise ValueError(f"quant_gemv plan: rows {rows} must divide the step of {step} stored rows")
+    stored = cdiv(K, bk) * bk // 2 if md == "int4" else K
+    steps = cdiv(stored, step)
+    if splits is None:
+        want = cdiv(TARGET_PROGRAMS, col_tiles)
+        splits = max(1, min(want, steps // MIN_STEPS_PER_SPLIT))
+    splits = max(1, min(int(splits), steps))
+    per = cdiv(steps, splits)
+    splits = cdiv(steps, per)
+    return Plan(cols, col_tiles, step, rows, steps, per, splits, num_warps)
+
+
+def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
+    """None if this kernel takes these inputs (layout already checked), else why not."""
+    M, N = x.shape[0], q.shape[1]
+    bk = block[0]
+    if jnp.dtype(x.dtype) not in {jnp.dtype(d) for d in DTYPES}:
+        return f"x of dtype {jnp.dtype(x.dtype)}: the kernel takes float32 / bfloat16 / float16"
+    if not 1 <= M <= MAX_ROWS:
+        return f"{M} rows: the decode kernel takes 1 .. {MAX_ROWS}"
+    if N == 0 or k == 0:
+        return f"an empty matmul ({M} x {k} @ {k} x {N})"
+    md = mode(kind, k, block)
+    if _words(kind) and N % 4:
+        return f"N = {N} columns: int8 / int4 values are read as int32 words of 4 columns, N must be a multiple of 4"
+    step = bk // 2 if md == "int4" else bk
+    if md != "channel" and step > SUB_ROWS and step % SUB_ROWS:
+        what = f"int4 group of {bk} rows" if md == "int4" else f"K blocks of {bk} rows"
+        return f"{what}: the kernel loads {SUB_ROWS} stored rows at a time, a block must hold a whole number"
+    p = plan(M, k, N, kind, block)
+    if max(q.size, M * k, p.splits * M * N) >= MAX_ELEMENTS:
+        return f"x [{M}, {k}] @ [{k}, {N}]: more than 2^31 elements in one array (the kernel's offsets are int32)"
+    if max(p.col_tiles, p.splits) > MAX_GRID:
+        return f"{p.col_tiles} column tiles x {p.splits} K parts: a CUDA grid's y and z stop at {MAX_GRID}"
+    return None
+
+
+# int4: (shift of the word, bit position p of the value in the shifted word) of the low and the high nibble of
+# byte b, both at the same p so that one accumulator per byte takes both: low nibbles at 8b, high at 8b + 4
+INT4_FIELDS = (((0, 0), (4, 0)), ((0, 8), (4, 8)), ((0, 16), (4, 16)), ((12, 12), (16, 12)))
+# int8: (shift, p) of byte b
+INT8_FIELDS = ((0, 0), (0, 8), (9, 7), (9, 15))
+# the kernel's int32 constants (an input array: see _value): 1.0's bits, the int4 / int8 offsets to unsigned,
+# then every field mask
+_MASKS = sorted({(4, p) for fields in INT4_FIELDS for _, p in fields} | {(8, p) for _, p in INT8_FIELDS})
+CONSTS = np.array([ONE, 0x88888888, 0x80808080] + [((1 << w) - 1) << p for w, p in _MASKS],
+                  np.uint32).view(np.int32)
+MASK_AT = {wp: 3 + i for i, wp in enumerate(_MASKS)}
+
+
+def _value(word, shift, mask, one):
+    """The unsigned field `mask` (in place: bits p .. p + width - 1) of each int32 word after a right shift by
+    `shift`, times 2^(p - 23), as f32: OR-ed under the exponent of 1.0 (`one`) and 1.0 subtracted (exact, no
+    conversion instruction). `mask` and `one` are loaded, not literals: a LOP3 takes one immediate, and ptxas
+    would rebuild a second literal with a MOV before every use."""
+    w = jax.lax.shift_right_logical(word, jnp.int32(shift)) if shift else word
+    bits = jax.lax.bitwise_or(jax.lax.bitwise_and(w, mask), one)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32) - 1.0
+
+
+def _kernel(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, *, kind, md, M, K, N, kq, bk, bns, p, dt, gk):
+    j, part = pl.program_id(0), pl.program_id(1)
+    C, R = p.cols, p.rows
+    words = _words(kind)
+    nb = 4 if words else 1
+    c0 = j * C
+    cidx = c0 + jnp.arange(C, dtype=jnp.int32)
+    col_ok = cidx < (N // 4 if words else N)
+
+    # static: do rows past K exist in the last block (x must read 0 there, the values too when not int4's
+    # zero padding), do the columns end inside a tile
+    q_ragged = md != "int4" and K % p.step != 0
+    c_ragged = (N // 4 if words else N) % C != 0
+
+    def x_at(m, half, r):  # the f32 entry of x that multiplies stored row r (int4: its low / high nibble)
+        return x_ref[m, half, r]
+
+    consts = [c_ref[i] for i in range(len(CONSTS))]  # before the loops: held in registers
+    one = consts[0]
+
+    def row(r):  # [C] stored words / bytes of stored row r; rows past the stored rows read as 0
+        if not (q_ragged or c_ragged):
+            return q_ref[r, pl.ds(c0, C)]
+        mask = col_ok & (r < kq) if q_ragged else col_ok
+        return plt.load(q_ref.at[r, pl.ds(c0, C)], mask=mask, other=0 if words else 0.0)
+
+    def scales(g, b):  # [C] f32 scales of K block g for the columns of byte b (words) / of the tile (fp8)
+        g = jnp.minimum(g, gk - 1)
+        if bns >= N:
+            return jnp.full((C,), s_ref[g, 0], jnp.float32)
+        cols = cidx * 4 + b if words else cidx
+        gv = jnp.full((C,), g, jnp.int32)  # a gather: the columns of byte b lie 4 apart
+        return plt.load(s_ref.at[gv, cols // bns], mask=cols < N, other=0)
+
+    def sub_step(r0, carry):
+        """R stored rows from r0, one [C] load each: acc[m][b] += x * value (the values still offset to
+        unsigned and scaled by 2^(p - 23))."""
+        acc = [list(a) for a in carry]
+        for i in range(R):
+            r = r0 + i
+            w = row(r)
+            if kind == "int4":
+                xv = [(x_at(m, 0, r), x_at(m, 1, r)) for m in range(M)]
+                u = jax.lax.bitwise_xor(w, consts[1])
+                for b, ((s_lo, p_lo), (s_hi, p_hi)) in enumerate(INT4_FIELDS):
+                    lo = _value(u, s_lo, consts[MASK_AT[(4, p_lo)]], one)
+                    hi = _value(u, s_hi, consts[MASK_AT[(4, p_hi)]], one)
+                    for m in range(M):
+                        acc[m][b] = acc[m][b] + xv[m][0] * lo + xv[m][1] * hi
+            elif kind == "int8":
+                xv = [x_at(m, 0, r) for m in range(M)]
+                u = jax.lax.bitwise_xor(w, consts[2])
+                for b, (sh, pos) in enumerate(INT8_FIELDS):
+                    v = _value(u, sh, consts[MASK_AT[(8, pos)]], one)
+                    for m in range(M):
+                        acc[m][b] = acc[m][b] + xv[m] * v
+            else:
+                v = w.astype(jnp.float32)
+                for m in range(M):
+                    acc[m][0] = acc[m][0] + x_at(m, 0, r) * v
+        return acc
+
+    if kind == "int4":
+        unscale = [float(2 ** (23 - fields[0][1])) for fields in INT4_FIELDS]
+    elif kind == "int8":
+        unscale = [float(2 ** (23 - pos)) for _, pos in INT8_FIELDS]
+    else:
+        unscale = [1.0]
+    offset = {"int4": 8.0, "int8": 128.0}.get(kind, 0.0)
+
+    def block_sums(t):
+        """Scale block t: per row m and byte b, the sum over its rows of x * value, [C] f32."""
+        zero = [[jnp.zeros((C,), jnp.float32) for _ in range(nb)] for _ in range(M)]
+        subs = p.step // R
+        if subs == 1:
+            acc = sub_step(t * p.step, zero)
+        else:
+            acc = jax.lax.fori_loop(0, subs, lambda i, c: sub_step(t * p.step + i * R, c), zero)
+        if md == "channel":  # the offset goes once, at the end
+            return [[acc[m][b] * unscale[b] for b in range(nb)] for m in range(M)]
+        return [[acc[m][b] * unscale[b] - offset * xs_ref[m, t] for b in range(nb)] for m in range(M)]
+
+    def step(t, out):
+        ti = part * p.per + t
+        sums = block_sums(ti)
+        if md == "channel":
+            return [[out[m][b] + sums[m][b] for b in range(nb)] for m in range(M)]
+        sc = [scales(ti, b) for b in range(nb)]  # one scale block per step: its index is the step's
+        return [[out[m][b] + sums[m][b] * sc[b] for b in range(nb)] for m in range(M)]
+
+    out0 = [[jnp.zeros((C,), jnp.float32) for _ in range(nb)] for _ in range(M)]
+    n_steps = jnp.minimum(p.per, p.steps - part * p.per)  # the last part may hold fewer steps
+    out = jax.lax.fori_loop(0, n_steps, step, out0)
+    if md == "channel":
+        if offset:  # the sum of x over this part's rows
+            out = [[out[m][b] - offset * xs_ref[m, part] for b in range(nb)] for m in range(M)]
+        out = [[out[m][b] * scales(0, b) for b in range(nb)] for m in range(M)]
+    for m in range(M):
+        for b in range(nb):
+            cols = cidx * 4 + b if words else cidx
+            mv = jnp.full((C,), m, jnp.int32)  # a scatter: the columns of byte b lie 4 apart
+            if p.splits > 1:
+                plt.store(o_ref.at[jnp.full((C,), part, jnp.int32), mv, cols], out[m][b], mask=cols < N)
+            else:
+                plt.store(o_ref.at[mv, cols], out[m][b].astype(dt), mask=cols < N)
+
+
+def rows_of_x(x, kind, k, block, kq):
+    """x [M, K] -> f32 [M, H, kq]: entry [m, h, r] multiplies stored row r (int4: h = 0 its low nibbles' row of
+    K, h = 1 its high nibbles'; H = 1 otherwise), zero past K (kq: int4's stored rows, else whole loop steps). A few KB, arranged by XLA (fused into x's
+    producer), so the kernel loads each x entry at its row index with no index arithmetic or mask."""
+    M = x.shape[0]
+    x = x.astype(jnp.float32)
+    if kind != "int4":  # zero rows up to whole loop steps: the last step's rows past K multiply 0
+        return jnp.pad(x, ((0, 0), (0, kq - k)))[:, None, :]
+    g = block[0]
+    xp = jnp.pad(x, ((0, 0), (0, 2 * kq - k)))  # K padded to whole groups
+    return xp.reshape(M, -1, 2, g // 2).transpose(0, 2, 1, 3).reshape(M, 2, kq)
+
+
+def block_sums_of_x(xr, step):
+    """f32 [M, steps]: the sum of the x entries each loop step (scale block) multiplies, for the offset to
+    unsigned values (int4 8, int8 128), which comes back once per block and column: -offset * this sum."""
+    M, _, kq = xr.shape
+    pad = -kq % step
+    return jnp.pad(xr, ((0, 0), (0, 0), (0, pad))).reshape(M, xr.shape[1], -1, step).sum(axis=(1, 3))
+
+
+def as_words(q):
+    """int8 / packed int4 values [Kq, N] (N % 4 == 0) as int32 words [Kq, N / 4]: a bitcast (no copy)."""
+    kq, n = q.shape
+    return jax.lax.bitcast_convert_type(q.reshape(kq, n // 4, 4), jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "num_warps", "splits", "rows", "interpret"))
+def quant_gemv_pallas(x, q, scale, *, kind: str, k: int, block, num_warps: int | None = None,
+                      splits: int | None = None, rows: int | None = None, interpret: bool = False):
+    """The decode kernel. Inputs must pass quant_matmul.check_inputs and unsupported_reason here."""
+    block = tuple(block)
+    M, N = x.shape[0], q.shape[1]
+    dt = x.dtype
+    p = plan(M, k, N, kind, block, num_warps=num_warps, splits=splits, rows=rows)
+    stored = as_words(q) if _words(kind) else q
+    xr = rows_of_x(x, kind, k, block, q.shape[0] if kind == "int4" else p.steps * p.step)
+    xs = block_sums_of_x(xr, p.step * (p.per if mode(kind, k, block) == "channel" else 1))  # per block / part
+    consts = jnp.asarray(CONSTS)
+    kernel = functools.partial(_kernel, kind=kind, md=mode(kind, k, block), M=M, K=k, N=N, kq=q.shape[0],
+                               bk=block[0], bns=block[1], p=p, dt=dt, gk=scale.shape[0])
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, s: (0,) * len(a.shape))
+    if p.splits > 1:
+        out_shape = jax.ShapeDtypeStruct((p.splits, M, N), jnp.float32)
+    else:
+        out_shape = jax.ShapeDtypeStruct((M, N), dt)
+    out = pl.pallas_call(
+        kernel,
+        grid=(p.col_tiles, p.splits),
+        in_specs=[whole(xr), whole(xs), whole(stored), whole(scale), whole(consts)],
+        out_specs=whole(out_shape),
+        out_shape=out_shape,
+        compiler_params=plt.CompilerParams(num_warps=p.num_warps, num_stages=1),
+        interpret=interpret,
+        name=f"quant_matmul_{kind}",
+    )(xr, xs, stored, scale.astype(jnp.float32), consts)
+    return out.sum(axis=0).astype(dt) if p.splits > 1 else out
+

@@ -1,0 +1,174 @@
+"""The decode-rows quantized-matmul kernel (kernels_pallas/quant_gemv.py, interpret mode on CPU) against its XLA
+reference (quant_matmul_reference) and the float64 oracle of test_kernel_quant_matmul.py.
+
+Cases: int4 groups (K padded to whole groups, the padded rows' nibbles garbage), int8 per channel (K not a
+multiple of a load: rows past K), fp8 with K blocks and column blocks cut at both edges, per channel and per
+tensor; M = 1 .. 4 (decode and verify rows); K in parts (the last one shorter); x in f32, bf16 and f16. Values
+random over each format's whole range (every nibble and byte, fp8 subnormals): the kernel builds each value
+from its bits with integer logic, so every bit pattern is exercised. `rows` < 16 keeps each interpret-mode
+program small (the sub-step loop runs more times; the arithmetic is the same).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernels_pallas import quant_gemv as gemv
+from kernels_pallas.quant_matmul import quant_gemv, quant_matmul, quant_matmul_reference
+from qwen_mtp.tools.lowering import export_for, kernel_calls, triton_kernels
+from tests.hf_tiny import rel_err
+from tests.test_kernel_quant_matmul import _inputs, _oracle
+
+pytest.register_assert_rewrite("kernel_contract")
+from kernel_contract import KernelContract
+
+# (kind, "channel" | "tensor" | int4 group | fp8 block, M, K, N, x dtype, forced launch parameters)
+CASES = [
+    ("int4", 32, 1, 100, 24, "f32", {"rows": 4, "splits": 2}),     # K 100 -> 4 groups, parts of 2
+    ("int8", "channel", 2, 42, 24, "f32", {"rows": 4, "splits": 3}),  # rows past K in the last load
+    ("fp8", (16, 16), 3, 40, 40, "f32", {"rows": 4}),              # partial blocks at the K and N edges
+    ("fp8", "tensor", 1, 24, 8, "f32", {"rows": 8}),
+    ("int4", 16, 4, 48, 24, "bf16", {"rows": 4}),
+    ("fp8", "channel", 2, 40, 24, "f16", {"rows": 8, "splits": 2}),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    case: tuple
+
+    @property
+    def block(self):
+        kind, fmt, _, K, N = self.case[:5]
+        if fmt == "channel":
+            return (K, 1)
+        if fmt == "tensor":
+            return (K, N)
+        return (fmt, 1) if kind == "int4" else tuple(fmt)
+
+
+class TestQuantGemvContract(KernelContract):
+    """The kernel contract for the decode kernel; each case also against the float64 oracle (check_more)."""
+
+    F32_TOL = (1e-5,)
+
+    def f32_cases(self):
+        return [Run(c) for c in CASES if c[5] == "f32"]
+
+    def low_precision_cases(self):
+        return [Run(c) for c in CASES if c[5] != "f32"]
+
+    def case_id(self, run):
+        c = run.case
+        return f"{c[0]}-{c[1]}-M{c[2]}K{c[3]}N{c[4]}-{c[5]}".replace(" ", "")
+
+    def inputs(self, run):
+        kind, fmt, M, K, N, dtype = run.case[:6]
+        return _inputs(kind, fmt, M, K, N, dtype, seed=M + K + N)[:3]
+
+    def kernel(self, run, x, q, scale):
+        kind, K, tiling = run.case[0], run.case[3], run.case[6]
+        return gemv.quant_gemv_pallas(x, q, scale, kind=kind, k=K, block=run.block, interpret=True, **tiling)
+
+    def reference(self, run, x, q, scale):
+        return quant_matmul_reference(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block)
+
+    def dispatching(self, run, x, q, scale, **kw):
+        return quant_gemv(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block, **kw)
+
+    def reason(self, run, x, q, scale):
+        return gemv.unsupported_reason(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block)
+
+    def error(self, got, want):
+        return rel_err(got, want)[:1]
+
+    def tolerance(self, run):
+        return (1e-2,)  # the reference rounds each dequantized weight to x's dtype; the oracle bound is tighter
+
+    def check_more(self, run, args, got, ref, report):
+        kind, fmt, M, K, N, dtype, tiling = run.case
+        p = gemv.plan(M, K, N, kind, run.block, **tiling)
+        if "splits" in tiling:
+            assert p.splits == tiling["splits"], p
+        vs_oracle = rel_err(got, _oracle(*args, kind, K, run.block))[0]
+        # f32: the values are exact, the products and sums f32; bf16 / f16: only the output's rounding
+        bound = {"f32": 1e-5, "bf16": 2.0 ** -8, "f16": 2.0 ** -11}[dtype]
+        assert vs_oracle < bound, (vs_oracle, bound)
+        report(f"quant_gemv kernel {kind} {fmt} M{M} K{K} N{N} {dtype} grid ({p.col_tiles},{p.splits}) "
+               f"{p.cols} stored columns x {p.rows} rows per load: max_rel vs float64 {vs_oracle:.1e}")
+
+    def unsupported_case(self):
+        return Run(("int8", "channel", 2, 40, 22, "f32", {})), "multiple of 4"
+
+    def check_fallback(self, run, args, out):
+        assert rel_err(out, _oracle(*args, "int8", 40, run.block))[0] < 1e-5
+
+    def more_unsupported_reasons(self):
+        x, q, s, _ = _inputs("int8", "channel", 17, 40, 24, "f32", seed=1)
+        reasons = [(gemv.unsupported_reason(x, q, s, kind="int8", k=40, block=(40, 1)), "17 rows")]
+        x, q, s, _ = _inputs("fp8", (24, 16), 2, 60, 40, "f32", seed=1)
+        reasons.append((gemv.unsupported_reason(x, q, s, kind="fp8", k=60, block=(24, 16)), "K blocks of 24"))
+        return reasons
+
+    def lowering_case(self):
+        return Run(("int4", 32, 2, 100, 24, "f32", {}))
+
+    def auto(self, run):
+        kind, K, block = run.case[0], run.case[3], run.block
+        return jax.jit(lambda x, q, s: quant_gemv(x, q, s, kind=kind, k=K, block=block))
+
+    def custom_call(self, run):
+        return f"quant_matmul_{run.case[0]}"
+
+
+SDS = jax.ShapeDtypeStruct
+# Qwen3.5-27B's MLP and lm_head, and the 35B-A3B expert matrices (hidden 2048, expert intermediate 512)
+REAL = {"gate/up": (5120, 17408), "down": (17408, 5120), "lm_head": (5120, 248320),
+        "expert gate/up": (2048, 512), "expert down": (512, 2048)}
+FORMATS = {"int4": ((128, 1), "uint8"), "int8": (None, "int8"), "fp8": ((128, 128), "float8_e4m3fn")}
+
+
+def _real_args(kind, M, K, N):
+    block, storage = FORMATS[kind]
+    block = block or (K, 1)
+    kq = -(-K // block[0]) * block[0] // 2 if kind == "int4" else K
+    scale = (-(-K // block[0]), -(-N // block[1]))
+    return (SDS((M, K), jnp.bfloat16), SDS((kq, N), jnp.dtype(storage)), SDS(scale, jnp.float32)), block
+
+
+def test_decode_rows_lower_the_decode_kernel_for_cuda_at_real_shapes():
+    """backend "auto" in a program lowered for cuda: the decode kernel at M <= ROWS_FMA[kind] for every real
+    matrix and format (its Triton IR reads int32 words / fp8 bytes: no tt.dot, no dequantized matrix), the
+    tiled kernel or XLA above; lowered for cpu, the reference."""
+    for kind in FORMATS:
+        for name, (K, N) in REAL.items():
+            for M in sorted({1, gemv.ROWS_FMA[kind]}):
+                args, block = _real_args(kind, M, K, N)
+                assert gemv.unsupported_reason(*args, kind=kind, k=K, block=block) is None, (kind, name)
+                fn = jax.jit(lambda x, q, s, kind=kind, K=K, block=block: quant_matmul(x, q, s, kind=kind, k=K,
+                                                                                       block=block))
+                exported = export_for(fn, *args)
+                assert kernel_calls(exported) == [f"quant_matmul_{kind}"], (kind, name, M)
+                assert f"tensor<{K}x{N}xbf16>" not in exported.mlir_module(), (kind, name, M)
+                if M == 1 and name == "lm_head":
+                    (kernel,) = triton_kernels(exported)
+                    assert "tt.dot" not in kernel.ir and "tt.load" in kernel.ir, kind
+                assert kernel_calls(export_for(fn, *args, platform="cpu")) == []
+    args, block = _real_args("int4", gemv.ROWS_FMA["int4"] + 1, 5120, 17408)  # above: the tiled kernel
+    fn = jax.jit(lambda x, q, s: quant_matmul(x, q, s, kind="int4", k=5120, block=block, backend="pallas"))
+    assert kernel_calls(export_for(fn, *args)) == ["quant_matmul_int4"]
+    assert gemv.plan(1, 5120, 248320, "int4", (128, 1)).programs >= 132  # lm_head at M = 1: every SM busy
+    assert gemv.plan(1, 17408, 5120, "int4", (128, 1)).splits > 1  # down: K in parts
+
+
+def test_plan_fills_the_gpu_at_m1():
+    """Every real matrix at M = 1 runs at least 2 CTAs per SM of an H200 (132 SMs), splitting K where the
+    columns alone are too few, as far as parts of MIN_STEPS_PER_SPLIT steps allow (a 35B-A3B expert matrix
+    is 0.5 - 1 MB: it cannot fill the GPU alone)."""
+    for kind in FORMATS:
+        for K, N in REAL.values():
+            block = FORMATS[kind][0] or (K, 1)
+            p = gemv.plan(1, K, N, kind, block)
+            assert p.programs >= 264 or p.splits == max(1, p.steps // gemv.MIN_STEPS_PER_SPLIT), (kind, K, N, p)
