@@ -92,7 +92,7 @@ def _run_cli(args, capsys):
 
 def test_cli_spec_equals_no_spec_and_prints_stats(capsys, report):
     prompt = "def fibonacci(n):"
-    spec_text, spec_err = _run_cli([prompt, "--max-new-tokens", "48"], capsys)
+    spec_text, spec_err = _run_cli([prompt, "--max-new-tokens", "48", "--k", "3"], capsys)
     plain_text, plain_err = _run_cli([prompt, "--max-new-tokens", "48", "--no-spec"], capsys)
     win_text, _ = _run_cli([prompt, "--max-new-tokens", "48", "--window", "8", "--sinks", "2", "--k", "2"], capsys)
     assert spec_text == plain_text == win_text

@@ -69,7 +69,7 @@ def _cli(cache, *extra):
     env = {**os.environ, "QWEN_MTP_COMPILE_CACHE": str(cache), "JAX_LOG_COMPILES": "1",
            "JAX_EXPLAIN_CACHE_MISSES": "1"}  # (these make jax log each persistent-cache hit and miss)
     r = subprocess.run([sys.executable, "-m", "qwen_mtp", "generate", "def fibonacci(n):", "--max-new-tokens", "24",
-                        *extra], capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+                        "--k", "3", *extra], capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 

@@ -73,11 +73,16 @@ class Engine:
     model has an MTP head, else None. kv_dtype: as generate's. prefill_chunk: the largest prefill chunk.
     max_waiting: the waiting queue's bound (submit raises QueueFullError beyond it). segment: plain steps per
     segment (speculative rounds: segment // 2). buckets: the sub-batch sizes segments run at (default powers of
-    two up to max_batch, and max_batch). eos_token_id: as generate's (None: the config's)."""
+    two up to max_batch, and max_batch). eos_token_id: as generate's (None: the config's). max_k: the largest k
+    spec="auto" measures (its plan is measured at construction unless cached: every bucket x k = 0..max_k segment
+    program is compiled and timed, minutes on a CPU the first time).
+
+    Not yet: a model on a mesh (ArgumentError), a Wind-MTP window with spec="auto" (give SpecConfig(window=...)
+    for a fixed k), prefix caching, n > 1."""
 
     def __init__(self, model, max_batch: int = 8, max_model_len: int | None = None, spec="auto", kv_dtype=None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_waiting: int = 64, segment: int = DEFAULT_SEGMENT,
-                 buckets=None, eos_token_id=None, max_k: int = 4):
+                 buckets=None, eos_token_id=None, max_k: int = 3):
         from qwen_mtp.decoding.checks import check_chunk, eos_ids
         from qwen_mtp.serving import plan as plan_mod
 

@@ -29,6 +29,7 @@ from qwen_mtp.compiling import compile_cache
 from qwen_mtp.errors import ArgumentError
 
 PLAN_DIR = "qwen_mtp_plans"
+MARGIN = 0.05  # speculation is chosen only where it measured at least 5 % faster than plain decoding
 VERSION = 1
 # a text-like prompt for the engine's measurement (ids of the shipped tokenizer would do as well: acceptance
 # depends on the text, so the measurement uses the model's own greedy continuation of this prompt)
@@ -67,6 +68,19 @@ class Plan:
         b = next((b for b in buckets if b >= busy), buckets[-1] if buckets else None)
         return self.rates.get(b)
 
+    def note(self, busy: int = 1) -> str:
+        """The choice at `busy` busy slots and the measured ratio it came from, for a stats line."""
+        k, rates = self.k_for(busy), self._rates_for(busy) or {}
+        when = f"measured {self.measured_at}" if self.measured_at else "measured"
+        if k:
+            r = self.ratio(busy)
+            return f"plan k={k}" + ("" if r is None else f" ({r:.2f}x plain decode tok/s, {when})")
+        spec = {j: v for j, v in rates.items() if j}
+        if not spec or not rates.get(0):
+            return f"plan plain ({when})"
+        j = max(spec, key=spec.get)
+        return f"plan plain (best k={j} at {spec[j] / rates[0]:.2f}x plain decode tok/s, {when})"
+
     def describe(self) -> str:
         parts = []
         for o in sorted(self.choice):
@@ -85,6 +99,18 @@ class Plan:
         return cls({int(o): int(k) for o, k in d["choice"].items()},
                    {int(b): {int(k): float(v) for k, v in r.items()} for b, r in d["rates"].items()},
                    d.get("key", ""), d.get("measured_at", ""))
+
+
+def choose(rates: dict, margin: float = MARGIN) -> int:
+    """The k to run from measured rates {k: tokens/s} (0 = plain): the fastest k > 0 if it beat plain by at least
+    `margin`, else plain (a gain inside the timing noise is not worth the risk of decoding slower)."""
+    spec = {k: v for k, v in rates.items() if k}
+    if 0 not in rates:
+        return max(spec, key=lambda k: (spec[k], -k))
+    if not spec:
+        return 0
+    k = max(spec, key=lambda k: (spec[k], -k))
+    return k if spec[k] >= (1 + margin) * rates[0] else 0
 
 
 # ------------------------------------------------------------------------------------------------ caching
@@ -173,10 +199,11 @@ def _prompt(engine, prompt_ids):
     return rng.integers(1, V, DEFAULT_PROMPT_LEN).astype(np.int32)
 
 
-def measure(engine, prompt_ids=None, ks=None, segments: int = 3, key: str = "") -> Plan:
+def measure(engine, prompt_ids=None, ks=None, segments: int = 3, key: str = "", repeats: int = 2) -> Plan:
     """Time the engine's segments: for each bucket b and each k in ks (default 0..engine.max_k), b slots busy
     with the same greedy request; tokens per second per row over `segments` timed segments (after one that
-    compiles). The engine must be idle; its slots are freed afterwards."""
+    compiles), `repeats` times interleaved, each k's best; per bucket, `choose`. The engine must be idle; its
+    slots are freed afterwards."""
     from qwen_mtp.serving.requests import RequestHandle, SamplingParams
 
     dev = engine.dev
@@ -187,59 +214,71 @@ def measure(engine, prompt_ids=None, ks=None, segments: int = 3, key: str = "") 
     budget = engine.max_model_len - len(prompt)
     rates = {}
     for bucket in engine.buckets:
-        rates[bucket] = {}
-        for k in ks:
-            steps = engine.segment if k == 0 else max(1, engine.segment // 2)
-            need = (segments + 1) * steps * (k + 1) + 1
-            if need > budget:
-                raise ArgumentError("max_model_len", f"room for the plan's measurement ({len(prompt)} + {need})",
-                                    str(engine.max_model_len))
-            for s in range(bucket):
-                dev.prefill_into(s, RequestHandle(prompt, SamplingParams(max_tokens=budget)))
-            order = list(range(bucket)) if bucket < engine.max_batch else list(range(engine.max_batch))
-            full = bucket == engine.max_batch
-            dev.slots = dev.segment_call(k, bucket, order, full, False, False)[0]  # compile, warm
-            jax.block_until_ready(dev.slots.tok)
-            t0, tokens = time.perf_counter(), 0
-            for _ in range(segments):
-                res = dev.segment_call(k, bucket, order, full, False, False)
-                dev.slots = res[0]
-                tokens += int(np.asarray(res[2])[:bucket].sum())
-            dt = time.perf_counter() - t0
-            rates[bucket][k] = tokens / bucket / dt
-            dev.release(range(bucket))
+        order = list(range(bucket)) if bucket < engine.max_batch else list(range(engine.max_batch))
+        full = bucket == engine.max_batch
+        best = {k: 0.0 for k in ks}
+        for r in range(repeats):  # interleaved, each k's best rate: robust to a busy machine
+            for k in ks[r % len(ks):] + ks[:r % len(ks)]:
+                steps = engine.segment if k == 0 else max(1, engine.segment // 2)
+                need = (segments + 1) * steps * (k + 1) + 1
+                if need > budget:
+                    raise ArgumentError("max_model_len", f"room for the plan's measurement ({len(prompt)} + {need})",
+                                        str(engine.max_model_len))
+                for s in range(bucket):
+                    dev.prefill_into(s, RequestHandle(prompt, SamplingParams(max_tokens=budget)))
+                dev.slots = dev.segment_call(k, bucket, order, full, False, False)[0]  # compile, warm
+                jax.block_until_ready(dev.slots.tok)
+                t0, tokens = time.perf_counter(), 0
+                for _ in range(segments):
+                    res = dev.segment_call(k, bucket, order, full, False, False)
+                    dev.slots = res[0]
+                    tokens += int(np.asarray(res[2])[:bucket].sum())
+                best[k] = max(best[k], tokens / bucket / (time.perf_counter() - t0))
+                dev.release(range(bucket))
+        rates[bucket] = best
     choice = {}
     for o in range(1, engine.max_batch + 1):
-        b = next(b for b in engine.buckets if b >= o)
-        choice[o] = max(rates[b], key=lambda k: (rates[b][k], -k))
+        choice[o] = choose(rates[next(b for b in engine.buckets if b >= o)])
     return Plan(choice, rates, key, _now())
 
 
 # ------------------------------------------------------------------------------------------------ generate
-def generate_plan(model, ids, max_new, sampling_kw: dict, make_spec, candidates=(1, 2, 3, 4), log=None) -> Plan:
-    """The CLI's plan (generate at batch 1): cached per machine + model + settings; else decoding.auto_k's
-    measurement: plain and each candidate k compiled ahead of time and then timed once with generate itself on
-    these ids, decode seconds per token after the first (as --k auto times them), cached."""
+CLI_NEW_TOKENS = 32  # the generate plan's measurement length (whatever the run's own max_new_tokens)
+CLI_CANDIDATES = (1, 2, 3)
+
+
+def generate_plan(model, ids, sampling_kw: dict, make_spec, candidates=CLI_CANDIDATES, log=None,
+                  repeats: int = 3) -> Plan:
+    """The CLI's plan (generate at batch 1): cached per machine + model + settings (sampling, kv_dtype, window,
+    mesh); else measured: plain and each candidate k compiled ahead of time, then timed once with generate itself
+    on these ids for CLI_NEW_TOKENS new tokens (no EOS stop), `repeats` times interleaved, each candidate's
+    fastest decode time per token after the first; then cached. The choice: `choose`."""
+    from qwen_mtp.decoding.generate import generate, precompile
 
     spec = make_spec(1)
-    settings = dict(kind="generate", window=spec.window, sinks=spec.sinks, candidates=list(candidates),
-                    max_new=int(max_new), **{k: v for k, v in sampling_kw.items() if k != "seed"})
+    mesh = getattr(model, "mesh", None)
+    settings = {"kind": "generate", "window": spec.window, "sinks": spec.sinks, "candidates": list(candidates),
+                "new_tokens": CLI_NEW_TOKENS, "mesh": None if mesh is None else dict(mesh.shape),
+                **{k: v for k, v in sampling_kw.items() if k != "seed"}}
     key = plan_key(model, settings)
     cached = load_cached(key)
     if cached is not None:
         return cached
-    from qwen_mtp.decoding.generate import generate, precompile
-
-    rates = {}
-    for k in (0, *candidates):
-        spec = None if k == 0 else make_spec(k)
-        precompile(model, ids, max_new, spec=spec, **sampling_kw)
-        r = generate(model, ids, max_new, spec=spec, stream=lambda rows: None, **sampling_kw)
-        rates[k] = max(int(r.lengths.sum()) - len(r.lengths), 1) / max(r.stats.decode_s, 1e-9)
+    kw = {**sampling_kw, "eos_token_id": []}
+    specs = {k: None if k == 0 else make_spec(k) for k in (0, *candidates)}
+    for k, spec in specs.items():
+        precompile(model, ids, CLI_NEW_TOKENS, spec=spec, **kw)
+    best_s = {k: float("inf") for k in specs}
+    for r in range(repeats):  # interleaved, each candidate's fastest run: robust to a busy machine
+        order = list(specs)[r % len(specs):] + list(specs)[:r % len(specs)]
+        for k in order:
+            res = generate(model, ids, CLI_NEW_TOKENS, spec=specs[k], stream=lambda rows: None, **kw)
+            best_s[k] = min(best_s[k], res.stats.decode_s / max(int(res.lengths.sum()) - len(res.lengths), 1))
+    rates = {k: 1.0 / max(t, 1e-9) for k, t in best_s.items()}
     if log is not None:
-        row = "  ".join(f"{'plain' if k == 0 else f'k={k}'}: {1e3 / v:.2f}" for k, v in rates.items())
-        print(f"[plan] TPOT ms  {row}", file=log)
-    best = max(rates, key=lambda k: (rates[k], -k))
+        row = "  ".join(f"{'plain' if k == 0 else f'k={k}'}: {v:.1f}" for k, v in rates.items())
+        print(f"[plan] decode tok/s  {row} (measured once, cached for this machine, model and settings)", file=log)
+    best = choose(rates)
     plan = Plan({1: best}, {1: rates}, key, _now())
     save_cached(plan)
     return plan

@@ -83,6 +83,7 @@ def cmd_generate(args) -> int:
     sampling_kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                        kv_dtype=args.kv_dtype, repetition_penalty=penalty)
     make_spec = lambda k: SpecConfig(k=k, window=args.window, sinks=args.sinks)
+    plan = None
     if args.no_spec:
         spec = None
     else:
@@ -90,7 +91,12 @@ def cmd_generate(args) -> int:
             raise ArgumentError("--model", "a checkpoint with an MTP head (mtp.* tensors), or --no-spec",
                                 f"{path} without mtp.*")
         k = args.k
-        if k == "auto":
+        if k is None:  # no --k: the plan measured on this machine (serving/plan.py, cached); an explicit --k wins
+            from qwen_mtp.serving.plan import generate_plan
+            plan = generate_plan(_with_draft_vocab(model, path, args.draft_vocab, stderr), ids, sampling_kw,
+                                 make_spec, log=stderr)
+            k = same_on_every_process(plan.k_for(1)) or None
+        elif k == "auto":
             k = pick_k(model, ids, args.max_new_tokens, sampling_kw, make_spec, log=stderr)
             k = same_on_every_process(k or 0) or None
         spec = None if k is None else make_spec(k)
@@ -123,6 +129,8 @@ def cmd_generate(args) -> int:
         dv = model.weights.draft_vocab
         win += "" if dv is None else f", draft vocab {dv.ids.shape[0]}"
         line += f", k={spec.k} ({win}), AL {fmt(s.acceptance_length)}, alpha_j [{format_alphas(s.alpha)}]"
+    if plan is not None:
+        line += f", {plan.note()}"
     if penalty != 1.0:
         line += f", repetition penalty {penalty:g} ({penalty_from})"
     print(line, file=stderr if args.stats_to_stderr else stdout, flush=True)
