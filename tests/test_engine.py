@@ -19,6 +19,7 @@ import pytest
 import qwen_mtp
 from qwen_mtp import Engine, SamplingParams
 from qwen_mtp.errors import ArgumentError, QueueFullError
+from qwen_mtp.serving import plan as plan_mod
 from qwen_mtp.serving.plan import Plan
 
 SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "qwen3_5_small"
@@ -128,6 +129,20 @@ def test_queue_full_is_a_typed_error_and_bad_input_names_the_argument(engine, pr
         engine.submit([5000], SamplingParams())
     with pytest.raises(ArgumentError, match="temperature"):
         SamplingParams(temperature=-1.0)
+
+
+def test_plan_is_measured_and_cached(engine, prompts, tmp_path, monkeypatch):
+    """plan.measure times the engine's own segment programs (here the two the module already compiled); the
+    plan is kept beside the compile cache and read back; choose keeps plain unless speculation won clearly."""
+    monkeypatch.setenv("QWEN_MTP_COMPILE_CACHE", str(tmp_path))
+    measured = plan_mod.measure(engine, prompts[3], ks=(0, 2), segments=2, key="test-key", repeats=1)
+    assert set(measured.rates) == {3} and set(measured.rates[3]) == {0, 2}
+    assert all(v > 0 for v in measured.rates[3].values()) and engine.running == 0
+    assert measured.choice == {o: plan_mod.choose(measured.rates[3]) for o in (1, 2, 3)}
+    assert plan_mod.save_cached(measured) == tmp_path / plan_mod.PLAN_DIR / "test-key.json"
+    assert plan_mod.load_cached("test-key") == measured
+    assert plan_mod.choose({0: 100.0, 1: 104.0, 2: 90.0}) == 0 and plan_mod.choose({0: 100.0, 2: 120.0}) == 2
+    assert "k=2" in Plan({1: 2}, {1: {0: 1.0, 2: 1.5}}).note() and "1.50x" in Plan({1: 2}, {1: {0: 1.0, 2: 1.5}}).note()
 
 
 def test_engine_thread_serves_concurrent_submitters(engine, prompts, reference):

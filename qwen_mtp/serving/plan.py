@@ -42,6 +42,7 @@ class Plan:
     rates: dict  # {bucket: {k: tokens per second per busy row}}
     key: str = ""
     measured_at: str = ""
+    why: str = ""  # a choice made without measuring: the reason
 
     def __post_init__(self):
         if not self.choice or not all(isinstance(o, int) and o >= 1 and isinstance(k, int) and 0 <= k <= 16
@@ -71,6 +72,8 @@ class Plan:
     def note(self, busy: int = 1) -> str:
         """The choice at `busy` busy slots and the measured ratio it came from, for a stats line."""
         k, rates = self.k_for(busy), self._rates_for(busy) or {}
+        if self.why:
+            return f"plan {'plain' if k == 0 else f'k={k}'} ({self.why})"
         when = f"measured {self.measured_at}" if self.measured_at else "measured"
         if k:
             r = self.ratio(busy)
@@ -245,16 +248,20 @@ def measure(engine, prompt_ids=None, ks=None, segments: int = 3, key: str = "", 
 # ------------------------------------------------------------------------------------------------ generate
 CLI_NEW_TOKENS = 32  # the generate plan's measurement length (whatever the run's own max_new_tokens)
 CLI_CANDIDATES = (1, 2, 3)
+CLI_MIN_NEW = 16  # a run of fewer new tokens decodes plain, unmeasured: its head prefill cannot pay off
 
 
-def generate_plan(model, ids, sampling_kw: dict, make_spec, candidates=CLI_CANDIDATES, log=None,
+def generate_plan(model, ids, max_new: int, sampling_kw: dict, make_spec, candidates=CLI_CANDIDATES, log=None,
                   repeats: int = 3) -> Plan:
     """The CLI's plan (generate at batch 1): cached per machine + model + settings (sampling, kv_dtype, window,
     mesh); else measured: plain and each candidate k compiled ahead of time, then timed once with generate itself
     on these ids for CLI_NEW_TOKENS new tokens (no EOS stop), `repeats` times interleaved, each candidate's
-    fastest decode time per token after the first; then cached. The choice: `choose`."""
+    fastest decode time per token after the first; then cached. The choice: `choose`. A run of fewer than
+    CLI_MIN_NEW new tokens decodes plain without measuring."""
     from qwen_mtp.decoding.generate import generate, precompile
 
+    if max_new < CLI_MIN_NEW:
+        return Plan({1: 0}, {}, why=f"runs of under {CLI_MIN_NEW} new tokens decode plain, unmeasured")
     spec = make_spec(1)
     mesh = getattr(model, "mesh", None)
     settings = {"kind": "generate", "window": spec.window, "sinks": spec.sinks, "candidates": list(candidates),

@@ -93,8 +93,8 @@ def cmd_generate(args) -> int:
         k = args.k
         if k is None:  # no --k: the plan measured on this machine (serving/plan.py, cached); an explicit --k wins
             from qwen_mtp.serving.plan import generate_plan
-            plan = generate_plan(_with_draft_vocab(model, path, args.draft_vocab, stderr), ids, sampling_kw,
-                                 make_spec, log=stderr)
+            plan = generate_plan(_with_draft_vocab(model, path, args.draft_vocab, stderr), ids, args.max_new_tokens,
+                                 sampling_kw, make_spec, log=stderr)
             k = same_on_every_process(plan.k_for(1)) or None
         elif k == "auto":
             k = pick_k(model, ids, args.max_new_tokens, sampling_kw, make_spec, log=stderr)
