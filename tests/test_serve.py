@@ -277,6 +277,89 @@ def test_stop_drains_running_requests(tok):
     engine.stop()
 
 
+def test_disconnect_while_waiting_for_a_whole_answer_cancels(tok):
+    engine = FakeEngine(slots=1, step_s=0.02)
+    with _server(tok, engine) as s:
+        c = http.client.HTTPConnection(s.host, s.port, timeout=30)
+        c.request("POST", "/v1/completions", json.dumps({"prompt": "x = 1", "max_tokens": 60}),
+                  {"Content-Type": "application/json"})
+        deadline = time.time() + 10
+        while not engine.running and time.time() < deadline:
+            time.sleep(0.01)
+        c.sock.close()  # gone before the answer
+        c.close()
+        while not engine.cancelled_ids and time.time() < deadline:
+            time.sleep(0.02)
+        assert engine.cancelled_ids
+    engine.stop()
+
+
+def test_engine_failure_is_an_openai_error(tok):
+    class Broken(FakeEngine):
+        def _loop(self):
+            while not self.stopped:
+                with self.cond:
+                    for h in list(self.waiting):
+                        self.waiting.remove(h)
+                        h._finish("error", RuntimeError("device lost"))
+                    self.cond.wait(0.05)
+
+    engine = Broken()
+    with _server(tok, engine) as s:
+        status, _, raw = _raw(s, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 3})
+        assert status == 500 and "device lost" in json.loads(raw)["error"]["message"]
+        status, _, raw = _raw(s, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 3, "stream": True})
+        events = raw.decode().split("\n\n")
+        assert status == 200 and "device lost" in events[-3] and events[-2] == "data: [DONE]"
+    engine.stop()
+
+
+SIGTERM_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from serve_fakes import FakeEngine
+from qwen_mtp.loading.folder import default_model_path, load_tokenizer
+from qwen_mtp.serving.http import create_app
+from qwen_mtp.serving.http_server import serve
+tok = load_tokenizer(default_model_path())
+engine = FakeEngine(slots=1, step_s=0.02)
+app = create_app(engine, tok, model_name="m", max_model_len=64, vocab_size=4096, defaults={{"temperature": 0.0}})
+serve(app, port=0, log_level="warning", shutdown_timeout=20, on_ready=lambda p: print(p, flush=True))
+engine.stop()
+print("exited cleanly", flush=True)
+"""
+
+
+def test_sigterm_finishes_running_requests_and_exits():
+    """`serve` (what `python -m qwen_mtp serve` runs) in a process of its own: SIGTERM while a stream runs ->
+    the stream completes, new connections are refused, the process exits 0."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parent)
+    p = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT.format(tests=tests)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        port = int(p.stdout.readline())
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        c.request("POST", "/v1/completions", json.dumps({"prompt": "x = 1", "max_tokens": 50, "stream": True}),
+                  {"Content-Type": "application/json"})
+        r = c.getresponse()
+        assert r.read(6) == b"data: "
+        p.send_signal(signal.SIGTERM)
+        body = r.read().decode()
+        assert body.endswith("data: [DONE]\n\n") and '"finish_reason":"length"' in body
+        assert p.wait(30) == 0, p.stderr.read()
+        assert p.stdout.read().strip() == "exited cleanly"
+        with pytest.raises(OSError):
+            http.client.HTTPConnection("127.0.0.1", port, timeout=5).request("GET", "/health")
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
 # ---------------------------------------------------------------------------------------------- the real engine
 # The shipped model in f32 behind the real Engine, configured as tests/test_engine.py's (3 slots, one bucket, a
 # plan that speculates with k = 2 at 1-2 busy slots and decodes plain at 3, prompts of at most 16 tokens and at

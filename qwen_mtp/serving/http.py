@@ -254,6 +254,10 @@ def create_app(engine, tokenizer, *, model_name: str, max_model_len: int, vocab_
     async def _http_error(request, e):
         return error_response(APIError(e.status_code, str(e.detail), None, None))
 
+    @app.exception_handler(Exception)
+    async def _internal(request, e):  # an engine failure (RequestHandle "error"), a bug: still OpenAI's shape
+        return error_response(APIError(500, f"{type(e).__name__}: {e}", None, "internal_error"))
+
     @app.exception_handler(RequestValidationError)
     async def _validation(request, e):
         return error_response(APIError(400, str(e), None, "invalid_request"))

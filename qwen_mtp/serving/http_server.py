@@ -50,6 +50,11 @@ def _server(app, *, log_level: str, shutdown_timeout: float):
         def handle_exit(self, sig, frame):
             app.state.server.draining = True  # /health 503, new requests 503, while running ones finish
             super().handle_exit(sig, frame)
+            # uvicorn re-raises a caught signal once it has shut down, which would end the process before the
+            # caller stops its engine: the shutdown is done here, so `serve` returns instead
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
 
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
                             lifespan="off", access_log=False)
