@@ -86,6 +86,17 @@ def _spec(args, model):
     return SpecConfig(k=args.spec, window=args.window, sinks=args.sinks)
 
 
+def _warm_defaults(engine, defaults: dict) -> None:
+    """The engine precompiles greedy programs without a penalty; a request with the folder's defaults (a
+    repetition penalty, sampling) compiles its variant on first use: do that now, not in a client's request."""
+    from qwen_mtp.serving.requests import SamplingParams
+
+    keys = ("temperature", "top_p", "top_k", "repetition_penalty")
+    kw = {k: defaults[k] for k in keys if k in defaults}
+    if kw:
+        engine.submit([1, 2, 3], SamplingParams(max_tokens=2, **kw)).result(timeout=1800)
+
+
 def cmd_serve(args) -> int:
     from qwen_mtp.extras import require
 
@@ -111,12 +122,13 @@ def cmd_serve(args) -> int:
     app = create_app(engine, tok, model_name=name, max_model_len=engine.max_model_len,
                      vocab_size=model.config.vocab_size, chat_template=template, api_key=api_key,
                      max_body_bytes=args.max_body_bytes, defaults=defaults)
-    print(f"[{name}] {args.max_batch} slots, context {engine.max_model_len}, speculation: "
-          f"{engine.describe_spec()}; chat template: {'yes' if template else 'none (chat endpoint answers 400)'}; "
-          f"API key: {'required' if api_key else 'none'}; ready in {time.perf_counter() - t0:.1f}s "
-          f"(compile {compile_s:.1f}s)", file=sys.stderr, flush=True)
-    engine.start()
     try:
+        engine.start()
+        _warm_defaults(engine, defaults)
+        print(f"[{name}] {args.max_batch} slots, context {engine.max_model_len}, speculation: "
+              f"{engine.describe_spec()}; chat template: {'yes' if template else 'none (chat endpoint answers 400)'}"
+              f"; API key: {'required' if api_key else 'none'}; ready in {time.perf_counter() - t0:.1f}s "
+              f"(compile {compile_s:.1f}s)", file=sys.stderr, flush=True)
         serve(app, host=args.host, port=args.port, log_level=args.log_level,
               shutdown_timeout=args.shutdown_timeout,
               on_ready=lambda port: print(f"serving on http://{args.host}:{port}/v1 (SIGTERM or Ctrl-C stops)",
