@@ -23,7 +23,8 @@ class APIError(Exception):
     """An OpenAI-style error answer: HTTP status, message, type, param (the field at fault) and code."""
 
     TYPES: ClassVar[dict] = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+                             405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                             503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None):
