@@ -178,6 +178,9 @@ class _Server:
         return run
 
     def finished(self, run: Run, n_prompt: int):
+        if run.recorded:
+            return
+        run.recorded = True
         self.metrics.finished(prompt_tokens=n_prompt, generated=run.generated, reason=run.finish_reason or "abort",
                               arrival=run.arrival, first=run.first, last=run.last)
 
@@ -197,6 +200,22 @@ async def _collect(srv: _Server, run: Run, request) -> str:
     finally:
         watcher.cancel()
         run.cancel()  # a no-op once finished
+
+
+class _RunStream(StreamingResponse):
+    """A streamed answer whose run is cancelled (and counted) however the response ends, also when the client
+    left before the stream's first chunk (then the generator never starts, so its own `finally` never runs)."""
+
+    def __init__(self, content, srv, run, n_prompt, **kw):
+        super().__init__(content, **kw)
+        self.srv, self.run, self.n_prompt = srv, run, n_prompt
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.cancel()
+            self.srv.finished(self.run, self.n_prompt)
 
 
 def _sse(obj) -> bytes:
@@ -270,8 +289,8 @@ def create_app(engine, tokenizer, *, model_name: str, max_model_len: int, vocab_
         run = await srv.start(ids, params, proto.stop_strings(req))
         rid, created = proto.new_id("chatcmpl" if chat else "cmpl"), proto.now()
         if req.stream:
-            return StreamingResponse(_stream(srv, run, len(ids), req, chat, rid, created),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return _RunStream(_stream(srv, run, len(ids), req, chat, rid, created), srv, run, len(ids),
+                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             text = await _collect(srv, run, request)
         finally:

@@ -74,6 +74,7 @@ class Run:
         self.engine, self.detok, self.handle = engine, detok, None
         self.arrival, self.first, self.last = arrival, None, None
         self.generated, self.finish_reason = 0, None
+        self.recorded = False  # counted in the metrics (once)
         self._event, self._loop = asyncio.Event(), loop
         self._cancelled = False
         self._lock = threading.Lock()
