@@ -1,14 +1,11 @@
 """build_parser (every command, flag, default and help text) and preflight (what a command will need at its end,
 checked before any work).
 
-Every option's help line shows its default: Help appends "(default: X)" where the text does not say it already;
-a default of None is said in words in the help text itself (what happens without the flag)."""
+Every option's help line shows its default: usage.Help appends "(default: X)" where the text does not say it
+already; a default of None is said in words in the help text itself (what happens without the flag)."""
 
 from __future__ import annotations
 
-import argparse
-import shutil
-import textwrap
 from pathlib import Path
 
 from qwen_mtp.compiling import compile_cache
@@ -38,34 +35,14 @@ from qwen_mtp.trunk.state import KV_DTYPE_NAMES
 CERTIFY_MINUTES_PER_CONFIG = 0.4  # the shipped model on a 2-core CPU machine: 50 configurations in about 20 min
 
 
-class Help(argparse.RawDescriptionHelpFormatter):
-    """Each option's help ends with its default, unless the text says it ('default' in it) or there is none to
-    show (None, a switch's False)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        d = action.default
-        if "default" in text.lower() or d is None or d is False or d is argparse.SUPPRESS or action.dest == "help":
-            return text
-        shown = ",".join("native" if w is None else str(w) for w in d) if isinstance(d, list) else d
-        return f"{text} (default: {str(shown).replace('%', '%%')})"
-
-
 def _command(sub, name: str, summary: str, description: str):
     """A command's parser: `summary` on the command list, `summary` + `description` atop its own -h page."""
-    paragraphs = (f"{summary[0].upper()}{summary[1:]}.", description)
-    return sub.add_parser(name, help=summary, formatter_class=Help,
-                          description="\n\n".join(textwrap.fill(p, _width()) for p in paragraphs))
-
-
-def _width() -> int:
-    return min(100, shutil.get_terminal_size().columns - 2)  # argparse's own width, at most 100
+    return sub.add_parser(name, help=summary, description=f"{summary[0].upper()}{summary[1:]}.\n\n{description}")
 
 
 def build_parser():
-    ap = Parser(prog=PROG, formatter_class=Help, description=textwrap.fill(
-        "qwen-mtp: Qwen3.5 inference in JAX with the MTP head as speculative drafter. Each command's own page, its "
-        "options and their defaults: python -m qwen_mtp COMMAND -h", _width()))
+    ap = Parser(prog=PROG, description="qwen-mtp: Qwen3.5 inference in JAX with the MTP head as speculative "
+                "drafter. Each command's own page, its options and their defaults: python -m qwen_mtp COMMAND -h")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     model_help = "model folder: config.json, the weights (*.safetensors or a convert output) and tokenizer.json " \
                  "(default: the shipped checkpoints/qwen3_5_small)"
@@ -80,9 +57,8 @@ def build_parser():
     g.add_argument("--model", default=None, metavar="DIR", help=model_help)
     g.add_argument("--max-new-tokens", type=pos_int, metavar="N", default=128,
                    help="tokens to generate at most (stops at EOS)")
-    g.add_argument("--k", type=k_arg, default=None, help="drafts per round, 1..16, or 'auto' to time plain and "
-                   f"k in {list(K_AUTO_CANDIDATES)} on this machine and use the fastest (default: the speculation "
-                   "plan measured once per machine, model and settings and cached, plain where speculation is slower)")
+    g.add_argument("--k", type=k_arg, default=3, help="drafts per round, 1..16, or 'auto' to time plain and "
+                   f"k in {list(K_AUTO_CANDIDATES)} on this machine and use the fastest")
     g.add_argument("--window", type=pos_int, default=None, help="Wind-MTP: the draft head attends to the last "
                    "WINDOW positions plus the sinks (default: native full attention)")
     g.add_argument("--sinks", type=nonneg_int, default=0, help="with --window: the first SINKS positions stay "

@@ -56,7 +56,7 @@ def add_serve_command(sub) -> None:
                    "to the last WINDOW positions plus the sinks (default: native full attention)")
     s.add_argument("--sinks", type=nonneg_int, default=0, help="with --window: positions always visible")
     s.add_argument("--quant", choices=["int8", "int4", "fp8"], default=None, help="quantize the weights as they "
-                   "load")
+                   "load (default: as stored)")
     s.add_argument("--kv-dtype", choices=list(KV_DTYPE_NAMES), default=None, help="dtype of the KV caches (default: the compute dtype)")
     s.add_argument("--api-key", default=None, metavar="KEY", help=f"require 'Authorization: Bearer KEY' on /v1/* "
                    f"(default: ${API_KEY_ENV} if set, else no key)")
@@ -64,9 +64,10 @@ def add_serve_command(sub) -> None:
                    "larger: 413)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds running requests "
                    "may take to finish before they are cancelled (default 30)")
-    s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
+    s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
+                   help="the server's log level")
     s.add_argument("--compile-cache", default=None, metavar="DIR|off", help="jax's persistent compilation cache "
-                   "folder (as for generate)")
+                   "folder (as for generate; default: $QWEN_MTP_COMPILE_CACHE, else ~/.cache/qwen_mtp/jax)")
     s.set_defaults(func=cmd_serve)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import textwrap
 
 from qwen_mtp.errors import ArgumentError, QwenMTPError
 
@@ -46,8 +47,31 @@ def error_line(prog: str, message: str, kind: str = "error") -> str:
     return f"{_name(prog)}: {kind}: {' '.join(str(message).split())}"
 
 
+class Help(argparse.HelpFormatter):
+    """Each option's help ends with its default, unless the text says it ('default' in it) or there is none to
+    show (None, a switch's False). A description keeps its paragraphs (blank-line separated), each wrapped."""
+
+    def _fill_text(self, text, width, indent):
+        return "\n\n".join(textwrap.fill(" ".join(p.split()), width, initial_indent=indent,
+                                         subsequent_indent=indent) for p in text.split("\n\n"))
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        d = action.default
+        if "default" in text.lower() or d is None or d is False or d is argparse.SUPPRESS or action.dest == "help":
+            return text
+        shown = ",".join("native" if w is None else str(w) for w in d) if isinstance(d, list) else d
+        return f"{text} (default: {str(shown).replace('%', '%%')})"
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse's parser, whose errors are one line naming the flag (no usage block: `-h` shows it), exit 2."""
+    """argparse's parser, whose errors are one line naming the flag (no usage block: `-h` shows it), exit 2; its
+    help shows every option's default (Help), every command's parser included (add_subparsers makes them of this
+    class)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", Help)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(2, error_line(self.prog, tidy(message, getattr(self, "commands", None))) + "\n")
