@@ -3,7 +3,7 @@ offline `generate` gives for each prompt alone (f32 greedy; the oracle is genera
 tests/test_spec_lossless.py holds to transformers); a plan that speculates at low occupancy and decodes plain at
 high occupancy is followed as slots fill and empty, output unchanged; freed slots are reused; cancellation; a
 seeded sampled request gives the same tokens alone and among others, in plain and speculative segments;
-per-row sampling values are respected; a full queue is a typed error; the engine's own thread.
+per-row sampling values are respected (top_k, greedy rows, a row's own repetition penalty against generate's); a full queue is a typed error; the engine's own thread.
 
 Compiles are kept few: one engine for the module (3 slots, one bucket, plan k in {0, 2}), prompts of at most
 16 tokens (one prefill chunk) and at most 16 new tokens (one generate program)."""
@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -25,6 +26,7 @@ from qwen_mtp.serving.plan import Plan
 SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "qwen3_5_small"
 LENS = (5, 12, 9, 16, 3, 7)
 MAX_TOKENS = (16, 5, 12, 9, 14, 16)
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # every XLA compile (jax.monitoring)
 PLAN = Plan({1: 2, 2: 2, 3: 0}, {3: {0: 1.0, 2: 1.0}})  # speculate (k=2) with 1-2 busy slots, plain with 3
 
 
@@ -103,7 +105,7 @@ def test_seeded_sampling_is_reproducible_per_request(engine, prompts, reference)
     segs = dict(engine.metrics()["segments_by_k"])
     crowd = [engine.submit(prompts[0], sampled),
              engine.submit(prompts[1], SamplingParams(max_tokens=MAX_TOKENS[1], temperature=0.7, top_k=1, seed=3)),
-             engine.submit(prompts[2], SamplingParams(max_tokens=MAX_TOKENS[2]))]
+             engine.submit(prompts[2], SamplingParams(max_tokens=MAX_TOKENS[2], repetition_penalty=1.3))]
     drain(engine)  # among two others: plain segments
     other_seed = engine.submit(prompts[0], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=40,
                                                           seed=12))
@@ -113,7 +115,10 @@ def test_seeded_sampling_is_reproducible_per_request(engine, prompts, reference)
     assert alone.tokens != reference[0]  # it did sample (the control: greedy would give the reference)
     assert other_seed.tokens != alone.tokens  # the seed matters
     assert crowd[1].tokens == reference[1]  # top_k = 1: the argmax, whatever the temperature
-    assert crowd[2].tokens == reference[2]  # a greedy row among sampled ones
+    # a greedy row with its own repetition penalty among sampled ones: generate's output under that penalty
+    r = qwen_mtp.generate(engine.model, prompts[2], MAX_TOKENS[2], repetition_penalty=1.3)
+    assert crowd[2].tokens == r.tokens[0, :r.lengths[0]].tolist()
+    assert crowd[2].tokens != reference[2]  # the penalty changed this prompt's output (the control)
 
 
 def test_queue_full_is_a_typed_error_and_bad_input_names_the_argument(engine, prompts):
@@ -151,6 +156,9 @@ def test_engine_thread_serves_concurrent_submitters(engine, prompts, reference):
     def client(i):
         results[i] = list(engine.submit(prompts[i], SamplingParams(max_tokens=MAX_TOKENS[i])))
 
+    compiled = []
+    listener = lambda event, duration_secs, **_: compiled.append(event) if event == COMPILE_EVENT else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
     engine.start()
     try:
         threads = [threading.Thread(target=client, args=(i,)) for i in range(5)]
@@ -160,4 +168,6 @@ def test_engine_thread_serves_concurrent_submitters(engine, prompts, reference):
             t.join(300)
     finally:
         engine.stop()
+        jax.monitoring.unregister_event_duration_listener(listener)
     assert [results.get(i) for i in range(5)] == reference[:5]
+    assert compiled == []  # requests of shapes seen before compile nothing: no program depends on a request
