@@ -116,4 +116,5 @@ def test_cli_profile_plain(tmp_path, capsys):
     for phase in ("step", "pick", "commit", "prefill"):
         assert f"  {phase} " in out, phase
     assert f"xprof --logdir {tmp_path / 'tr'} --port 8791" in out and "SSH tunnel" in out
+    assert out.startswith(f"tracing 1 generate call(s) into {(tmp_path / 'tr').resolve()} (--logdir; ")  # said first
     assert list((tmp_path / "tr").rglob("*.xplane.pb"))
