@@ -1,21 +1,27 @@
 import os
+import shutil
 import tempfile
 
 # One persistent compilation cache for the whole run, this process and every process it starts (CLI runs,
 # notebook kernels, mesh and multi-process workers), in a fresh folder: a program compiled once is read back
-# by the next process that needs it. Set before jax is imported (jax reads these at import).
-_CACHE = tempfile.mkdtemp(prefix="qwen_mtp_test_jax_cache_")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+# by the next process that needs it. Set before jax is imported (jax reads these at import). Only the process
+# that makes the folder removes it, at its end (pytest_unconfigure below): under pytest-xdist that is the
+# controller, whose environment the workers inherit, so they reuse its folder and make none. A folder named in
+# JAX_COMPILATION_CACHE_DIR beforehand is the caller's, used and kept.
+_MADE_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _MADE_CACHE = tempfile.mkdtemp(prefix="qwen_mtp_test_jax_cache_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _MADE_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "1")
 os.environ.setdefault("QWEN_MTP_COMPILE_CACHE", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-import hf_tiny  # noqa: E402  (tests/ is on sys.path under pytest's default import mode)
+import hf_tiny  # tests/ is on sys.path under pytest's default import mode
 
 # name -> (builder kind, seed, config overrides, post-processing of the saved folder)
 VARIANTS = {
@@ -24,8 +30,8 @@ VARIANTS = {
     # released multimodal layout: model.language_model.*, config under text_config, model.visual.* ignored
     "dense_multimodal": ("dense", 2, {}, hf_tiny.to_multimodal_layout),
     # tied lm_head, num_v_heads == num_k_heads, layer types from full_attention_interval=2, sharded index
-    "dense_tied_sharded": ("dense", 3, dict(tie_word_embeddings=True, linear_num_value_heads=2,
-                                            full_attention_interval=2, num_hidden_layers=4), hf_tiny.shard),
+    "dense_tied_sharded": ("dense", 3, {"tie_word_embeddings": True, "linear_num_value_heads": 2,
+                                        "full_attention_interval": 2, "num_hidden_layers": 4}, hf_tiny.shard),
     "moe_per_expert": ("moe", 4, {}, None),
     "moe_fused": ("moe", 5, {}, hf_tiny.to_fused_experts),
     # Qwen3-Next: fused in_proj_qkvz / in_proj_ba, MoE on every 2nd layer, dense MLP on the others
@@ -34,7 +40,7 @@ VARIANTS = {
 # checkpoints with an MTP head (mtp.* tensors added to what transformers saved)
 MTP_VARIANTS = {
     # tied embeddings at std 0.6 and a head leaning on the trunk hidden: drafts are accepted sometimes
-    "dense_mtp": ("dense", 8, dict(tie_word_embeddings=True, embed_std=0.6), 3.0),
+    "dense_mtp": ("dense", 8, {"tie_word_embeddings": True, "embed_std": 0.6}, 3.0),
     # plain random head, MoE trunk (19 MTP tensors with fused experts)
     "moe_mtp": ("moe", 9, {}, 0.0),
 }
@@ -80,3 +86,10 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("qwen-mtp numerics report")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+def pytest_unconfigure(config):
+    """The run's compilation cache goes with the process that made it (its tmp_path folders go by pyproject's
+    tmp_path_retention_policy; tests/test_cleanup.py checks that both leave nothing behind)."""
+    if _MADE_CACHE is not None:
+        shutil.rmtree(_MADE_CACHE, ignore_errors=True)
