@@ -2,7 +2,7 @@
 512, hidden 2048; a reduced vocabulary; 1-2 layers) with random weights, bf16 and int4, measured in one run.
 
     python benchmarks/bench_moe.py [--layers 1] [--vocab 8192] [--new 16] [--batches 1,8] [--formats bf16,int4]
-                                   [--repeats 5] [--budget SECONDS] [--no-grouped] [--short]
+                                   [--repeats 5] [--budget SECONDS] [--no-grouped] [--prefill T] [--short]
 
 Prints, per format and batch:
   * decode tokens/s through the public API (qwen_mtp.generate, greedy, plain decode);
@@ -14,7 +14,9 @@ Prints, per format and batch:
   * the bytes one decode step reads (every matrix of the slice except the embedding, of which one row per
     token; the experts: one per (token, expert) pair, as the routed path reads them) against this machine's
     read bandwidth measured here (a jitted sum over a 512 MB array), as the step time that bandwidth implies.
---budget: stop starting new measurements past this many seconds (what was measured is printed). --short: a tiny
+--prefill T: also time the MoE block at T tokens (a prefill chunk) both ways, routed (forced) and grouped, to
+show which is faster there on this machine (mlp.reads_routed_only sends T x top_k > num_experts to the grouped
+path). --budget: stop starting new measurements past this many seconds (what was measured is printed). --short: a tiny
 MoE config (hidden 64, 16 experts of 32, top-2, vocab 256), batch 1, 3 tokens, no grouped timing: the CI test of
 this script (tests/test_moe_routed.py).
 Random weights: qwen_mtp.trunk.random_weights; int4: quant.quantize (groups of 128) of the same weights, the
@@ -136,13 +138,34 @@ def block_times(moe_w, dense_w, cfg, batch, dtype, repeats, grouped: bool):
     t_dense = _best(jax.jit(mlp.mlp), x, dense_w, repeats=repeats)
     t_grouped = None
     if grouped:
-        real = mlp.reads_routed_only
-        mlp.reads_routed_only = lambda n, c: False
-        try:
-            t_grouped = _best(jax.jit(lambda x, w: mlp.moe(x, w, cfg)), x, moe_w, repeats=1)
-        finally:
-            mlp.reads_routed_only = real
+        t_grouped = _forced(lambda n, c: False, lambda x, w: mlp.moe(x, w, cfg), x, moe_w)
     return t_moe, t_dense, t_grouped
+
+
+def _forced(rule, f, *args, repeats=1):
+    """Seconds of f(*args) (jitted here) with mlp.reads_routed_only replaced by `rule` while it is traced."""
+    import jax
+
+    from qwen_mtp.trunk import mlp
+
+    real = mlp.reads_routed_only
+    mlp.reads_routed_only = rule
+    try:
+        return _best(jax.jit(f), *args, repeats=repeats)
+    finally:
+        mlp.reads_routed_only = real
+
+
+def prefill_times(moe_w, cfg, tokens, dtype):
+    """(routed s, grouped s) of the MoE block at `tokens` tokens, one timed call each after the compile."""
+    import jax
+    import jax.numpy as jnp
+
+    from qwen_mtp.trunk import mlp
+
+    x = jax.random.normal(jax.random.PRNGKey(tokens), (tokens, cfg.hidden_size), jnp.float32).astype(dtype)
+    f = lambda x, w: mlp.moe(x, w, cfg)
+    return _forced(lambda n, c: True, f, x, moe_w), _forced(lambda n, c: False, f, x, moe_w)
 
 
 def main(argv=None) -> int:
@@ -155,6 +178,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget", type=float, default=None, help="seconds: start no new measurement past this")
     ap.add_argument("--no-grouped", action="store_true", help="skip timing the grouped (ragged_dot) block")
+    ap.add_argument("--prefill", type=int, default=0, help="also time the block at this many tokens both ways")
     ap.add_argument("--short", action="store_true", help="tiny config, few tokens (the CI test)")
     a = ap.parse_args(argv)
     if a.short:
@@ -171,6 +195,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     import qwen_mtp
+    from qwen_mtp.trunk import mlp
     from qwen_mtp.trunk.quant import QuantPolicy
     from qwen_mtp.trunk.random_weights import random_weights
 
@@ -221,6 +246,11 @@ def main(argv=None) -> int:
                   f"{row['moe_ms']:.2f} ms, dense MLP {row['dense_ms']:.2f} ms: MoE block / dense MLP "
                   f"{row['ratio']:.2f}x{grouped}; step reads {row['step_mb']:.1f} MB = {row['roofline_ms']:.1f} ms "
                   f"at {bw / 1e9:.2f} GB/s ({row['roofline_ms'] / row['step_ms']:.0%} of the step)", flush=True)
+        if a.prefill and not over():
+            t_r, t_g = prefill_times(moe_w, cfg, a.prefill, jnp.bfloat16)
+            print(f"{fmt} MoE block at {a.prefill} tokens ({a.prefill * cfg.top_k} pairs): routed {1e3 * t_r:.0f} ms, "
+                  f"grouped (ragged_dot) {1e3 * t_g:.0f} ms: grouped / routed {t_g / t_r:.2f}x; the rule takes "
+                  f"{'routed' if mlp.reads_routed_only(a.prefill, cfg) else 'grouped'}", flush=True)
     print("\nsummary (MoE block / dense MLP of the same active parameter count; target <= 1.5x at batch 1):")
     for r in rows:
         flag = "" if r["batch"] != 1 else ("  (meets <= 1.5x)" if r["ratio"] <= 1.5 else "  (MISSES 1.5x)")
