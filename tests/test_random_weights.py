@@ -135,3 +135,58 @@ def test_the_training_init_rules():
     np.testing.assert_allclose(np.asarray(w.layers[1].mixer.o_proj).std(), out_std, rtol=0.15)
     with pytest.raises(ArgumentError, match="init"):
         random_weights(cfg, 0, init="xavier")
+
+
+def _same(a, b):
+    """Bit for bit: the same leaves, QuantArrays with the same layout, values and scales."""
+    la, lb = _leaves(a), _leaves(b)
+    assert [p for p, _ in la] == [p for p, _ in lb]
+    for (path, x), (_, y) in zip(la, lb):
+        if isinstance(x, quant.QuantArray):
+            assert isinstance(y, quant.QuantArray) and (x.kind, x.shape, x.block) == (y.kind, y.shape, y.block), path
+            assert x.q.dtype == y.q.dtype and x.q.shape == y.q.shape, path
+            assert np.array_equal(np.asarray(x.q).view(np.uint8), np.asarray(y.q).view(np.uint8)), path
+            assert np.array_equal(np.asarray(x.scale), np.asarray(y.scale)), path
+        else:
+            assert x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y)), path
+
+
+def _matrix(shape, seed=7):
+    w = (2 * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
+    w[..., :, 0] = 0  # an all-zero column: scale 1
+    return w
+
+
+@pytest.mark.parametrize("kind", quant.KINDS)
+def test_quantize_traced_is_quantize_bit_for_bit(kind):
+    """quant.quantize_traced (jax.numpy, traceable) gives quant.quantize's layout and values, eagerly and under a
+    jit, including a K the int4 group / fp8 block does not divide (padding) and a partial fp8 column block."""
+    from functools import partial
+
+    for shape, group in (((256, 130), 128), ((2, 200, 96), 64)):
+        w = _matrix(shape)
+        want = quant.quantize(w, kind, group)
+        jitted = jax.jit(partial(quant.quantize_traced, kind=kind, group_size=group))
+        for got in (quant.quantize_traced(w, kind, group), jitted(w)):
+            _same(want, got)
+
+
+def test_quantize_traced_control_a_plain_division_under_jit_is_not_quantize():
+    """Why quantize_traced holds its divisors behind a barrier: the plain `max|w| / 127` under a jit becomes a
+    product with 1 / 127 in XLA, which misses numpy's float32 quotient for some columns (the bit-equality above
+    would then fail)."""
+    w = _matrix((64, 512))
+    naive = jax.jit(lambda w: jnp.abs(w).max(axis=0) / 127.0)(w)
+    assert not np.array_equal(np.asarray(naive), np.asarray(quant.quantize(w, "int8").scale[0]))
+
+
+def test_the_device_paths_give_the_host_weights():
+    """random_weights traced under one jit, and on_device=True (a program per unit), give the eager host path's
+    weights bit for bit (int4 with an "rbg" key, as the benchmarks use; a tied model's quantized lm_head
+    included)."""
+    cfg, policy = _cfg("dense-tied"), quant.QuantPolicy("int4", lm_head=True)
+    key = jax.random.key(4, impl="rbg")
+    make = lambda k, **kw: random_weights(cfg, k, "bfloat16", quant=policy, passthrough=3.0, **kw)
+    host = make(key)
+    _same(host, jax.jit(make)(key))
+    _same(host, make(key, on_device=True))

@@ -108,6 +108,33 @@ def quantize(w, kind: str, group_size: int = 128) -> QuantArray:
     return _to_jax(q, scale, kind, (*lead, K, N), block)
 
 
+def quantize_traced(w, kind: str, group_size: int = 128) -> QuantArray:
+    """`quantize` in jax.numpy: the same layout and, bit for bit, the same values (the same float32 max, divide,
+    round-half-even and casts), but traceable, so it runs inside a jit on the device (random_weights' device
+    path) instead of on the host."""
+    check_method(kind, group_size)
+    w = jnp.asarray(w).astype(jnp.float32)
+    *lead, K, N = w.shape
+    _, (*_, gk, gn), block = layout_of(kind, w.shape, group_size)
+    bk, bn = block
+    kp = layout.padded_k(kind, K, bk)
+    wp = jnp.pad(w, [(0, 0)] * len(lead) + [(0, gk * bk - K), (0, gn * bn - N)])
+    blocks = wp.reshape(*lead, gk, bk, gn, bn)
+    amax = jnp.abs(blocks).max(axis=(-3, -1))
+    # each divisor materialised behind a barrier: XLA rewrites a division by a constant or a broadcast into a
+    # product with the reciprocal, which is not the same float32 as numpy's division for every element
+    full = lambda x, shape: jax.lax.optimization_barrier(jnp.broadcast_to(x, shape))
+    scale = jnp.where(amax > 0, amax / full(jnp.float32(layout.QMAX[kind]), amax.shape), jnp.float32(1.0))
+    scaled = (blocks / full(scale[..., :, None, :, None], blocks.shape)).reshape(wp.shape)
+    if kind == "fp8":
+        q = scaled[..., :K, :N].astype(jnp.float8_e4m3fn)
+    else:
+        qmax = layout.QMAX[kind]
+        ints = jnp.clip(jnp.round(scaled), -qmax, qmax).astype(jnp.int8)[..., :kp, :N]
+        q = layout.pack_int4(ints, bk, jnp) if kind == "int4" else ints
+    return QuantArray(q=q, scale=scale, kind=kind, shape=(*lead, K, N), block=tuple(int(b) for b in block))
+
+
 def from_values(q, scale, kind: str, shape, block) -> QuantArray:
     """A QuantArray from arrays already in the layout (a pre-quantized checkpoint); checked, not converted."""
     err = layout.check(kind, q.shape, scale.shape, shape[-2], shape[-1], block)

@@ -31,6 +31,7 @@ as load(quant=...) quantizes a checkpoint's values (a quantized lm_head of a tie
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -59,13 +60,21 @@ def as_policy(quant) -> quant_mod.QuantPolicy | None:
 
 def random_weights(cfg, key, dtype="float32", quant=None, *, mtp: bool = True, init: str = "random",
                    passthrough: float = 0.0, embed_std: float | None = None,
-                   std: float = TRAINING_STD) -> Weights:
+                   std: float = TRAINING_STD, on_device: bool = False) -> Weights:
     """A `Weights` of `cfg` (with the MTP head unless mtp=False) drawn from `key` (a jax.random key, or an int
     seed for jax.random.PRNGKey) in `dtype` (drawn in float32, then cast), quantized by `quant` (a QuantPolicy
     or a method string) where it says. init: "random" (every tensor random, fan-in scaled) or "training" (the
     shipped model's training init); see the module docstring for both rules. passthrough: added times I to the
     MTP fc's trunk-hidden half. embed_std: the embedding's std (default 0.2 tied / 1.0 untied for "random",
-    `std` for "training"). std: the training rule's matrix std (initializer_range)."""
+    `std` for "training"). std: the training rule's matrix std (initializer_range).
+
+    Where it runs: called eagerly, the tensors are drawn by jax and the quantized ones quantized on the host
+    (quant.quantize). Called under a jit (`jax.jit(lambda key: random_weights(cfg, key, ...))(key)`), everything
+    is traced, the quantizer included (quant.quantize_traced, bit-equal to quant.quantize), so the whole tree is
+    made on the device. on_device=True: the same values made on the default device by one jitted program per
+    unit (a layer, the MTP head, the embedding with the final norm and lm_head), compiled once per distinct
+    unit and reused by every layer of the same shapes, so a full-depth model compiles a few small programs and
+    never holds more than one unit's float32 draws besides the weights made so far."""
     if init not in INITS:
         raise ArgumentError("init", f"one of {list(INITS)}", repr(init))
     policy = as_policy(quant)
@@ -78,34 +87,115 @@ def random_weights(cfg, key, dtype="float32", quant=None, *, mtp: bool = True, i
     training = init == "training"
     if embed_std is None:
         embed_std = std if training else (0.2 if cfg.tie_word_embeddings else 1.0)
-    out_std = std / math.sqrt(2 * (cfg.num_layers + 1))  # residual-output scaling counts the MTP layer too
-    draws = _training_draw if training else _random_draw
-    n_keys = sum(1 for i in order if not training or _training_takes_key(names[i]))
-    keys = iter(jax.random.split(key, max(512, n_keys)))
+    rule = _Rule(init, float(embed_std), float(std), std / math.sqrt(2 * (cfg.num_layers + 1)),  # the
+                 float(passthrough), cfg.hidden_size, jnp.dtype(shapes.embed.dtype).name)  # MTP layer counts too
+    n_keys = sum(1 for i in order if rule.takes_key(names[i]))
+    keys = jax.random.split(key, max(512, n_keys))
+    if on_device:
+        return _on_device(cfg, policy, rule, leaves, tree, names, order, keys)
+    keys = iter(keys)
     values: list = [None] * len(leaves)
     for i in order:
-        shape = leaves[i][1].shape
-        k = next(keys) if not training or _training_takes_key(names[i]) else None
-        x = draws(names[i], shape, k, embed_std=embed_std, std=std, out_std=out_std)
-        if names[i] == ["mtp", "fc"] and passthrough:
-            H = cfg.hidden_size
-            x = x.at[H:, :].add(passthrough * jnp.eye(H, dtype=jnp.float32))
-        values[i] = x.astype(shapes.embed.dtype)
+        values[i] = rule.value(names[i], leaves[i][1].shape, next(keys) if rule.takes_key(names[i]) else None)
     weights = jax.tree_util.tree_unflatten(tree, values)
     return weights if policy is None else quantize_weights(weights, cfg, policy)
 
 
 def quantize_weights(weights: Weights, cfg, policy) -> Weights:
     """The matrices `policy` quantizes (quant.abstract's rule, what load(quant=...) holds) as QuantArrays of their
-    values (quant.quantize); a quantized lm_head of a tied model is a quantized copy of embed^T."""
+    values (quant.quantize on the host; quant.quantize_traced when the values are traced, under a jit); a
+    quantized lm_head of a tied model is a quantized copy of embed^T."""
     policy = as_policy(policy)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), weights)
     target = quant_mod.abstract(shapes, policy, tied=cfg.tie_word_embeddings)
     if policy.lm_head and weights.lm_head is None:
         weights = weights.replace(lm_head=weights.embed.T)
     is_q = lambda x: isinstance(x, quant_mod.QuantArray)
-    one = lambda t, w: quant_mod.quantize(w, policy.method, policy.group_size) if is_q(t) else w
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(weights))
+    quantize = quant_mod.quantize_traced if traced else quant_mod.quantize
+    one = lambda t, w: quantize(w, policy.method, policy.group_size) if is_q(t) else w
     return jax.tree.map(one, target, weights, is_leaf=is_q)
+
+
+# ----------------------------------------------------------------------------------------------- the device path
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """How one tensor is drawn (hashable: the device path's programs are cached on it)."""
+    init: str
+    embed_std: float
+    std: float
+    out_std: float
+    passthrough: float
+    hidden: int
+    dtype: str
+
+    def takes_key(self, names) -> bool:
+        return self.init != "training" or _training_takes_key(names)
+
+    def value(self, names, shape, key):
+        draws = _training_draw if self.init == "training" else _random_draw
+        names = list(names)
+        x = draws(names, shape, key, embed_std=self.embed_std, std=self.std, out_std=self.out_std)
+        if names == ["mtp", "fc"] and self.passthrough:
+            H = self.hidden
+            x = x.at[H:, :].add(self.passthrough * jnp.eye(H, dtype=jnp.float32))
+        return x.astype(self.dtype)
+
+
+_PROGRAMS: dict = {}
+
+
+def _unit_program(rule, policy, items, tied_lm_head):
+    """The jitted program making one unit's tensors from its keys [n, ...]: items ((names, shape, quantized),
+    ...) in draw order; tied_lm_head: also return the quantized copy of embed^T (the embedding is item 0's)."""
+    sig = (rule, policy, items, tied_lm_head)
+    if sig not in _PROGRAMS:
+        def make(keys):
+            out, j = [], 0
+            for names, shape, quantized in items:
+                k = None
+                if rule.takes_key(names):
+                    k, j = keys[j], j + 1
+                x = rule.value(names, shape, k)
+                out.append(quant_mod.quantize_traced(x, policy.method, policy.group_size) if quantized else x)
+            if tied_lm_head:
+                out.append(quant_mod.quantize_traced(out[0].T, policy.method, policy.group_size))
+            return out
+        _PROGRAMS[sig] = jax.jit(make)
+    return _PROGRAMS[sig]
+
+
+def _on_device(cfg, policy, rule, leaves, tree, names, order, keys) -> Weights:
+    """random_weights(on_device=True): the units in draw order, each by its cached program (their keys are
+    consecutive in the split, as the draw order takes them)."""
+    is_q = lambda x: isinstance(x, quant_mod.QuantArray)
+    quantized = set()
+    if policy is not None:
+        shapes = jax.tree_util.tree_unflatten(tree, [s for _, s in leaves])
+        target = quant_mod.abstract(shapes, policy, tied=cfg.tie_word_embeddings)
+        flat = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_q)[0]
+        quantized = {jax.tree_util.keystr(p) for p, x in flat if is_q(x)}
+    units: dict = {}
+    for i in order:  # a unit: one layer, the MTP head, or the rest (embed, final_norm, lm_head)
+        units.setdefault((names[i][0], names[i][1]) if names[i][0] == "layers" else
+                         ("mtp" if names[i][0] == "mtp" else "top",), []).append(i)
+    values: list = [None] * len(leaves)
+    tied_q = None
+    start = 0
+    for unit, idx in units.items():
+        strip = 2 if unit[0] == "layers" else 0  # a layer's names without its index: one program for all alike
+        items = tuple((tuple(["layers"] + names[i][strip:]) if strip else tuple(names[i]), leaves[i][1].shape,
+                       jax.tree_util.keystr(leaves[i][0]) in quantized) for i in idx)
+        tied = unit == ("top",) and policy is not None and policy.lm_head and cfg.tie_word_embeddings
+        n = sum(1 for i in idx if rule.takes_key(names[i]))
+        out = _unit_program(rule, policy, items, tied)(keys[start:start + n])
+        start += n
+        for i, x in zip(idx, out):
+            values[i] = x
+        if tied:
+            tied_q = out[-1]
+    weights = jax.tree_util.tree_unflatten(tree, values)
+    return weights if tied_q is None else weights.replace(lm_head=tied_q)
 
 
 # -------------------------------------------------------------------------------------------- per-tensor rules
@@ -134,6 +224,13 @@ def _training_takes_key(names: list) -> bool:
     return _kind(names) not in ("norm", "gated_norm")
 
 
+def _div(x, c: float):
+    """x / c as an IEEE float32 division whether run eagerly or traced: under a jit XLA would turn a division by
+    a constant into a product with its reciprocal (not always the same float32), which the barrier prevents, so
+    the device path gives the host path's values bit for bit."""
+    return x / jax.lax.optimization_barrier(jnp.full(x.shape, c, jnp.float32))
+
+
 def _random_draw(names, shape, key, *, embed_std, **_):
     kind = _kind(names)
     if kind == "A_log":
@@ -148,8 +245,8 @@ def _random_draw(names, shape, key, *, embed_std, **_):
     if kind == "embed":
         return embed_std * r
     if kind == "conv":
-        return r / math.sqrt(shape[0])
-    return r / math.sqrt(shape[-2])  # fan-in
+        return _div(r, math.sqrt(shape[0]))
+    return _div(r, math.sqrt(shape[-2]))  # fan-in
 
 
 def _training_draw(names, shape, key, *, embed_std, std, out_std):
@@ -164,6 +261,6 @@ def _training_draw(names, shape, key, *, embed_std, std, out_std):
         dt = jnp.exp(jax.random.uniform(key, shape, jnp.float32, math.log(1e-3), math.log(1e-1)))
         return dt + jnp.log(-jnp.expm1(-dt))  # softplus^-1(dt)
     if kind == "conv":
-        return jax.random.uniform(key, shape, jnp.float32, -1, 1) / math.sqrt(shape[0])
+        return _div(jax.random.uniform(key, shape, jnp.float32, -1, 1), math.sqrt(shape[0]))
     s = embed_std if kind == "embed" else out_std if names[-1] in _RESIDUAL_OUTPUTS else std
     return s * jax.random.normal(key, shape, jnp.float32)
