@@ -1,0 +1,275 @@
+"""The command line: the flags, the plan of each model (cases in priority order, each at every context), the
+--budget (a part not expected to end within its model's share of the time left is skipped and named), and the
+closing summary. `main` returns the exit code: 1 when a part failed (raised), else 0."""
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+
+from . import report
+from .models import (
+    RUNS,
+    build_model,
+    config,
+    draft_vocab_model,
+    free_bytes,
+    need_bytes,
+    peak_bandwidth,
+    random_like,
+)
+from .programs import (
+    Case,
+    compile_case,
+    head_cache_shapes,
+    start,
+    time_plain,
+    time_spec,
+)
+from .reads import weight_parts
+
+GPU = {"contexts": "4096,131072,1048576", "window": 4032, "sinks": 64, "draft_vocab": 32768, "steps": 32, "rounds": 16}
+SHORT = {"contexts": "64,256,1024", "window": 32, "sinks": 4, "draft_vocab": 128, "steps": 4, "rounds": 3}
+RESERVE_CACHED = {True: 10.0, False: 60.0}  # seconds kept for the cached start (short, GPU)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(prog="python benchmarks/gpu_scale",
+                                 description=sys.modules[__package__].__doc__.split("\n\n")[0])
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run (default 420)")
+    ap.add_argument("--short", action="store_true", help="tiny configs (CI, CPU): the same parts, in seconds")
+    ap.add_argument("--runs", default=",".join(RUNS), help=f"comma separated, of {list(RUNS)}")
+    ap.add_argument("--k", default="1,2,3,4", help="drafts per round to measure (k = 3 first)")
+    ap.add_argument("--contexts", default=None, help="cached positions, comma separated (default: "
+                    f"{GPU['contexts']}; --short {SHORT['contexts']})")
+    ap.add_argument("--memory", type=float, default=None, help="bytes the device may use (default: its free memory)")
+    ap.add_argument("--compile-cache", default=None, help="jax's persistent compile cache folder (default: a new "
+                    "empty one, so the first compile is a real one)")
+    ap.add_argument("--no-cached-start", action="store_true", help="skip the second process")
+    ap.add_argument("--cached-child", default=None, help=argparse.SUPPRESS)  # JSON: what the second process lowers
+    a = ap.parse_args(argv)
+    if a.budget <= 0:
+        ap.error(f"--budget: expected seconds > 0, found {a.budget:g}")
+    bad = [r for r in a.runs.split(",") if r not in RUNS]
+    if bad:
+        ap.error(f"--runs: expected names of {list(RUNS)}, found {bad}")
+    try:
+        a.ks = sorted({int(k) for k in a.k.split(",")}, key=lambda k: (k != 3, k))
+        a.ctxs = sorted({int(c) for c in (a.contexts or (SHORT if a.short else GPU)["contexts"]).split(",")})
+        assert all(1 <= k <= 16 for k in a.ks) and all(c >= 1 for c in a.ctxs)
+    except (ValueError, AssertionError):
+        ap.error(f"--k / --contexts: expected positive integers separated by commas, found {a.k!r} / {a.contexts!r}")
+    return a
+
+
+def cases(ks, p):
+    """Priority order: plain, then k = 3 (native, windowed, each with the draft vocabulary), then the other k.
+    main runs plain, k = 3 native and windowed on every run first, then the rest."""
+    out = [Case()]
+    for k in ks:
+        out += [Case(k), Case(k, p["window"], p["sinks"]), Case(k, draft_vocab=p["draft_vocab"]),
+                Case(k, p["window"], p["sinks"], p["draft_vocab"])]
+    return out
+
+
+class Budget:
+    def __init__(self, seconds, reserve):
+        self.end = time.perf_counter() + seconds - reserve
+        self.skipped = []
+        self.no_room = set()  # runs with no context that fits in memory
+
+    def left(self):
+        return self.end - time.perf_counter()
+
+    def fits(self, what, share_end, estimate):
+        if time.perf_counter() + estimate <= share_end:
+            return True
+        self.skipped.append(what)
+        print(f"  {what}: skipped for the --budget (about {estimate:.0f} s expected, "
+              f"{max(0.0, share_end - time.perf_counter()):.0f} s left in this model's share)", flush=True)
+        return False
+
+
+def run_model(name, plan, a, p, budget, share_end, results):
+    """The cases of `plan` on run `name` at every context that fits in memory: the model made (again in a later
+    pass: a few seconds, its programs cached), its caches filled, each case compiled and timed. Returns the
+    number of failed parts."""
+    real, quant = RUNS[name]
+    short, B, dtype = a.short, 1, "bfloat16"
+    ks = max(a.ks)
+    margin = (p["steps"] + 2) + (p["rounds"] + 2) * (ks + 1) + 8
+    ctxs = list(a.ctxs)
+    free = free_bytes(a.memory)
+    again = name in results
+    while ctxs:  # memory first: drop the largest contexts that do not fit
+        slots = ctxs[-1] + margin
+        cfg = config(real, short, slots)
+        need, parts = need_bytes(cfg, dtype, quant, B, slots, p["draft_vocab"])
+        if need <= free:
+            break
+        if not again:
+            print(f"  {name} at {ctxs[-1]} positions: skipped, needs {need / 1e9:.1f} GB ("
+                  + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in parts.items()) + f") of {free / 1e9:.1f} GB free",
+                  flush=True)
+            budget.skipped.append(f"{name} at {ctxs[-1]} positions (memory)")
+        ctxs.pop()
+    if not ctxs:
+        budget.no_room.add(name)
+        return 0
+    t = time.perf_counter()
+    model = build_model(cfg, dtype, quant, name)
+    jax.block_until_ready(model.weights)
+    build_s = time.perf_counter() - t
+    wparts = weight_parts(model.weights, cfg)
+    state0, head0 = (random_like(s, i) for i, s in enumerate(
+        jax.eval_shape(lambda: _states(cfg, B, slots, dtype)), start=1))
+    print(f"== {name}{' (again, for the next cases)' if again else ''}: {cfg.num_layers} layers + MTP head, "
+          f"{report.weights_line(model, wparts)}, made on the device in {build_s:.1f} s; caches of {slots} "
+          "positions filled with random values", flush=True)
+    res = results.setdefault(name, {"cfg": cfg, "slots": slots, "plain": {}, "rounds": {}, "compile": {}, "parts": wparts})
+    failures, compile_est, state, native_head = 0, max(res["compile"].values(), default=0.0), state0, head0
+    dv_model = None
+    cap_plain, cap_spec = p["steps"] + 4, (p["rounds"] + 2) * (ks + 1) + 8
+    for case in plan:
+        est = compile_est + len(ctxs) * 2.0 * (0.2 if short else 1.0)
+        if not budget.fits(f"{name} {case.label}", share_end, est):
+            continue
+        try:
+            cap = cap_plain if not case.k else cap_spec
+            compiled, secs = compile_case(cfg, dtype, quant, case, B, slots, cap)
+            compile_est = max(compile_est, secs)
+            res["compile"][case.label] = secs
+            weights = model.weights
+            if case.draft_vocab:
+                dv_model = dv_model or draft_vocab_model(model, case.draft_vocab)
+                weights = dv_model.weights
+            head = native_head if case.window is None else random_like(
+                head_cache_shapes(cfg, case, B, slots, dtype), 3)
+            line = []
+            for ctx in ctxs:
+                carry = start(cfg, case, B, ctx, cap, dtype)
+                if not case.k:
+                    sec, ran, state = time_plain(compiled, weights, state, carry, p["steps"])
+                    res["plain"][ctx] = sec
+                else:
+                    sec, ran, state, head = time_spec(compiled, weights, state, head, carry, p["rounds"])
+                    res["rounds"][(case, ctx)] = sec
+                want = p["steps"] if not case.k else p["rounds"]
+                if ran != want:
+                    raise RuntimeError(f"ran {ran} of {want} {'steps' if not case.k else 'rounds'} (a row stopped)")
+                line.append(f"{ctx}: {1e3 * sec:.3f} ms")
+            if case.window is None:
+                native_head = head
+            print(f"  {case.label}: compiled in {secs:.1f} s; per {'step' if not case.k else 'round'} "
+                  + ", ".join(line), flush=True)
+        except Exception as e:  # noqa: BLE001 - one part that fails must not hide the others
+            failures += 1
+            print(f"  {name} {case.label}: FAIL {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+    res["ctxs"] = ctxs
+    return failures
+
+
+def _states(cfg, B, slots, dtype):
+    from qwen_mtp.head.mtp import init_mtp_cache
+    from qwen_mtp.trunk.state import init_state
+
+    return init_state(cfg, B, slots, dtype), init_mtp_cache(cfg, B, slots, dtype)
+
+
+def cached_start(a, p, results, cache_dir):
+    """A second process lowering the first model's compiled programs with the persistent cache warm."""
+    name = next((n for n, r in results.items() if r["compile"]), None)
+    if name is None:
+        return None
+    res = results[name]
+    labels = list(res["compile"])[:3]
+    ks = max(a.ks)
+    slots = res["slots"]
+    child = {"run": name, "labels": labels, "short": a.short, "slots": slots, "ks": a.ks, "steps": p["steps"],
+                 "rounds": p["rounds"], "kmax": ks}
+    t = time.perf_counter()
+    out = subprocess.run([sys.executable, HERE, "--cached-child", json.dumps(child), "--compile-cache", cache_dir]
+                         + (["--short"] if a.short else []), check=False, capture_output=True, text=True,
+                         timeout=600)
+    wall = time.perf_counter() - t
+    got = [json.loads(x[len("CACHED "):]) for x in out.stdout.splitlines() if x.startswith("CACHED ")]
+    if out.returncode or not got:
+        raise RuntimeError(f"the second process failed (rc {out.returncode}): {out.stderr.strip()[-300:]}")
+    return name, got[0], wall, {lab: res["compile"][lab] for lab in labels}
+
+
+def child_main(a, p):
+    """The second process: lower and compile the named programs (reading the persistent cache)."""
+    spec = json.loads(a.cached_child)
+    real, quant = RUNS[spec["run"]]
+    cfg = config(real, spec["short"], spec["slots"])
+    by_label = {c.label: c for c in cases(spec["ks"], p)}
+    times = {}
+    for label in spec["labels"]:
+        case = by_label[label]
+        cap = spec["steps"] + 4 if not case.k else (spec["rounds"] + 2) * (spec["kmax"] + 1) + 8
+        times[label] = compile_case(cfg, "bfloat16", quant, case, 1, spec["slots"], cap)[1]
+    print("CACHED " + json.dumps({"times": times, "process_s": time.perf_counter() - T0}), flush=True)
+    return 0
+
+
+T0 = time.perf_counter()
+
+
+def main(argv=None):
+    t0 = time.perf_counter()
+    a = parse(argv)
+    p = SHORT if a.short else GPU
+    import qwen_mtp
+
+    cache_dir = a.compile_cache or tempfile.mkdtemp(prefix="gpu_scale_jax_cache_")
+    qwen_mtp.enable_compile_cache(cache_dir)
+    if a.cached_child:
+        return child_main(a, p)
+    kind, bw = peak_bandwidth()
+    print(f"gpu_scale: {jax.default_backend()} {kind} (peak {report.tb(bw)}), jax {jax.__version__}, budget "
+          f"{a.budget:.0f} s, batch 1, bf16 activations; compile cache {cache_dir}", flush=True)
+    reserve = 0.0 if a.no_cached_start else RESERVE_CACHED[a.short]
+    budget = Budget(a.budget, reserve)
+    runs = a.runs.split(",")
+    results, failures = {}, 0
+    every = cases(a.ks, p)
+    first = every[:1] + [c for c in every if c.k == a.ks[0] and not c.draft_vocab]  # plain, native, windowed
+    for plan in (first, [c for c in every if c not in first]):  # every run's first cases, then the rest
+        for i, name in enumerate(runs):
+            if name in budget.no_room:
+                continue
+            share_end = time.perf_counter() + max(0.0, budget.left()) / (len(runs) - i)
+            if budget.left() <= 0:
+                budget.skipped.append(f"{name}: {', '.join(c.label for c in plan)}")
+                print(f"== {name}: {', '.join(c.label for c in plan)} skipped for the --budget", flush=True)
+                continue
+            try:
+                failures += run_model(name, plan, a, p, budget, share_end, results)
+            except Exception as e:  # noqa: BLE001
+                failures += 1
+                print(f"== {name}: FAIL {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+            gc.collect()  # the model and its caches are gone before the next one is made
+    for name, res in results.items():
+        report.model_table(name, res, res.get("ctxs", []), a.ks, p, 1, bw, "bfloat16")
+    report.paper_table(results, a.ctxs, a.ks, p, bw)
+    if a.no_cached_start:
+        print("cached start: not run (--no-cached-start)", flush=True)
+    else:
+        try:
+            got = cached_start(a, p, results, cache_dir)
+            report.cached_line(got)
+        except Exception as e:  # noqa: BLE001
+            failures += 1
+            print(f"cached start: FAIL {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+    took = time.perf_counter() - t0
+    tail = f"; {len(budget.skipped)} parts skipped for the --budget or memory" if budget.skipped else ""
+    print(f"{'FAIL' if failures else 'OK'}: {failures} failures in {took:.0f} s{tail}", flush=True)
+    return 1 if failures else 0

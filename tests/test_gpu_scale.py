@@ -1,0 +1,64 @@
+"""benchmarks/gpu_scale (the full-depth models on one GPU), its short form: tiny configs on the CPU, the same parts
+(random weights made on the device, the plain step and the speculative rounds called directly at random-filled
+caches with the positions set, the bytes they read, the published-AL TPOT, the Wind-MTP paper's table, the cached
+start in a second process), and the budget / memory refusals that name what they skip."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
+if BENCHMARKS not in sys.path:  # benchmarks/ holds the gpu_scale package (it is not part of qwen_mtp)
+    sys.path.insert(0, BENCHMARKS)
+
+from gpu_scale import cli, reads
+
+
+def test_short_form_runs_every_part(capsys):
+    """The MoE model in int4 (the path with experts and the traced quantizer), k = 1, two contexts."""
+    assert cli.main(["--short", "--runs", "35B-A3B-int4", "--k", "1", "--contexts", "64,256"]) == 0
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and out.rstrip().splitlines()[-1].startswith("OK: 0 failures")
+    assert "== 35B-A3B-int4: 4 layers + MTP head, int4 g128 (lm_head, MTP head too) weights" in out
+    for label in ("plain", "k1 native", "k1 windowed W32 S4", "k1 native draft vocab 128",
+                  "k1 windowed W32 S4 draft vocab 128"):
+        assert f"  {label}: compiled in " in out, label
+    for ctx in (64, 256):
+        assert f"35B-A3B-int4 at {ctx} cached positions" in out
+    assert out.count("plain TPOT") == 2 and "with routed experts only" in out
+    assert out.count("AL 1.93: ") == 8  # 4 round kinds x 2 contexts, TPOT at the published AL
+    assert "Wind-MTP paper's per-step table" in out and "ours, 35B-A3B-int4 at 256 cached positions, k = 1" in out
+    assert "cached start: a second process lowered 3 programs of 35B-A3B-int4" in out
+
+
+def test_budget_and_memory_skip_and_name_what_they_skip(capsys):
+    assert cli.main(["--short", "--runs", "27B-bf16,35B-A3B-bf16", "--memory", "1e5", "--no-cached-start"]) == 0
+    out = capsys.readouterr().out
+    assert "27B-bf16 at 1024 positions: skipped, needs" in out and "27B-bf16 at 64 positions: skipped" in out
+    assert "compiled in" not in out and "6 parts skipped for the --budget or memory" in out.splitlines()[-1]
+    assert cli.main(["--short", "--runs", "27B-bf16", "--budget", "1e-3"]) == 0
+    out = capsys.readouterr().out
+    assert "== 27B-bf16: plain, k3 native, k3 windowed W32 S4 skipped for the --budget" in out
+    assert "== 27B-bf16: k3 native draft vocab 128, " in out and "compiled in" not in out
+    with pytest.raises(SystemExit):
+        cli.main(["--budget", "-3"])
+    assert "--budget: expected seconds > 0, found -3" in capsys.readouterr().err
+
+
+def test_reads_charge_an_moe_only_its_routed_experts():
+    """The roofline's bytes: a plain step of an MoE reads top_k / E of its experts, a round of k + 1 rows up to
+    (k + 1) top_k of them; the KV read grows with the position, the Wind-MTP head's stops at sinks + window."""
+    from gpu_scale.models import abstract_weights, config
+
+    cfg = config("Qwen3.5-35B-A3B", True, 4096)
+    parts = reads.weight_parts(abstract_weights(cfg, "bfloat16", None), cfg)
+    assert parts["experts"] > 0 and parts["head_experts"] > 0
+    step = reads.step_reads(parts, cfg, 1, 100, 2)
+    assert step["weights"] == parts["trunk"] + parts["experts"] * 2 / 8 + parts["lm_head"]
+    assert reads.routed(parts["experts"], cfg, 4) == parts["experts"]  # 4 rows x top 2 = all 8 experts
+    native = reads.round_reads(parts, cfg, 1, 3000, 2, 3)
+    windowed = reads.round_reads(parts, cfg, 1, 3000, 2, 3, window=32, sinks=4)
+    per = reads.kv_per_position(cfg, 2)
+    assert native["kv"] - windowed["kv"] == 3 * (3001 - 36) * per
+    assert native["weights"] == windowed["weights"]
