@@ -17,9 +17,9 @@ One run measures every row: compare ratios within one run, on one machine (the t
 
 --requests: requests per client at each level (so N x requests in all). --out: writes bench_serve.md (the table,
 with date, machine, load and the exact command), bench_serve.json and bench_serve.png (throughput vs concurrency,
-and TPOT vs throughput). --short: the CI form (tests/test_serve.py runs it): 2 clients, plain server and
-static, 16-token prompts, 8 new tokens, 3 slots in one bucket (the engine tests/test_engine.py compiles), no
-figure unless --out.
+and TPOT vs throughput). --short: the CI form (tests/test_serve.py runs it): 1 client, 2 requests, plain server
+and static, 16-token prompts, 8 new tokens, 3 slots in one bucket: the programs tests/test_engine.py and
+test_serve.py compile (read back from the compile cache they share), no figure unless --out.
 """
 
 from __future__ import annotations
@@ -272,8 +272,8 @@ def main(argv=None):
     ap.add_argument("--short", action="store_true", help="the CI form: tiny and fast")
     args = ap.parse_args(argv)
     if args.short:  # the engine as tests/test_engine.py and test_serve.py build it: their compiled programs serve
-        args.concurrency, args.modes, args.new, args.prompt_len, args.slots, args.requests = [2], "plain", 8, \
-            16, 3, 1
+        args.concurrency, args.modes, args.new, args.prompt_len, args.slots, args.requests = [1], "plain", 8, \
+            16, 3, 2
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad:
