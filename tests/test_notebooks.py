@@ -23,10 +23,10 @@ def test_notebook_executes(path, tmp_path, report, monkeypatch):
     if path.stem == "profiling":
         xplanes = list((tmp_path / "traces").rglob("*.xplane.pb"))
         assert xplanes and all(p.stat().st_size > 0 for p in xplanes)
-        text = "".join(o.get("text", "") for o in nb.cells[-1].outputs)
-        assert "module / op" in text and len(text.splitlines()) > 3  # the top-ops table has rows
-        phases = "".join(o.get("text", "") for o in nb.cells[-2].outputs)  # the round profile from the trace
-        assert "share of round time" in phases
+        outputs = ["".join(o.get("text", "") for o in c.outputs) for c in nb.cells if c.cell_type == "code"]
+        text = next(t for t in outputs if "module / op" in t)
+        assert len(text.splitlines()) > 3  # the top-ops table has rows
+        phases = next(t for t in outputs if "share of round time" in t)  # the round profile from the trace
         for phase in ("draft", "verify", "accept", "commit", "rollback", "refill", "prefill"):
             assert f"  {phase} " in phases, phase
         report(f"notebook profiling: trace {xplanes[0].name} ({xplanes[0].stat().st_size} bytes)")
@@ -37,7 +37,8 @@ def test_notebook_executes(path, tmp_path, report, monkeypatch):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_committed_notebook_carries_its_outputs(path):
     """Committed as executed by notebooks/execute.py: every code cell ran (in order), all but at most one (the
-    imports) show output, none is an error, the acceptance notebook has its plot, and the file stays small."""
+    imports) show output, none is an error, each has a plot and ends with a paragraph reading its result, and
+    the file stays small."""
     import sys
     sys.path.insert(0, str(path.parent))
     from execute import MAX_BYTES
@@ -51,7 +52,10 @@ def test_committed_notebook_carries_its_outputs(path):
     assert code[-1].outputs and sum(map(bool, kinds)) >= len(code) - 1, f"{path.name}: cells without outputs"
     text = "".join(o.get("text", "") for c in code for o in c.outputs)
     assert "nan" not in text.split(), f"{path.name}: prints nan"
+    images = [o for c in code for o in c.outputs if "image/png" in o.get("data", {})]
+    assert images, f"{path.name}: its plot is not committed"
+    closing = nb.cells[-1]
+    assert closing.cell_type == "markdown" and "Reading the result" in closing.source, \
+        f"{path.name}: ends without a paragraph reading its result"
     if path.stem == "acceptance":
-        images = [o for c in code for o in c.outputs if "image/png" in o.get("data", {})]
-        assert images, "the acceptance notebook's plot is not committed"
         assert "| 256 |" in text, "committed from the small CI run, not the full one (windows 16, 64, 256, native)"
