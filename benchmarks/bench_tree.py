@@ -96,7 +96,8 @@ def round_cost(args):
     spec_model = build_draft_vocab(model, np.arange(cfg.vocab_size)[::-1], 32768)
     ids = np.random.default_rng(0).integers(1, cfg.vocab_size, (1, 64))
     new = args.new_0p8b
-    step = _twice(model, ids, new, None).stats.tpot_s
+    plain = _twice(model, ids, new, None)
+    step = plain.stats.tpot_s
     print(f"Qwen3.5-0.8B shape, random bf16 weights, batch 1, prompt 64, {new} new tokens, draft vocabulary 32768: "
           f"plain TPOT {1e3 * step:.1f} ms", flush=True)
     for label, spec in (("chain k=3 (4 rows)", qwen_mtp.SpecConfig(k=3)),
@@ -104,7 +105,9 @@ def round_cost(args):
                         ("static (2, 2, 1) (11 rows)", qwen_mtp.SpecConfig(k=3, tree=StaticTree((2, 2, 1)))),
                         ("dynamic depth 3 topk 2 budget 6 (7 rows)",
                          qwen_mtp.SpecConfig(k=3, tree=DynamicTree(3, 2, 6)))):
-        st = _twice(spec_model, ids, new, spec).stats
+        r = _twice(spec_model, ids, new, spec)
+        assert np.array_equal(r.tokens, plain.tokens), f"{label}: differs from plain greedy"
+        st = r.stats
         round_s = st.decode_s / (st.rounds / st.batch)
         print(f"  {label:<42} round {1e3 * round_s:7.1f} ms = {round_s / step:.2f} plain steps", flush=True)
 

@@ -88,20 +88,21 @@ def test_tree_gdn_states_equal_sequential_steps_along_every_path(ckpt, report):
 
 
 # ------------------------------------------------------------------------------------------- lossless, end to end
-@pytest.mark.parametrize("name,trees", [
+@pytest.mark.parametrize("name,trees,kw", [
     ("dense_mtp", [SpecConfig(k=3, tree=StaticTree((2, 2, 1))),
-                   SpecConfig(k=3, window=4, sinks=1, tree=DynamicTree(depth=3, topk=2, budget=6))]),
-    ("moe_mtp", [SpecConfig(k=2, tree=StaticTree((3, 1)))]),
+                   SpecConfig(k=3, window=4, sinks=1, tree=DynamicTree(depth=3, topk=2, budget=6))], {}),
+    # under a repetition penalty: each node's logits and drafts penalised with the context through its path
+    ("moe_mtp", [SpecConfig(k=2, tree=StaticTree((3, 1)))], {"repetition_penalty": 1.3}),
 ])
-def test_greedy_tree_equals_plain_greedy(ckpt, name, trees, report):
+def test_greedy_tree_equals_plain_greedy(ckpt, name, trees, kw, report):
     model = qwen_mtp.load(ckpt(name)[1])
-    plain = qwen_mtp.generate(model, PROMPTS, 16, eos_token_id=[])
+    plain = qwen_mtp.generate(model, PROMPTS, 16, eos_token_id=[], **kw)
     for spec in trees:
-        res = qwen_mtp.generate(model, PROMPTS, 16, eos_token_id=[], spec=spec)
+        res = qwen_mtp.generate(model, PROMPTS, 16, eos_token_id=[], spec=spec, **kw)
         np.testing.assert_array_equal(res.tokens, plain.tokens)
         st = res.stats
         assert st.rounds == int(st.accept_hist.sum()) > 0 and st.tree is not None
-        report(f"greedy tree {name} {spec.tree} window={spec.window}: == plain, H[n]={st.accept_hist.tolist()}, "
+        report(f"greedy tree {name} {spec.tree} window={spec.window} {kw}: == plain, H[n]={st.accept_hist.tolist()}, "
                f"rank accepts {st.tree['rank_accepts'].tolist()} of {st.tree['rank_tries'].tolist()}")
 
 

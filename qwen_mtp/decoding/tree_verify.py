@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kernels_pallas.masked_attention import attend
+from qwen_mtp.head.tree import attend_tree
 from qwen_mtp.trunk.attention import output, project_qkv, write_kv
 from qwen_mtp.trunk.gdn import HIGHEST, unit_lower_inverse, verify_gated_delta_rule
 from qwen_mtp.trunk.mlp import feed_forward
@@ -157,9 +157,7 @@ def tree_attention_layer(x, w, cfg, cache: KVCache, pos, layout):
     k, v = to_cache(k, cache.k.dtype), to_cache(v, cache.v.dtype)
     S = cache.k.shape[1]
     committed = jnp.broadcast_to((jnp.arange(S)[None] < pos[:, None])[:, None], (B, T, S))
-    keys = jnp.concatenate([cache.k, k], axis=1).astype(q.dtype)
-    vals = jnp.concatenate([cache.v, v], axis=1).astype(q.dtype)
-    o = attend(q, keys, vals, jnp.concatenate([committed, layout.mask], axis=-1))
+    o = attend_tree(q, cache.k, cache.v, committed, k, v, layout.mask)
     return output(o, gate, w), TreeKV(k, v)
 
 

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.masked_attention import attend
+from kernels_pallas.masked_attention import BLOCK_DIAGONAL_ROWS, attend, attend_with_new
 from kernels_pallas.ring_layout import ring_rows, visible
 from qwen_mtp.errors import ArgumentError
 from qwen_mtp.head import draft_vocab
@@ -221,12 +221,22 @@ def head_level(weights, cfg, tokens, hidden, cache, pos, j: int, buf, slots, buf
         committed = visible(ring_rows(pos - 1, sinks, S - sinks), row[:, None], window, sinks)
     buf_rows = pos[:, None] - 1 + buf_depth  # [B, E]
     in_window = visible(buf_rows, row[:, None], window if window is not None else S + 1, sinks)
-    ok = jnp.concatenate([jnp.broadcast_to(committed[:, None], (B, T, S)), buf_ok & in_window[:, None]], axis=-1)
-    keys = jnp.concatenate([cache.k.astype(q.dtype), bk.astype(q.dtype)], axis=1)
-    vals = jnp.concatenate([cache.v.astype(q.dtype), bv.astype(q.dtype)], axis=1)
-    res1 = x + output(attend(q, keys, vals, ok), gate, w.layer.mixer)
+    o = attend_tree(q, cache.k, cache.v, jnp.broadcast_to(committed[:, None], (B, T, S)), bk, bv,
+                    buf_ok & in_window[:, None])
+    res1 = x + output(o, gate, w.layer.mixer)
     res2 = res1 + feed_forward(rmsnorm_1pw(res1, w.layer.post_norm, eps), w.layer.mlp, cfg)
     return rmsnorm_1pw(res2, w.norm, eps), (bk, bv)
+
+
+def attend_tree(q, k, v, key_ok, k_new, v_new, new_ok):
+    """One softmax over the cache's slots (key_ok [B, T, S]) and N more rows k_new, v_new (new_ok [B, T, N]),
+    read upcast to q's dtype. Few query rows: the two held apart (masked_attention.attend_with_new, the cache
+    read in place); more: over their concatenation."""
+    up = lambda x: x.astype(q.dtype)
+    if q.shape[1] <= BLOCK_DIAGONAL_ROWS:
+        return attend_with_new(q, up(k), up(v), key_ok, up(k_new), up(v_new), new_ok)
+    return attend(q, up(jnp.concatenate([k, k_new], axis=1)), up(jnp.concatenate([v, v_new], axis=1)),
+                  jnp.concatenate([key_ok, new_ok], axis=-1))
 
 
 def head_logits(weights, m, vocab_size: int):
