@@ -60,8 +60,13 @@ MAX_ROWS = 16  # decode rows: the kernel takes M <= 16
 ROWS_FMA = {"int4": 4, "int8": 4, "fp8": 8}
 SUB_ROWS = 16  # stored rows per load (per thread: 16 x 16 bytes in flight)
 STEP_ROWS = 16  # per-channel formats: rows per loop step (one load)
-TARGET_PROGRAMS = 132 * 4  # CTAs: four per SM of an H100 / H200
+# CTAs (one warp each): 8 per SM of an H100 / H200 (132 SMs), two per scheduler, each with its next tile's loads
+# in flight while it works on the current one (about 150 registers: 13 such CTAs fit an SM, so one wave); K is split into parts to get there, as far as parts of MIN_STEPS_PER_SPLIT
+# steps allow and while the parts' f32 partial products (written, then summed by XLA) stay under
+# MAX_PARTIAL_TRAFFIC of the weight's bytes
+TARGET_PROGRAMS = 132 * 8
 MIN_STEPS_PER_SPLIT = 2
+MAX_PARTIAL_TRAFFIC = 0.05
 MAX_ELEMENTS = 2 ** 31
 MAX_GRID = 65535
 ONE = 0x3F800000  # float32 1.0
@@ -100,13 +105,14 @@ class Plan:
     per: int
     splits: int
     num_warps: int
+    prefetch: bool = True  # load the next R rows before the arithmetic on these (False: after; the GPU check times both)
 
     @property
     def programs(self) -> int:
         return self.col_tiles * self.splits
 
 
-def plan(M, K, N, kind, block, *, num_warps=None, splits=None, rows=None) -> Plan:
+def plan(M, K, N, kind, block, *, num_warps=None, splits=None, rows=None, prefetch=None) -> Plan:
     """Launch parameters from the shapes (module doc); a keyword given wins (tests: `rows` < 16 keeps the
     interpret-mode program small)."""
     bk = block[0]
@@ -130,11 +136,15 @@ def plan(M, K, N, kind, block, *, num_warps=None, splits=None, rows=None) -> Pla
     steps = cdiv(stored, step)
     if splits is None:
         want = cdiv(TARGET_PROGRAMS, col_tiles)
-        splits = max(1, min(want, steps // MIN_STEPS_PER_SPLIT))
+        weight_bytes = stored * ncols * (4 if _words(kind) else 1)
+        traffic = int(MAX_PARTIAL_TRAFFIC * weight_bytes // (2 * 4 * M * N))  # parts whose partials fit
+        splits = max(1, min(want, steps // MIN_STEPS_PER_SPLIT, traffic))
     splits = max(1, min(int(splits), steps))
     per = cdiv(steps, splits)
     splits = cdiv(steps, per)
-    return Plan(cols, col_tiles, step, rows, steps, per, splits, num_warps)
+    if prefetch is None:  # fp8 bytes carried across the loop lose their packing (byte shuffles, spills on sm_90)
+        prefetch = _words(kind)
+    return Plan(cols, col_tiles, step, rows, steps, per, splits, num_warps, bool(prefetch))
 
 
 def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
@@ -219,13 +229,24 @@ def _kernel(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, *, kind, md, M, K, N, kq,
         gv = jnp.full((C,), g, jnp.int32)  # a gather: the columns of byte b lie 4 apart
         return plt.load(s_ref.at[gv, cols // bns], mask=cols < N, other=0)
 
+    last = p.steps * p.step - R  # the last load's first row
+
+    def tile(r0):  # the R rows from r0 (clamped: the prefetch after a part's last load reads rows it skips)
+        r0 = jnp.minimum(r0, last)
+        return [row(r0 + i) for i in range(R)]
+
     def sub_step(r0, carry):
-        """R stored rows from r0, one [C] load each: acc[m][b] += x * value (the values still offset to
-        unsigned and scaled by 2^(p - 23))."""
-        acc = [list(a) for a in carry]
+        """The R stored rows from r0, already loaded (`ws`): acc[m][b] += x * value (the values still offset to
+        unsigned and scaled by 2^(p - 23)); and the next R rows' loads, issued before this arithmetic so that
+        they are in flight during it (a software pipeline of one tile)."""
+        acc, ws = carry
+        acc = [list(a) for a in acc]
+        if not p.prefetch:  # nothing carried: load these rows now
+            ws = tile(r0)
+        ws_next = tile(r0 + R) if p.prefetch else []
         for i in range(R):
             r = r0 + i
-            w = row(r)
+            w = ws[i]
             if kind == "int4":
                 xv = [(x_at(m, 0, r), x_at(m, 1, r)) for m in range(M)]
                 u = jax.lax.bitwise_xor(w, consts[1])
@@ -245,7 +266,7 @@ def _kernel(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, *, kind, md, M, K, N, kq,
                 v = w.astype(jnp.float32)
                 for m in range(M):
                     acc[m][0] = acc[m][0] + x_at(m, 0, r) * v
-        return acc
+        return acc, ws_next
 
     if kind == "int4":
         unscale = [float(2 ** (23 - fields[0][1])) for fields in INT4_FIELDS]
@@ -255,29 +276,32 @@ def _kernel(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, *, kind, md, M, K, N, kq,
         unscale = [1.0]
     offset = {"int4": 8.0, "int8": 128.0}.get(kind, 0.0)
 
-    def block_sums(t):
-        """Scale block t: per row m and byte b, the sum over its rows of x * value, [C] f32."""
+    def block_sums(t, ws):
+        """Scale block t (its first rows loaded: ws): per row m and byte b, the sum over its rows of x * value,
+        [C] f32; and the next block's first rows, loaded."""
         zero = [[jnp.zeros((C,), jnp.float32) for _ in range(nb)] for _ in range(M)]
         subs = p.step // R
         if subs == 1:
-            acc = sub_step(t * p.step, zero)
+            acc, ws = sub_step(t * p.step, (zero, ws))
         else:
-            acc = jax.lax.fori_loop(0, subs, lambda i, c: sub_step(t * p.step + i * R, c), zero)
+            acc, ws = jax.lax.fori_loop(0, subs, lambda i, c: sub_step(t * p.step + i * R, c), (zero, ws))
         if md == "channel":  # the offset goes once, at the end
-            return [[acc[m][b] * unscale[b] for b in range(nb)] for m in range(M)]
-        return [[acc[m][b] * unscale[b] - offset * xs_ref[m, t] for b in range(nb)] for m in range(M)]
+            return [[acc[m][b] * unscale[b] for b in range(nb)] for m in range(M)], ws
+        return [[acc[m][b] * unscale[b] - offset * xs_ref[m, t] for b in range(nb)] for m in range(M)], ws
 
-    def step(t, out):
+    def step(t, carry):
+        out, ws = carry
         ti = part * p.per + t
-        sums = block_sums(ti)
+        sums, ws = block_sums(ti, ws)
         if md == "channel":
-            return [[out[m][b] + sums[m][b] for b in range(nb)] for m in range(M)]
+            return [[out[m][b] + sums[m][b] for b in range(nb)] for m in range(M)], ws
         sc = [scales(ti, b) for b in range(nb)]  # one scale block per step: its index is the step's
-        return [[out[m][b] + sums[m][b] * sc[b] for b in range(nb)] for m in range(M)]
+        return [[out[m][b] + sums[m][b] * sc[b] for b in range(nb)] for m in range(M)], ws
 
     out0 = [[jnp.zeros((C,), jnp.float32) for _ in range(nb)] for _ in range(M)]
     n_steps = jnp.minimum(p.per, p.steps - part * p.per)  # the last part may hold fewer steps
-    out = jax.lax.fori_loop(0, n_steps, step, out0)
+    first = tile(part * p.per * p.step) if p.prefetch else []
+    out, _ = jax.lax.fori_loop(0, n_steps, step, (out0, first))
     if md == "channel":
         if offset:  # the sum of x over this part's rows
             out = [[out[m][b] - offset * xs_ref[m, part] for b in range(nb)] for m in range(M)]
@@ -319,14 +343,16 @@ def as_words(q):
     return jax.lax.bitcast_convert_type(q.reshape(kq, n // 4, 4), jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "num_warps", "splits", "rows", "interpret"))
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "num_warps", "splits", "rows", "prefetch",
+                                             "interpret"))
 def quant_gemv_pallas(x, q, scale, *, kind: str, k: int, block, num_warps: int | None = None,
-                      splits: int | None = None, rows: int | None = None, interpret: bool = False):
+                      splits: int | None = None, rows: int | None = None, prefetch: bool | None = None,
+                      interpret: bool = False):
     """The decode kernel. Inputs must pass quant_matmul.check_inputs and unsupported_reason here."""
     block = tuple(block)
     M, N = x.shape[0], q.shape[1]
     dt = x.dtype
-    p = plan(M, k, N, kind, block, num_warps=num_warps, splits=splits, rows=rows)
+    p = plan(M, k, N, kind, block, num_warps=num_warps, splits=splits, rows=rows, prefetch=prefetch)
     stored = as_words(q) if _words(kind) else q
     xr = rows_of_x(x, kind, k, block, q.shape[0] if kind == "int4" else p.steps * p.step)
     xs = block_sums_of_x(xr, p.step * (p.per if mode(kind, k, block) == "channel" else 1))  # per block / part
