@@ -13,6 +13,7 @@ same decode programs in segments and reads the tokens between them (no host call
 from __future__ import annotations
 
 import importlib.util
+import os
 import warnings
 from pathlib import Path
 
@@ -22,7 +23,11 @@ import pytest
 
 from kernels_pallas import dispatch
 from kernels_pallas import quant_matmul as qmm
-from kernels_pallas.windowed_attention import unsupported_reason, windowed_attend, windowed_attend_pallas
+from kernels_pallas.windowed_attention import (
+    unsupported_reason,
+    windowed_attend,
+    windowed_attend_pallas,
+)
 from qwen_mtp.decoding.plain import first_token, plain_decode, plain_start
 from qwen_mtp.decoding.prefill import hidden_logits, keep_last, mtp_chunk, trunk_chunk
 from qwen_mtp.decoding.sampling import Sampling
@@ -50,6 +55,18 @@ KERNEL = "windowed_draft_attention"
 CAUSAL = "causal_attention"  # the trunk's and the native head's attention (kernels_pallas/causal_attention.py)
 SDS = jax.ShapeDtypeStruct
 i32 = lambda *s: SDS(s, jnp.int32)
+
+
+def require_triton():
+    """The sm_90 compiles need the `triton` package, the `sm90` extra (about 1 GB, so not in `test`): without it
+    the test skips, saying how to get it, unless QWEN_MTP_REQUIRE_SM90=1 (.ci/run sets it, installing the
+    extra), where a missing triton fails instead, so CI cannot lose these tests unseen."""
+    if importlib.util.find_spec("triton") is not None:
+        return
+    why = "the sm_90 compile needs the `triton` package: pip install -e '.[sm90]'"
+    if os.environ.get("QWEN_MTP_REQUIRE_SM90") == "1":
+        pytest.fail(why + " (QWEN_MTP_REQUIRE_SM90=1: CI requires it)")
+    pytest.skip(why)
 
 # ------------------------------------------------------------------------------------------ the kernel alone
 # (q heads, kv heads) of the real models' attention and MTP head: 27B, 35B-A3B, 122B-A10B and 397B-A17B (32 / 2)
@@ -88,7 +105,7 @@ def test_kernel_lowers_for_cuda_at_test_shapes(case, dtype):
     B, T, nkv, G, hd, S, W, k = case
     args = _kernel_args(B, T, nkv * G, nkv, hd, S + W + k, dtype)
     for splits in (None, 1, 3):
-        exported = export_for(lambda *a: windowed_attend_pallas(*a, W, S, num_splits=splits), *args)
+        exported = export_for(lambda *a: windowed_attend_pallas(*a, W, S, num_splits=splits), *args)  # noqa: B023
         assert kernel_calls(exported) == [KERNEL]
 
 
@@ -292,12 +309,11 @@ def test_kernels_compile_for_sm90(report):
     package: it compiles, its shared memory fits one block's 227 KiB, and in bf16 (the speed path) it spills no
     register. f32 at head_dim >= 128 spills a little (the f32 accumulator, the f32 query tile and an f32 K / V
     block share the registers); it is the precision path, bounded here so it cannot grow unseen."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.fail("the `triton` package is missing: pip install -e '.[test]' installs it")
+    require_triton()
     kernels = []
     for label, b, t, nh, nkv, hd, sinks, window, dtype in SM90_CASES:
         args = _kernel_args(b, t, nh, nkv, hd, sinks + window + max(t - 1, 1), dtype)
-        (kernel,) = triton_kernels(export_for(lambda *a: windowed_attend(*a, window, sinks), *args))
+        (kernel,) = triton_kernels(export_for(lambda *a: windowed_attend(*a, window, sinks), *args))  # noqa: B023
         kernels.append(kernel)
     # and one launch the rules would never pick (K / V blocks of 128 slots, 3 stages): the probe must see it
     # overflow shared memory, or it is not reading real numbers
@@ -417,8 +433,7 @@ def test_quant_kernel_compiles_for_sm90(report):
     memory within one block's 227 KiB, no register spill (no stack, no local memory) in any format, M or
     dtype; its dots take the stored values converted to x's dtype (bf16 operands, f32 accumulation; f32 in IEEE
     precision, not TF32), read from int8 / packed uint8 / fp8 tiles, never a dequantized matrix."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.fail("the `triton` package is missing: pip install -e '.[test]' installs it")
+    require_triton()
     kernels, plans = [], []
     for label, kind, M, K, N, dtype, fmt in QUANT_SM90_CASES:
         args, block = _quant_args(kind, M, K, N, dtype, fmt)
@@ -489,8 +504,6 @@ CAUSAL_REAL = ([(m, 1, 256, 131072, jnp.bfloat16, None) for m in REAL_HEADS]
 
 def test_causal_kernel_lowers_and_compiles_for_sm90_at_real_shapes(report):
     from kernels_pallas import causal_attention as ca
-    if importlib.util.find_spec("triton") is None:
-        pytest.fail("the `triton` package is missing: pip install -e '.[test]' installs it")
     kernels = []
     for model, b, t, S, dtype, kv_dtype in CAUSAL_REAL:
         nh, nkv = REAL_HEADS[model]
@@ -501,6 +514,7 @@ def test_causal_kernel_lowers_and_compiles_for_sm90_at_real_shapes(report):
         assert kernel_calls(export_for(lambda *a: ca.causal_attend(*a), *args, platform="cpu")) == []
         (kernel,) = triton_kernels(exported)
         kernels.append(kernel)
+    require_triton()  # the lowering above needs no triton; the sm_90 compile below does
     for (model, b, t, S, dtype, kv_dtype), kernel, r in zip(CAUSAL_REAL, kernels, compile_sm90(kernels)):
         label = f"{model} B{b} T{t} S{S} {jnp.dtype(dtype).name}" + (" fp8 cache" if kv_dtype else "")
         assert r["error"] is None, (label, r["error"])
