@@ -23,8 +23,15 @@ at 26% (int4), 43% (fp8 blocks) and 55% (int8 per channel) of HBM on the 27B lm_
 - multiplies on the FMA units (no tensor cores: at M <= ROWS_FMA rows there is nothing to pad to 16), keeps the
   tile's rows inside each thread (a CTA spreads only along columns) so the sum over K is a chain of FMAs in
   registers with no shuffle, and applies each scale in f32 once per scale block and column;
-- runs many small CTAs: a tile of 128 words (512 columns) per warp, K split into parts (written as f32 partial
-  products, summed in XLA) until the grid gives every SM several CTAs (`plan`).
+- runs many small CTAs of one warp: 32 x vector_words(M) words (int4 / int8) or 4x that many fp8 bytes per row,
+  K split into parts (written as f32 partial products, summed in XLA) until the grid gives every SM about 8
+  CTAs (`plan`); int4 / int8 carry the next R rows' loads through the loop (issued before the arithmetic on
+  the current rows: `prefetch`), fp8 loads each tile where it is used (fp8 bytes carried through the loop lose
+  their packing).
+
+sm_90 machine code of the inner loop (tests/test_kernel_quant_gemv.py compiles it; per stored value, bf16 x):
+int4 M 1: 3.7 instructions (LOP3 1.1, FADD 1, FFMA 1, SHF 0.4), 151 registers, no spill; int8 M 1: 3.9;
+fp8 M 1: 3.2 (F2FP 0.5, HADD2 1, FFMA 1). Not yet timed on a GPU: benchmarks/gpu_check --quant-only times it.
 
 The FMA path costs M multiply-adds per weight on top of the conversion, so it stays under the bytes' time up
 to a few rows only (ROWS_FMA: an issue-slot budget, module `rows_fma`); quant_matmul dispatches M <= ROWS_FMA to

@@ -44,6 +44,10 @@ The real Qwen3.5-27B shapes in bf16 (grid rows x columns x K parts):
 tests/test_export_cuda.py lowers the kernel for cuda at these shapes and compiles its Triton IR for sm_90
 (shared memory, registers, spills); benchmarks/gpu_check times it on a GPU.
 
+Decode rows: backend "auto" runs quant_gemv.py's decode kernel (FMA units, no I2F, split K) at M <= its
+ROWS_FMA (int4 / int8: 4, fp8: 8) where it takes the shape (`quant_gemv` here is its dispatching function);
+"pallas" always means the tiled kernel of this module.
+
 Backend choice is kernels_pallas/dispatch.py's rule: the kernel in a program lowered for cuda, the reference
 elsewhere; `backend="pallas"` with `interpret=True` runs the kernel on CPU, as the tests do. A format or shape
 the kernel does not take (`unsupported_reason`) falls back to the reference with a one-time warning. Inputs

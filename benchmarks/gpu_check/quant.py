@@ -166,6 +166,10 @@ def _timings(kind, block, M, K, N, dt, x, q, scale, kern, ref, gv, bw, device, b
     times = {}
     if gv is not None:
         times["decode kernel"] = time_call(gv, x, q, scale)
+        if gemv.plan(M, K, N, kind, block).prefetch:  # the other pipelining choice, to settle it on the device
+            flat = jax.jit(lambda x, q, s: gemv.quant_gemv_pallas(x, q, s, kind=kind, k=K, block=block,
+                                                                  prefetch=False))
+            times["decode kernel without prefetch"] = time_call(flat, x, q, scale)
     times["tiled kernel"] = time_call(kern, x, q, scale)
     times["XLA dequantize-then-dot"] = time_call(ref, x, q, scale)
     for name, t in times.items():
