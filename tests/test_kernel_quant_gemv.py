@@ -10,6 +10,7 @@ program small (the sub-step loop runs more times; the arithmetic is the same).
 """
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -192,7 +193,10 @@ def test_decode_kernel_compiles_for_sm90(report):
     from qwen_mtp.tools.lowering import SM90_SHARED_LIMIT, compile_sm90
 
     if importlib.util.find_spec("triton") is None:
-        pytest.skip("the sm_90 compile needs the `triton` package: pip install -e '.[sm90]'")
+        why = "the sm_90 compile needs the `triton` package: pip install -e '.[sm90]'"
+        if os.environ.get("QWEN_MTP_REQUIRE_SM90") == "1":  # CI installs it and requires the test to run
+            pytest.fail(why)
+        pytest.skip(why)
     kernels = []
     for _, kind, M, K, N in SM90_CASES:
         args, block = _real_args(kind, M, K, N)
