@@ -4,6 +4,10 @@ int4) at their real depth with the MTP head, random weights made on the device, 
     python benchmarks/gpu_scale --budget 420 2>&1 | tee gpu_scale.log     # on a GPU: the whole run, < 8 minutes
     python benchmarks/gpu_scale --short                                    # the CPU short form (tests/test_gpu_scale)
 
+On a lent device (the `run` tool, one H200: timeout_s 480, the machine's own jax):
+    python3 benchmarks/gpu_scale --budget 420 2>&1 | tee $OUT/gpu_scale.log
+--runs 27B-bf16 (or another run) gives one model the whole budget; --contexts 4096 leaves out the long caches.
+
 For each model, one at a time (device memory checked before anything is allocated; freed between models):
   - the weights drawn by qwen_mtp.trunk.random_weights(on_device=True) (int4: QuantPolicy("int4", 128,
     lm_head=True, mtp=True)) and their bytes;

@@ -172,6 +172,8 @@ def run_model(name, plan, a, p, budget, share_end, results):
         except Exception as e:  # noqa: BLE001 - one part that fails must not hide the others
             failures += 1
             print(f"  {name} {case.label}: FAIL {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+            state, native_head = (random_like(s, i) for i, s in enumerate(  # a failed call may have consumed them
+                jax.eval_shape(lambda: _states(cfg, B, slots, dtype)), start=1))
     res["ctxs"] = ctxs
     return failures
 
@@ -183,7 +185,7 @@ def _states(cfg, B, slots, dtype):
     return init_state(cfg, B, slots, dtype), init_mtp_cache(cfg, B, slots, dtype)
 
 
-def cached_start(a, p, results, cache_dir):
+def cached_start(a, p, results, cache_dir, timeout):
     """A second process lowering the first model's compiled programs with the persistent cache warm."""
     name = next((n for n, r in results.items() if r["compile"]), None)
     if name is None:
@@ -197,7 +199,7 @@ def cached_start(a, p, results, cache_dir):
     t = time.perf_counter()
     out = subprocess.run([sys.executable, HERE, "--cached-child", json.dumps(child), "--compile-cache", cache_dir]
                          + (["--short"] if a.short else []), check=False, capture_output=True, text=True,
-                         timeout=600)
+                         timeout=timeout)
     wall = time.perf_counter() - t
     got = [json.loads(x[len("CACHED "):]) for x in out.stdout.splitlines() if x.startswith("CACHED ")]
     if out.returncode or not got:
@@ -264,7 +266,7 @@ def main(argv=None):
         print("cached start: not run (--no-cached-start)", flush=True)
     else:
         try:
-            got = cached_start(a, p, results, cache_dir)
+            got = cached_start(a, p, results, cache_dir, max(30.0, budget.left() + reserve))
             report.cached_line(got)
         except Exception as e:  # noqa: BLE001
             failures += 1
