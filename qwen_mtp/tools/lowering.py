@@ -112,7 +112,7 @@ def spec_decode_args(cfg, dtype, spec, *, batch: int, cache_len: int, cap: int, 
     # per-row fields split over data like the rows they come from; the key, histograms and counter replicated
     per_row = ("pos", "x", "m1", "out", "n_out", "done", "seen")
     carry = carry._replace(**{f: (rows if f in per_row else rep)(getattr(carry, f).shape, getattr(carry, f).dtype)
-                              for f in carry._fields})
+                              for f in carry._fields if getattr(carry, f) is not None})  # None: unused
     return (weights, state, head, carry, eos, scalar, scalar)
 
 
