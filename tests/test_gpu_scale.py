@@ -16,18 +16,19 @@ from gpu_scale import cli, reads
 
 
 def test_short_form_runs_every_part(capsys):
-    """The MoE model in int4 (the path with experts and the traced quantizer), k = 1, two contexts."""
-    assert cli.main(["--short", "--runs", "35B-A3B-int4", "--k", "1", "--contexts", "64,256"]) == 0
+    """The MoE model in int4 (the path with experts and the traced quantizer), k = 1, two contexts; the draft
+    vocabulary's rounds left out here (two more compiles; benchmarks/results' short run has them)."""
+    assert cli.main(["--short", "--runs", "35B-A3B-int4", "--k", "1", "--contexts", "64,256", "--draft-vocab", "0"]) == 0
     out = capsys.readouterr().out
     assert "FAIL" not in out and out.rstrip().splitlines()[-1].startswith("OK: 0 failures")
     assert "== 35B-A3B-int4: 4 layers + MTP head, int4 g128 (lm_head, MTP head too) weights" in out
-    for label in ("plain", "k1 native", "k1 windowed W32 S4", "k1 native draft vocab 128",
-                  "k1 windowed W32 S4 draft vocab 128"):
+    for label in ("plain", "k1 native", "k1 windowed W32 S4"):
         assert f"  {label}: compiled in " in out, label
+    assert "draft vocab" not in out and "(again" not in out
     for ctx in (64, 256):
         assert f"35B-A3B-int4 at {ctx} cached positions" in out
     assert out.count("plain TPOT") == 2 and "with routed experts only" in out
-    assert out.count("AL 1.93: ") == 8  # 4 round kinds x 2 contexts, TPOT at the published AL
+    assert out.count("AL 1.93: ") == 4  # 2 round kinds x 2 contexts, TPOT at the published AL
     assert "Wind-MTP paper's per-step table" in out and "ours, 35B-A3B-int4 at 256 cached positions, k = 1" in out
     assert "cached start: a second process lowered 3 programs of 35B-A3B-int4" in out
 

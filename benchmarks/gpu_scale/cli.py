@@ -49,12 +49,16 @@ def parse(argv):
     ap.add_argument("--k", default="1,2,3,4", help="drafts per round to measure (k = 3 first)")
     ap.add_argument("--contexts", default=None, help="cached positions, comma separated (default: "
                     f"{GPU['contexts']}; --short {SHORT['contexts']})")
+    ap.add_argument("--draft-vocab", type=int, default=None, help="ids of the draft vocabulary rounds (default "
+                    f"{GPU['draft_vocab']}; --short {SHORT['draft_vocab']}); 0: no draft-vocabulary rounds")
     ap.add_argument("--memory", type=float, default=None, help="bytes the device may use (default: its free memory)")
     ap.add_argument("--compile-cache", default=None, help="jax's persistent compile cache folder (default: a new "
                     "empty one, so the first compile is a real one)")
     ap.add_argument("--no-cached-start", action="store_true", help="skip the second process")
     ap.add_argument("--cached-child", default=None, help=argparse.SUPPRESS)  # JSON: what the second process lowers
     a = ap.parse_args(argv)
+    if a.draft_vocab is not None and a.draft_vocab < 0:
+        ap.error(f"--draft-vocab: expected ids >= 0, found {a.draft_vocab}")
     if a.budget <= 0:
         ap.error(f"--budget: expected seconds > 0, found {a.budget:g}")
     bad = [r for r in a.runs.split(",") if r not in RUNS]
@@ -74,8 +78,9 @@ def cases(ks, p):
     main runs plain, k = 3 native and windowed on every run first, then the rest."""
     out = [Case()]
     for k in ks:
-        out += [Case(k), Case(k, p["window"], p["sinks"]), Case(k, draft_vocab=p["draft_vocab"]),
-                Case(k, p["window"], p["sinks"], p["draft_vocab"])]
+        out += [Case(k), Case(k, p["window"], p["sinks"])]
+        if p["draft_vocab"]:
+            out += [Case(k, draft_vocab=p["draft_vocab"]), Case(k, p["window"], p["sinks"], p["draft_vocab"])]
     return out
 
 
@@ -228,7 +233,9 @@ T0 = time.perf_counter()
 def main(argv=None):
     t0 = time.perf_counter()
     a = parse(argv)
-    p = SHORT if a.short else GPU
+    p = dict(SHORT if a.short else GPU)
+    if a.draft_vocab is not None:
+        p["draft_vocab"] = a.draft_vocab
     import qwen_mtp
 
     cache_dir = a.compile_cache or tempfile.mkdtemp(prefix="gpu_scale_jax_cache_")
@@ -245,6 +252,8 @@ def main(argv=None):
     every = cases(a.ks, p)
     first = every[:1] + [c for c in every if c.k == a.ks[0] and not c.draft_vocab]  # plain, native, windowed
     for plan in (first, [c for c in every if c not in first]):  # every run's first cases, then the rest
+        if not plan:
+            continue
         for i, name in enumerate(runs):
             if name in budget.no_room:
                 continue
