@@ -12,7 +12,11 @@ import numpy as np
 from qwen_mtp.decoding.auto_k import pick_k
 from qwen_mtp.decoding.stats import compile_counts, fmt, format_alphas, warmup_note
 from qwen_mtp.errors import ArgumentError
-from qwen_mtp.loading.folder import default_model_path, generation_repetition_penalty, load_tokenizer
+from qwen_mtp.loading.folder import (
+    default_model_path,
+    generation_repetition_penalty,
+    load_tokenizer,
+)
 from qwen_mtp.parallel.distributed import same_on_every_process, start_distributed
 from qwen_mtp.tools.cli.text_stream import TextStream
 
@@ -80,8 +84,8 @@ def cmd_generate(args) -> int:
     ids = np.asarray(tok.encode(args.prompt).ids, np.int32)
     if ids.size == 0:
         raise ArgumentError("prompt", "text that encodes to at least one token", repr(args.prompt))
-    sampling_kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                       kv_dtype=args.kv_dtype, repetition_penalty=penalty)
+    sampling_kw = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+                   "kv_dtype": args.kv_dtype, "repetition_penalty": penalty}
     make_spec = lambda k: SpecConfig(k=k, window=args.window, sinks=args.sinks)
     plan = None
     if args.no_spec:

@@ -57,8 +57,9 @@ def build_parser():
     g.add_argument("--model", default=None, metavar="DIR", help=model_help)
     g.add_argument("--max-new-tokens", type=pos_int, metavar="N", default=128,
                    help="tokens to generate at most (stops at EOS)")
-    g.add_argument("--k", type=k_arg, default=3, help="drafts per round, 1..16, or 'auto' to time plain and "
-                   f"k in {list(K_AUTO_CANDIDATES)} on this machine and use the fastest")
+    g.add_argument("--k", type=k_arg, default=None, help="drafts per round, 1..16, or 'auto' to time plain and "
+                   f"k in {list(K_AUTO_CANDIDATES)} on this machine and use the fastest (default: the speculation "
+                   "plan measured once per machine, model and settings and cached, plain where speculation is slower)")
     g.add_argument("--window", type=pos_int, default=None, help="Wind-MTP: the draft head attends to the last "
                    "WINDOW positions plus the sinks (default: native full attention)")
     g.add_argument("--sinks", type=nonneg_int, default=0, help="with --window: the first SINKS positions stay "
