@@ -7,8 +7,11 @@ command line prints as one line with exit status 2.
                                             loss-curve plot, --no-plot to go without matplotlib)
     notebooks  nbclient, nbformat, ipykernel, matplotlib
                                             executing notebooks/*.ipynb (python -m notebooks.run)
-    test       the above, pytest, torch, transformers, hypothesis, ...
+    serve      fastapi, uvicorn, jinja2, prometheus_client
+                                            python -m qwen_mtp serve (checked by tools/cli/serve_cmd.py)
+    test       the above, pytest, torch, transformers, hypothesis, openai, httpx, ...
                                             the test suite and the transformers benchmarks
+    sm90       triton                       the sm_90 compile tests (CI requires it)
     cuda       jax[cuda12]                  running on an NVIDIA GPU
 """
 
