@@ -3,7 +3,7 @@
 The public face: load a checkpoint, generate with or without the MTP head's drafts, and the types they return.
 The wings behind it (docs/architecture.md):
   trunk/     the model: config, weights, state, quantized arrays, attention, Gated DeltaNet, MLP/MoE, forward
-  head/      the MTP head: its forward, the Wind-MTP ring, the draft vocabulary
+  head/      the MTP head: its forward, the Wind-MTP ring, the draft vocabulary, tree shapes
   decoding/  generate: request checks, prefill, the plain and speculative loops, rollback, sampling, stats
   loading/   Model, load / save / shard, safetensors and orbax checkpoints, quantize-and-convert
   parallel/  sharding rules over a ('data', 'model') mesh, multi-process start-up
@@ -28,6 +28,7 @@ from qwen_mtp.errors import (
                              NonFiniteError,
                              QwenMTPError,
 )
+from qwen_mtp.head.tree import DynamicTree, StaticTree
 from qwen_mtp.loading.model import Model, load, save, shard, with_draft_vocab
 from qwen_mtp.parallel.sharding import make_mesh
 from qwen_mtp.serving.engine import Engine
@@ -36,7 +37,8 @@ from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.quant import QuantArray, QuantPolicy
 
 __all__ = ["load", "save", "shard", "with_draft_vocab", "prefill_logits", "mtp_logits", "generate", "precompile",
-           "enable_compile_cache", "disable_compile_cache", "SpecConfig", "Sampling", "make_mesh", "Model", "ModelConfig",
+           "enable_compile_cache", "disable_compile_cache", "SpecConfig", "StaticTree", "DynamicTree", "Sampling",
+           "make_mesh", "Model", "ModelConfig",
            "QuantArray", "QuantPolicy", "GenerateResult", "GenerateStats",
            "QwenMTPError", "ConfigError", "CheckpointError", "ArgumentError", "MissingMTPHeadError", "NonFiniteError",
            "InsufficientMemoryError", "MissingExtraError", "Engine", "SamplingParams"]

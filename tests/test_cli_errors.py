@@ -152,3 +152,18 @@ def test_the_one_line_check_can_fail(capsys):
         p.parse_args(["--top-p", "x"])
     err = capsys.readouterr().err
     assert "usage:" in err and err.count("\n") > 1
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["generate", "x", "--tree", "2,x"], "qwen_mtp generate: error: --tree: expected widths per depth like 2,2,1"),
+    (["generate", "x", "--tree", "0,1"], "qwen_mtp generate: error: --tree: expected a non-empty tuple of integers"),
+    (["generate", "x", "--tree", "dynamic:3,2"], "qwen_mtp generate: error: --tree: expected widths per depth"),
+    (["generate", "x", "--tree", "dynamic:2,2,9"], "qwen_mtp generate: error: --tree: expected an integer in [1, 6]"),
+    (["generate", "x", "--tree", "2,1", "--k", "3"],
+     "qwen_mtp generate: error: --k: expected no --k with --tree, or the tree's depth 2, found 3"),
+    (["generate", "x", "--tree", "2,1", "--no-spec"], "qwen_mtp generate: error: --tree: expected no --no-spec"),
+])
+def test_tree_errors_are_one_line_naming_the_flag(capsys, argv, line):
+    """--tree (a static shape or dynamic:DEPTH,TOPK,BUDGET): a bad value and a clash with --k / --no-spec, refused
+    before the model loads."""
+    assert _error(capsys, argv).startswith(line)

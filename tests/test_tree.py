@@ -1,6 +1,8 @@
 """Tree drafts (decoding/tree_*.py, head/tree.py): lossless against plain decoding, a width-1 tree is the chain,
-the tree verify's GDN states are sequential steps along every root-to-node path, sampled trees keep the
-distribution, every tree program lowers for cuda at real shapes."""
+the tree verify's GDN states are sequential steps along every root-to-node path, the head's tree entries in the
+Wind-MTP ring (sinks + W + depth * width slots, constant in the context) are its steps along every path, the
+memory sizing counts a tree's buffers, sampled trees keep the distribution, every tree program lowers for cuda
+at real shapes. Few compiles: one model per property, the loop programs shared where the settings allow."""
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,7 @@ from qwen_mtp.errors import ArgumentError
 from qwen_mtp.head import tree as tree_mod
 from qwen_mtp.head.tree import DynamicTree, StaticTree
 from qwen_mtp.trunk.gdn import gdn_layer
-from qwen_mtp.trunk.state import GDNState
+from qwen_mtp.trunk.state import GDNState, KVCache
 
 PROMPTS = [np.random.RandomState(1).randint(0, 97, 9), np.random.RandomState(2).randint(0, 97, 40)]
 
@@ -44,9 +46,9 @@ def _paths(parent):
 
 def test_tree_gdn_states_equal_sequential_steps_along_every_path(ckpt, report):
     """Per node: the tree form's output and the state after the node (conv window and recurrent state) against
-    gdn_layer's step form run token by token along the node's path from the root, from the same state. Row 0 a
-    static tree (2, 2, 1), row 1 an irregular one. The control: every node taking its predecessor in node order
-    as parent (a chain over the node order) breaks the match."""
+    gdn_layer's step form run token by token along the node's path from the root, from the same state (each node
+    one step from its parent's stepped state: one step program). Row 0 a static tree (2, 2, 1), row 1 an
+    irregular one. The control: every node taking its predecessor in node order as parent breaks the match."""
     model = qwen_mtp.load(ckpt("dense_mtp")[1])
     cfg = model.config
     w = model.weights.layers[0].mixer
@@ -57,74 +59,164 @@ def test_tree_gdn_states_equal_sequential_steps_along_every_path(ckpt, report):
     st = GDNState(jnp.asarray(r.randn(B, cfg.conv_kernel - 1, cfg.conv_dim), jnp.float32),
                   jnp.asarray(0.3 * r.randn(B, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim),
                               jnp.float32))
-    step = jax.jit(lambda x, st, n: gdn_layer(x, w, cfg, st, n, mode="step"))
+    step = jax.jit(lambda x, st: gdn_layer(x, w, cfg, st, jnp.ones((B,), jnp.int32), mode="step"))
+    refs = []  # (output, state after) of node i: its parent's state stepped by x_i (the root: st stepped by x_0)
+    for i in range(N1):
+        prev = st if i == 0 else GDNState(*(jnp.stack([refs[parents[b, i]][1][f][b] for b in range(B)])
+                                            for f in (0, 1)))
+        o, s = step(x[:, i:i + 1], prev)
+        refs.append((o[:, 0], (s.conv, s.rec)))
+    layer = jax.jit(lambda x, st, layout: tree_gdn_layer(x, w, cfg, st, layout))
+    after = jax.jit(gdn_state_after)
 
-    def check(par, refs):
+    def check(par):
         layout = tree_mod.layout_from_parents(jnp.asarray(par), 4, 2)
-        out, tv = tree_gdn_layer(x, w, cfg, st, layout)
+        out, tv = layer(x, st, layout)
         worst, ok = 0.0, True
-        for b in range(B):
-            for i, path in enumerate(_paths(parents[b])):
-                ref_out, ref_st = refs[b][i]
-                got = gdn_state_after(tv, layout, jnp.full((B,), i, jnp.int32))
-                for a, e in ((out[b, i], ref_out), (got.conv[b], ref_st.conv[b]), (got.rec[b], ref_st.rec[b])):
-                    good, err = _close(a, e)
-                    ok, worst = ok and good, max(worst, err)
+        for i in range(N1):
+            got = after(tv, layout, jnp.full((B,), i, jnp.int32))
+            for a, e in ((out[:, i], refs[i][0]), (got.conv, refs[i][1][0]), (got.rec, refs[i][1][1])):
+                good, err = _close(a, e)
+                ok, worst = ok and good, max(worst, err)
         return ok, worst
 
-    refs = [[None] * N1 for _ in range(B)]
-    for b in range(B):
-        for i, path in enumerate(_paths(parents[b])):
-            xs = x[:, np.asarray(path)]
-            o, s = step(xs, st, jnp.full((B,), len(path), jnp.int32))
-            refs[b][i] = (o[b, -1], GDNState(s.conv, s.rec))
-    ok, worst = check(parents, refs)
+    ok, worst = check(parents)
     assert ok, worst
     predecessor = np.broadcast_to(np.maximum(np.arange(N1) - 1, 0), (B, N1)).astype(np.int32)
-    bad_ok, bad_worst = check(predecessor, refs)
+    bad_ok, bad_worst = check(predecessor)
     report(f"tree GDN vs steps along each path: max abs err {worst:.2e} over {B * N1} nodes; "
            f"predecessor-as-parent control: {bad_worst:.2e}")
     assert not bad_ok and bad_worst > 1e-2
 
 
+# --------------------------------------------------------------------------------------- the Wind-MTP ring, memory
+def test_wind_mtp_ring_holds_the_tree(ckpt, report):
+    """A tree spec's ring is sinks + W + depth * width slots at every context length (kv_cache_bytes sizes it
+    as generate allocates it; width: the most nodes the head runs at one depth). Drafting a static tree into
+    it: every expanded node's head output equals the head stepped along the node's root-to-node path
+    (mtp_forward, one row at a time, on the same ring), with junk in every slot no window of the round reaches.
+    The control: a ring sized for the chain (sinks + W + k) lets the entries overwrite rows the windows and the
+    ancestors need, and breaks the match."""
+    from kernels_pallas.ring_layout import ring_rows, visible
+    from qwen_mtp.decoding import memory
+    from qwen_mtp.decoding.tree_draft import _draft_static
+    from qwen_mtp.head.mtp import mtp_forward
+
+    model = qwen_mtp.load(ckpt("dense_mtp")[1])
+    cfg, W, S = model.config, 4, 1
+    tree = StaticTree((2, 2, 1))
+    spec = SpecConfig(k=3, window=W, sinks=S, tree=tree)
+    row = 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    sizes = {n: memory.kv_cache_bytes(model, n, spec=spec)["mtp"] for n in (64, 4096, 1 << 20)}
+    assert tree.width == 4 and spec.draft_slots == 12 and set(sizes.values()) == {(S + W + 3 * 4) * row}, sizes
+    assert SpecConfig(k=3, window=W, sinks=S, tree=StaticTree((1, 1, 1))).draft_slots == SpecConfig(k=3).k
+    assert SpecConfig(k=3, window=W, tree=DynamicTree(3, 2, 6)).draft_slots == 3 * 2
+
+    B, pos = 2, jnp.asarray([30, 33], jnp.int32)
+    r = np.random.RandomState(3)
+    m1 = jnp.asarray(r.randn(B, cfg.hidden_size), jnp.float32)
+    x = jnp.asarray([5, 7], jnp.int32)
+    step = jax.jit(lambda t, h, c, at: mtp_forward(model.weights, cfg, t, h, c, at, window=W, sinks=S)[:2])
+    draft = jax.jit(lambda c: _draft_static(model.weights, cfg, c, m1, x, pos, spec, tree, Sampling(),
+                                            jax.random.PRNGKey(0), None))
+    parent = tree_mod.static_parents(tree)
+
+    def check(slots):
+        shape = (B, slots, cfg.num_kv_heads, cfg.head_dim)
+        held = ring_rows(pos - 1, S, slots - S)  # what each slot holds at the round's start
+        reached = jnp.any(jnp.stack([visible(held, (pos - 1 + j)[:, None], W, S) for j in range(1, tree.depth)]), 0)
+        ring = KVCache(*(jnp.where(reached[:, :, None, None], jnp.asarray(r.randn(*shape), jnp.float32), 1e3)
+                         for _ in range(2)))
+        tokens, _, _, _, M = draft(ring)
+        ok, worst = True, 0.0
+        for node in range(1, tree.expanded + 1):
+            path = [node]
+            while parent[path[0]] != 0:
+                path.insert(0, int(parent[path[0]]))
+            c, h = ring, m1[:, None]
+            for d, n in enumerate(path, start=1):  # node n of depth d at head row pos - 1 + d
+                h, c = step(tokens[:, n:n + 1], h, c, pos - 1 + d)
+            good, e = _close(M[:, node], h[:, 0])
+            ok, worst = ok and good, max(worst, e)
+        return ok, worst
+
+    ok, err = check(S + W + spec.draft_slots)
+    bad_ok, bad = check(S + W + spec.k)
+    report(f"tree entries in the Wind-MTP ring ({S} + {W} + 3 x 4 slots): head vs steps along each path, max err "
+           f"{err:.2e} over {tree.expanded} nodes; ring sized for the chain (control): {bad:.2e}")
+    assert ok and not bad_ok and bad > 1e-2, (err, bad)
+
+
+def test_memory_counts_the_tree_buffers(ckpt, monkeypatch):
+    """request_bytes (what generate refuses before allocating): a tree's verify rows in the GDN rollback terms,
+    the tree rows' attention K / V, a native head's tree entries, the ring's depth * width draft slots; a device
+    with room for the chain's request but not the tree's refuses the tree."""
+    from qwen_mtp.decoding import memory
+    from qwen_mtp.decoding.request import make_request, request_bytes
+    from qwen_mtp.errors import InsufficientMemoryError
+
+    model = qwen_mtp.load(ckpt("dense_mtp")[1])
+    cfg = model.config
+    need = lambda spec: request_bytes(model, make_request(model, PROMPTS, 16, spec, 0.0, 0, 1.0, 0, [], 64, False, None,
+                                                          1.3))
+    chain, tree = need(SpecConfig(k=3)), need(SpecConfig(k=3, tree=StaticTree((2, 2, 1))))
+    row = 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    attn = sum(t == "full_attention" for t in cfg.layer_types)
+    assert tree["tree verify K/V"] == attn * 2 * 11 * row and tree["tree head entries"] == 2 * 6 * row
+    assert tree["verify GDN states"] > chain["verify GDN states"] and "tree verify K/V" not in chain
+    assert tree["repetition penalty context"] == 2 * cfg.vocab_size * 12
+    windowed = need(SpecConfig(k=3, window=8, tree=StaticTree((2, 2, 1))))
+    assert windowed["head cache"] == 2 * (8 + 12) * row and "tree head entries" not in windowed
+    monkeypatch.setattr(memory, "available_bytes", lambda d: ((chain["total"] + tree["total"]) // 2, "a test device"))
+    memory.check(model, chain)
+    with pytest.raises(InsufficientMemoryError):
+        qwen_mtp.generate(model, PROMPTS, 16, spec=SpecConfig(k=3, tree=StaticTree((2, 2, 1))), eos_token_id=[],
+                          repetition_penalty=1.3, prefill_chunk=64)
+
+
 # ------------------------------------------------------------------------------------------- lossless, end to end
-@pytest.mark.parametrize("name,trees,kw", [
-    ("dense_mtp", [SpecConfig(k=3, tree=StaticTree((2, 2, 1))),
-                   SpecConfig(k=3, window=4, sinks=1, tree=DynamicTree(depth=3, topk=2, budget=6))], {}),
-    # under a repetition penalty: each node's logits and drafts penalised with the context through its path
-    ("moe_mtp", [SpecConfig(k=2, tree=StaticTree((3, 1)))], {"repetition_penalty": 1.3}),
-])
-def test_greedy_tree_equals_plain_greedy(ckpt, name, trees, kw, report):
-    model = qwen_mtp.load(ckpt(name)[1])
-    plain = qwen_mtp.generate(model, PROMPTS, 16, eos_token_id=[], **kw)
-    for spec in trees:
-        res = qwen_mtp.generate(model, PROMPTS, 16, eos_token_id=[], spec=spec, **kw)
+def test_greedy_trees_equal_plain_greedy_and_width_one_is_the_chain(ckpt, report):
+    """dense_mtp, greedy: a width-1 tree with Wind-MTP gives the chain's tokens and statistics (H[n], the
+    per-position hits), both equal to plain greedy, as do a static (2, 2, 1) tree in the ring (sinks + W + 3 x 4
+    slots) and a dynamic tree with a native head."""
+    model = qwen_mtp.load(ckpt("dense_mtp")[1])
+    run = lambda spec=None: qwen_mtp.generate(model, PROMPTS, 16, eos_token_id=[], spec=spec)
+    plain = run()
+    chain, one = run(SpecConfig(k=3, window=4, sinks=1)), run(SpecConfig(k=3, window=4, sinks=1,
+                                                                         tree=StaticTree((1, 1, 1))))
+    np.testing.assert_array_equal(chain.tokens, plain.tokens)
+    np.testing.assert_array_equal(one.tokens, chain.tokens)
+    np.testing.assert_array_equal(one.stats.accept_hist, chain.stats.accept_hist)
+    np.testing.assert_array_equal(one.stats.position_hits, chain.stats.position_hits)
+    for spec in (SpecConfig(k=3, window=4, sinks=1, tree=StaticTree((2, 2, 1))),
+                 SpecConfig(k=3, tree=DynamicTree(depth=3, topk=2, budget=6))):
+        res = run(spec)
         np.testing.assert_array_equal(res.tokens, plain.tokens)
         st = res.stats
         assert st.rounds == int(st.accept_hist.sum()) > 0 and st.tree is not None
-        report(f"greedy tree {name} {spec.tree} window={spec.window} {kw}: == plain, H[n]={st.accept_hist.tolist()}, "
+        report(f"greedy tree {spec.tree} window={spec.window}: == plain, H[n]={st.accept_hist.tolist()}, "
                f"rank accepts {st.tree['rank_accepts'].tolist()} of {st.tree['rank_tries'].tolist()}")
 
 
-def test_greedy_tree_equals_plain_on_the_shipped_model(report):
-    model = qwen_mtp.load("checkpoints/qwen3_5_small", dtype="float32")
-    prompt = list(range(5, 45))
-    plain = qwen_mtp.generate(model, prompt, 24, eos_token_id=[])
-    res = qwen_mtp.generate(model, prompt, 24, eos_token_id=[], spec=SpecConfig(k=3, tree=StaticTree((2, 2, 1))))
+def test_greedy_moe_tree_under_a_repetition_penalty_equals_plain(ckpt, report):
+    """Each node's logits and drafts penalised with the context through its path."""
+    model = qwen_mtp.load(ckpt("moe_mtp")[1])
+    kw = {"eos_token_id": [], "repetition_penalty": 1.3}
+    plain = qwen_mtp.generate(model, PROMPTS, 16, **kw)
+    res = qwen_mtp.generate(model, PROMPTS, 16, spec=SpecConfig(k=2, tree=StaticTree((3, 1))), **kw)
     np.testing.assert_array_equal(res.tokens, plain.tokens)
-    report(f"shipped model, tree (2, 2, 1): == plain, AL {res.stats.acceptance_length:.2f}")
+    report(f"greedy tree moe_mtp (3, 1), repetition penalty 1.3: == plain, H[n]={res.stats.accept_hist.tolist()}")
 
 
-def test_width_one_tree_is_the_chain(ckpt):
-    """Same tokens and the same statistics (H[n], the per-position hits), greedy and sampled (the same keys)."""
+def test_sampled_width_one_tree_is_the_chain(ckpt):
+    """Same tokens and the same statistics with the same keys (draws, rejections, residuals)."""
     model = qwen_mtp.load(ckpt("dense_mtp")[1])
-    for kw in ({}, {"temperature": 1.0, "seed": 5}):
-        chain = qwen_mtp.generate(model, PROMPTS, 16, eos_token_id=[], spec=SpecConfig(k=3), **kw)
-        tree = qwen_mtp.generate(model, PROMPTS, 16, eos_token_id=[], spec=SpecConfig(k=3, tree=StaticTree((1, 1, 1))),
-                                 **kw)
-        np.testing.assert_array_equal(tree.tokens, chain.tokens)
-        np.testing.assert_array_equal(tree.stats.accept_hist, chain.stats.accept_hist)
-        np.testing.assert_array_equal(tree.stats.position_hits, chain.stats.position_hits)
+    kw = {"eos_token_id": [], "temperature": 1.0, "seed": 5}
+    chain = qwen_mtp.generate(model, PROMPTS, 16, spec=SpecConfig(k=3), **kw)
+    tree = qwen_mtp.generate(model, PROMPTS, 16, spec=SpecConfig(k=3, tree=StaticTree((1, 1, 1))), **kw)
+    np.testing.assert_array_equal(tree.tokens, chain.tokens)
+    np.testing.assert_array_equal(tree.stats.accept_hist, chain.stats.accept_hist)
+    np.testing.assert_array_equal(tree.stats.position_hits, chain.stats.position_hits)
 
 
 # ------------------------------------------------------------------------------------------------------- sampling
@@ -225,7 +317,7 @@ def _tree_program(cfg, dtype, spec, sampling, B=2, cache=1024, cap=32):
     i32, SDS = jnp.int32, jax.ShapeDtypeStruct
     state = jax.eval_shape(lambda: init_state(cfg, B, cache, dtype))
     head = jax.eval_shape(lambda: init_mtp_cache(cfg, B, cache, dtype, window=spec.window, sinks=spec.sinks,
-                                                 k=spec.k))
+                                                 k=spec.draft_slots))
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     eos, scalar = SDS((1,), i32), SDS((), i32)
     carry = jax.eval_shape(lambda *a: tree_loop.tree_start(*a, cap=cap, spec=spec), SDS((B,), i32),

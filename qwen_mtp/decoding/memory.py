@@ -2,9 +2,11 @@
 from shapes before anything is allocated, against what the devices have free.
 
 Counted: the trunk's state (every attention KV cache and every GDN conv / recurrent state), the MTP head's cache
-(native or the Wind-MTP ring), the prefill hiddens kept for the head's prefill (speculative only), what the
-verify leaves per GDN layer for the rollback (rollback.py: the conv window, the keys, deltas and decays of its
-k + 1 positions) with the rebuilt states, and the logits buffer of return_logits. Not counted:
+(native or the Wind-MTP ring: sinks + W + k slots, a tree's sinks + W + depth * width), the prefill hiddens kept
+for the head's prefill (speculative only), what the verify leaves per GDN layer for the rollback (rollback.py:
+the conv window, the keys, deltas and decays of its k + 1 positions, or of a tree's rows) with the rebuilt
+states, a tree round's buffers (the tree rows' attention K / V until the path's commit; a native head's tree
+entries), and the logits buffer of return_logits. Not counted:
 the weights (already on the device) and XLA's temporaries (a few activations). Available: on a GPU, the
 allocator's limit minus what is in use (Device.memory_stats); on a CPU, the host's MemAvailable.
 
@@ -36,22 +38,42 @@ def request_bytes(model, batch: int, cache_len: int, kv_dtype, spec, cap: int, r
     out = {"trunk state": _nbytes(state)}
     if spec is not None:
         head = jax.eval_shape(lambda: init_mtp_cache(cfg, batch, cache_len, kv_dtype, window=spec.window,
-                                                     sinks=spec.sinks, k=spec.k))
+                                                     sinks=spec.sinks, k=spec.draft_slots))
         out["head cache"] = _nbytes(head)
         chunks = -(-prompt_len // prefill_chunk)
         out["prefill hiddens"] = batch * chunks * prefill_chunk * cfg.hidden_size * jnp.dtype(dtype).itemsize
-        # the verify's GDNVerify per layer (the conv window over k + 1 inputs; k, delta and G per position) and
-        # the rebuilt states (rollback.py), counted as a second copy of the GDN states
+        # the verify's GDNVerify per layer (the conv window over its T rows; k, delta and G per row) and the
+        # rebuilt states (rollback.py), counted as a second copy of the GDN states; T = k + 1, or a tree's rows
         gdn = [s for s in state if isinstance(s, GDNState)]
-        T, f32 = spec.k + 1, 4
+        T, f32 = _verify_rows(spec), 4
         per_pos = cfg.gdn_num_v_heads * (cfg.gdn_k_head_dim + cfg.gdn_v_head_dim + 1) * f32
         out["verify GDN states"] = sum(_nbytes(s) for s in gdn) + len(gdn) * batch * (
             T * per_pos + (cfg.conv_kernel - 1 + T) * cfg.conv_dim * jnp.dtype(dtype).itemsize)
+        if spec.tree is not None:
+            out.update(_tree_bytes(cfg, batch, kv_dtype, dtype, spec))
     if return_logits:
         out["logits"] = batch * cap * cfg.vocab_size * 4
     if penalised:  # penalty.py: each row's context ids, and the verify's k + 1 rows of them
-        out["repetition penalty context"] = batch * cfg.vocab_size * (1 if spec is None else spec.k + 2)
+        out["repetition penalty context"] = batch * cfg.vocab_size * (1 if spec is None else _verify_rows(spec) + 1)
     out["total"] = sum(out.values())
+    return out
+
+
+def _verify_rows(spec) -> int:
+    """Rows of one verify: k + 1, or a tree's nodes and its root."""
+    return spec.k + 1 if spec.tree is None else spec.tree.nodes + 1
+
+
+def _tree_bytes(cfg, batch: int, kv_dtype, dtype, spec) -> dict:
+    """A tree round's own buffers (tree_loop.py): every attention layer's K / V of the tree rows, held from the
+    verify to the commit of the path (tree_verify.TreeKV), and, with a native head cache, the round's head
+    entries beside it (head/tree.py; with Wind-MTP they live in the ring, counted in "head cache")."""
+    kv = jnp.dtype(dtype if kv_dtype is None else kv_dtype).itemsize
+    row = 2 * cfg.num_kv_heads * cfg.head_dim * kv  # one row's K and V
+    layers = sum(1 for t in cfg.layer_types if t == "full_attention")
+    out = {"tree verify K/V": layers * batch * _verify_rows(spec) * row}
+    if spec.window is None:
+        out["tree head entries"] = batch * max(spec.tree.expanded, 1) * row
     return out
 
 
@@ -104,7 +126,8 @@ def check(model, need: dict) -> None:
 def kv_cache_bytes(model, context: int, *, batch: int = 1, kv_dtype=None, spec: SpecConfig | None = None) -> dict:
     """Bytes of the attention KV caches generate holds for `batch` rows of `context` positions, sized without
     allocating: {"trunk": every full-attention layer's cache, "mtp": the head's (native: context slots; with
-    spec.window: its ring of sinks + window + k slots; 0 without spec), "total"}."""
+    spec.window: its ring of sinks + window + spec.draft_slots slots, k or a tree's depth * width; 0 without
+    spec), "total"}."""
     cfg = model.config
     context, batch = check_positive_int("context", context), check_positive_int("batch", batch)
     dtype = resolve_kv_dtype(kv_dtype, model.weights.embed.dtype)
@@ -112,5 +135,5 @@ def kv_cache_bytes(model, context: int, *, batch: int = 1, kv_dtype=None, spec: 
     head = 0
     if spec is not None:
         head = kv_bytes(jax.eval_shape(lambda: init_mtp_cache(cfg, batch, context, dtype, window=spec.window,
-                                                              sinks=spec.sinks, k=spec.k)))
+                                                              sinks=spec.sinks, k=spec.draft_slots)))
     return {"trunk": trunk, "mtp": head, "total": trunk + head}

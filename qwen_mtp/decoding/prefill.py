@@ -119,7 +119,7 @@ def mtp_prefill(model, tokens, hidden, cache_len: int, prefill_chunk: int = DEFA
     sinks = spec.sinks if spec is not None else 0
     cache_dtype = weights.embed.dtype if kv_dtype is None else kv_dtype
     cache = ex.call(state_program(cfg, B, max(cache_len, n_chunks * C), None, cache_dtype, True, window, sinks,
-                                  spec.k if spec is not None else 0, mesh_of(model)))
+                                  spec.draft_slots if spec is not None else 0, mesh_of(model)))
     if hidden.shape[1] < n_chunks * C:
         hidden = ex.call(pad_time, hidden, length=n_chunks * C)
     outs = []

@@ -39,7 +39,7 @@ from qwen_mtp.decoding.sampling import Sampling, argmax, draw, probs, row_scores
 from qwen_mtp.errors import ArgumentError
 from qwen_mtp.head import draft_vocab
 from qwen_mtp.head.mtp import mtp_forward
-from qwen_mtp.head.tree import check_tree
+from qwen_mtp.head.tree import check_tree, ring_draft_slots
 from qwen_mtp.trunk.forward import forward, lm_logits
 from qwen_mtp.trunk.ops import DECODE_COMPILER_OPTIONS, LOOP_COMPILER_OPTIONS
 
@@ -52,7 +52,7 @@ def _is_int(x):
 class SpecConfig:
     """k drafts per round. window None: the draft head attends natively to the whole context. window W
     (Wind-MTP): the draft head sees the first `sinks` positions and the last W, from a ring of
-    sinks + W + k KV slots; the trunk's verify is unchanged, so the output is still exactly the trunk's."""
+    sinks + W + draft_slots KV slots (k; a tree's depth * width); the trunk's verify is unchanged, so the output is still exactly the trunk's."""
     k: int = 4
     window: int | None = None
     sinks: int = 0
@@ -70,6 +70,11 @@ class SpecConfig:
                                 repr(self.sinks))
         if self.tree is not None:
             check_tree(self.tree, self.k)
+
+    @property
+    def draft_slots(self) -> int:
+        """The Wind-MTP ring's slots past sinks + window: k for a chain, depth * width for a tree (head/tree.py)."""
+        return ring_draft_slots(self.k, self.tree)
 
 
 def draft_vocab_pick(dv, m, sampling, key, vocab_size: int, seen=None, rows=None, at=None):

@@ -1,10 +1,11 @@
 """Tree drafting with the MTP head, level by level (head/tree.py has the shapes, the layout and the head's
 attention over the committed rows and the round's tree buffer).
 
-draft_tree(...) -> (tokens [B, N1] with the root x in column 0, Layout, Q): Q [B, N1, V] is, per node, the
+draft_tree(...) -> (tokens [B, N1] with the root x in column 0, Layout, Q, mcache): Q [B, N1, V] is, per node, the
 draft distribution its children were drawn from (a static tree under sampling: siblings are independent draws
 from it, SpecInfer); None when greedy or for a dynamic tree, whose siblings are the head's deterministic top
-choices (their draft distribution is the point mass on each; tree_accept.py).
+choices (their draft distribution is the point mass on each; tree_accept.py). mcache: the head's cache, with
+the round's head entries written into it under Wind-MTP (the ring; head/tree.py), unchanged when native.
 
 A static tree of width 1 everywhere drafts exactly what speculative._draft drafts: the same head rows, the same
 choice (greedy: the first maximum; sampling: the same keys, split the same way, and the same Gumbel draws).
@@ -49,10 +50,16 @@ def draft_tree(weights, cfg, mcache, m1, x, pos, spec, sampling, key, seen=None)
     use_seen = seen is not None and penalty.active(sampling)
     if isinstance(tree, DynamicTree):
         return _draft_dynamic(weights, cfg, mcache, m1, x, pos, spec, tree, sampling, key, seen if use_seen else None)
-    return _draft_static(weights, cfg, mcache, m1, x, pos, spec, tree, sampling, key, seen if use_seen else None)
+    return _draft_static(weights, cfg, mcache, m1, x, pos, spec, tree, sampling, key, seen if use_seen else None)[:4]
+
+
+def _entries(cfg, mcache, spec, tree, B):
+    """The round's head entries: a buffer beside a native cache (None with Wind-MTP: they go into the ring)."""
+    return empty_buffer(cfg, B, tree.expanded, mcache.k.dtype) if spec.window is None else None
 
 
 def _draft_static(weights, cfg, mcache, m1, x, pos, spec, tree, sampling, key, seen):
+    """draft_tree's four results and M [B, E + 1, H]: the head outputs of the bridge and every expanded node."""
     B, V = x.shape[0], cfg.vocab_size
     D, N1, E = tree.depth, tree.nodes + 1, tree.expanded
     keys = jax.random.split(key, D)
@@ -67,7 +74,7 @@ def _draft_static(weights, cfg, mcache, m1, x, pos, spec, tree, sampling, key, s
                 break
             a = parent[a]
     depth_np = mask_np[:, 1:].sum(1)
-    buf = empty_buffer(cfg, B, E, mcache.k.dtype)
+    buf = _entries(cfg, mcache, spec, tree, B)
     buf_depth = jnp.broadcast_to(jnp.asarray(depth_np[1:E + 1] if E else np.ones(1, np.int32)), (B, max(E, 1)))
     tokens = jnp.zeros((B, N1), jnp.int32).at[:, 0].set(x)
     M = jnp.zeros((B, E + 1, m1.shape[-1]), m1.dtype).at[:, 0].set(m1)
@@ -79,8 +86,9 @@ def _draft_static(weights, cfg, mcache, m1, x, pos, spec, tree, sampling, key, s
         else:
             ok = jnp.broadcast_to(jnp.asarray(mask_np[prev][:, 1:E + 1]), (B, len(prev), E))
             slots = jnp.broadcast_to(jnp.asarray(prev - 1), (B, len(prev)))
-            m, buf = head_level(weights, cfg, tokens[:, prev], M[:, parent[prev]], mcache, pos, d - 1, buf, slots,
-                                ok, buf_depth, window=spec.window, sinks=spec.sinks)
+            m, buf, mcache = head_level(weights, cfg, tokens[:, prev], M[:, parent[prev]], mcache, pos, d - 1, buf,
+                                        slots, ok, buf_depth, window=spec.window, sinks=spec.sinks,
+                                        offsets=tree.entry_offsets())
             M = M.at[:, prev].set(m)
         logits, ids = head_logits(weights, m, V)
         node_seen = None if seen is None else path_seen(seen, tokens, layout.mask)[:, prev]
@@ -95,7 +103,7 @@ def _draft_static(weights, cfg, mcache, m1, x, pos, spec, tree, sampling, key, s
             Q = Q.at[:, prev].set(full_vocab(q_sub, ids, V))
         tokens = tokens.at[:, lo:hi].set(children.reshape(B, hi - lo).astype(jnp.int32))
         prev = np.arange(lo, hi)
-    return tokens, layout, Q
+    return tokens, layout, Q, mcache, M
 
 
 def _draft_dynamic(weights, cfg, mcache, m1, x, pos, spec, tree, sampling, key, seen):
@@ -111,7 +119,7 @@ def _draft_dynamic(weights, cfg, mcache, m1, x, pos, spec, tree, sampling, key, 
         top_q, top = jax.lax.top_k(q, K)
         return _ids(top, ids).astype(jnp.int32), jnp.log(top_q)
 
-    buf = empty_buffer(cfg, B, E, mcache.k.dtype)
+    buf = _entries(cfg, mcache, spec, tree, B)
     buf_depth = jnp.broadcast_to(jnp.asarray(np.arange(max(E, 1)) // K + 1, jnp.int32), (B, max(E, 1)))
     onehot = lambda t: jax.nn.one_hot(t, V, dtype=jnp.bool_)
     tok, logq = choices(m1[:, None], None if seen is None else seen[:, None])
@@ -124,8 +132,8 @@ def _draft_dynamic(weights, cfg, mcache, m1, x, pos, spec, tree, sampling, key, 
     base = K
     for d in range(2, D + 1):
         slots = jnp.broadcast_to(jnp.arange((d - 2) * K, (d - 1) * K, dtype=jnp.int32), (B, K))
-        m, buf = head_level(weights, cfg, f_tok, f_hidden, mcache, pos, d - 1, buf, slots, f_ok, buf_depth,
-                            window=spec.window, sinks=spec.sinks)
+        m, buf, mcache = head_level(weights, cfg, f_tok, f_hidden, mcache, pos, d - 1, buf, slots, f_ok, buf_depth,
+                                    window=spec.window, sinks=spec.sinks, offsets=tree.entry_offsets())
         tok, logq = choices(m, f_seen)  # [B, K, K]
         score = f_score[:, :, None] + logq
         pool_tok.append(tok.reshape(B, K * K))
@@ -156,4 +164,4 @@ def _draft_dynamic(weights, cfg, mcache, m1, x, pos, spec, tree, sampling, key, 
     parent = jnp.where(par_pool < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(par_pool, 0), axis=1))
     parent = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), parent], axis=1)
     tokens = jnp.concatenate([x[:, None].astype(jnp.int32), jnp.take_along_axis(p_tok, keep, axis=1)], axis=1)
-    return tokens, layout_from_parents(parent, D, K), None
+    return tokens, layout_from_parents(parent, D, K), None, mcache

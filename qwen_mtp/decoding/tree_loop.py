@@ -8,7 +8,8 @@ One round, per row, with x the last committed token at pos and m1 the head's bri
   3. accept a path (tree_accept.py), emit its n drafts and the bonus (cut at EOS and max_new, as the chain);
   4. commit: the path's K / V into the attention caches, the GDN state and conv window after its last node;
   5. refill the head's KV (native cache or Wind-MTP ring) along the path from the trunk's hiddens, as the chain
-     refills its accepted prefix; the other branches' head entries lived in the round's tree buffer only.
+     refills its accepted prefix; the other branches' head entries are dropped (native: they lived in the round's
+     buffer; Wind-MTP: their ring slots are out of every window until the refills overwrite them, head/tree.py).
 Repetition penalty: node i's logits (and its children's drafts) are penalised with the context through i's
 path. A NaN / Inf in the logits of the path's rows (root .. last accepted node) freezes the row with `bad` set.
 """
@@ -82,8 +83,8 @@ def tree_decode(weights, cfg, state, mcache, carry: TreeCarry, eos, max_new, unt
         state, mcache, cr = c
         key, k_draft, k_acc = jax.random.split(cr.key, 3)
         with jax.named_scope("draft"):
-            tokens, layout, Q = draft_tree(weights, cfg, mcache, cr.m1, cr.x, cr.pos, spec, sampling, k_draft,
-                                           cr.seen)
+            tokens, layout, Q, mcache = draft_tree(weights, cfg, mcache, cr.m1, cr.x, cr.pos, spec, sampling,
+                                                   k_draft, cr.seen)
         with jax.named_scope("verify"):
             hidden, verified = tree_forward(weights, cfg, tokens, state, cr.pos, layout)
             logits = lm_logits(weights, hidden)  # [B, N1, V]

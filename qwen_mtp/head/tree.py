@@ -13,10 +13,14 @@ mask is lower triangular). Two shapes, both one compiled program:
 
 The head drafts per level: the nodes of depth j run through the head together at logical head row pos - 1 + j
 (RoPE position pos + j), each fed (its token, its parent's head output), attending to the committed rows (the
-native cache, or the Wind-MTP ring with its window) and to the entries of its own ancestors, which this round
-keeps in a small tree buffer (one slot per expanded node). The ring itself keeps sinks + W + depth slots,
-constant in the context; after the verify the committed path is refilled into it (tree_loop.py) and the other
-branches' entries are dropped with the buffer.
+native cache, or the Wind-MTP ring with its window) and to the entries of its own ancestors (the ancestor mask).
+With Wind-MTP the entries live in the ring itself: a tree spec's ring holds sinks + W + depth * width slots
+(width: the most nodes the head runs at one depth; a chain's width is 1, its ring sinks + W + k), constant in
+the context; the committed rows wrap in the last W + depth * width, and the round's entries take the slots of
+rows pos .. pos + depth * width - 1, whose committed rows lie out of every window of the round. After the
+verify the committed path is refilled over them (tree_loop.py); the other branches' entries are dropped: their
+slots name rows no window reaches and are overwritten before any does. Native: the entries live in a small
+buffer of the round beside the cache (one slot per expanded node).
 
 Sampling: a static tree's siblings are independent draws from their parent's draft distribution q (SpecInfer);
 a dynamic tree's siblings are the head's top choices, deterministic, whose draft distribution is the point mass
@@ -33,14 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.masked_attention import BLOCK_DIAGONAL_ROWS, attend, attend_with_new
-from kernels_pallas.ring_layout import ring_rows, visible
+from kernels_pallas.ring_layout import ring_rows, ring_slot, visible
 from qwen_mtp.errors import ArgumentError
 from qwen_mtp.head import draft_vocab
 from qwen_mtp.trunk.attention import output, project_qkv
 from qwen_mtp.trunk.forward import lm_logits
 from qwen_mtp.trunk.mlp import feed_forward
 from qwen_mtp.trunk.ops import embed_rows, linear, rmsnorm_1pw
-from qwen_mtp.trunk.state import to_cache
+from qwen_mtp.trunk.state import KVCache, to_cache
 
 MAX_NODES = 64  # draft nodes per tree (the verify's rows, root excluded)
 
@@ -79,8 +83,18 @@ class StaticTree:
 
     @property
     def expanded(self) -> int:
-        """Nodes that run through the head (depths 1 .. depth-1): the round's tree buffer."""
+        """Nodes that run through the head (depths 1 .. depth-1): their head entries this round."""
         return sum(self.level_sizes[:-1])
+
+    @property
+    def width(self) -> int:
+        """The most nodes the head runs at one depth: the Wind-MTP ring holds depth * width draft slots."""
+        return max(self.level_sizes[:-1], default=1)
+
+    def entry_offsets(self) -> np.ndarray:
+        """[expanded]: entry e (node e + 1) of depth j, i-th of its level, goes to draft slot (j - 1) * width + i."""
+        return np.asarray([(j - 1) * self.width + i for j, n in enumerate(self.level_sizes[:-1], start=1)
+                           for i in range(n)], np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +125,14 @@ class DynamicTree:
     @property
     def expanded(self) -> int:
         return (self.depth - 1) * self.topk
+
+    @property
+    def width(self) -> int:
+        return self.topk
+
+    def entry_offsets(self) -> np.ndarray:
+        """Entry e = (j - 1) * topk + i (the i-th frontier node of depth j) goes to draft slot e."""
+        return np.arange(self.expanded, dtype=np.int32)
 
 
 class Layout(NamedTuple):
@@ -194,11 +216,14 @@ def path_seen(seen, tokens, mask):
 
 # --------------------------------------------------------------------------------------------- the head per level
 def head_level(weights, cfg, tokens, hidden, cache, pos, j: int, buf, slots, buf_ok, buf_depth, *,
-               window=None, sinks: int = 0):
+               window=None, sinks: int = 0, offsets=None):
     """The head for the T nodes of depth j (tokens [B, T], hidden [B, T, H]: their parents' head outputs, or
-    the bridge's for j = 1) at head row pos - 1 + j. buf = (k, v) [B, E, nkv, hd]: the round's tree buffer,
-    slots [B, T] where these nodes' entries go, buf_ok [B, T, E] the entries of each node's ancestors and its
-    own, buf_depth [B, E] each entry's depth. Returns (out [B, T, H], buf)."""
+    the bridge's for j = 1) at head row pos - 1 + j. The round's E head entries (one per expanded node): slots
+    [B, T] the entries of these nodes, buf_ok [B, T, E] the entries of each node's ancestors and its own,
+    buf_depth [B, E] each entry's depth. Native (window None): the entries live in buf = (k, v) [B, E, nkv, hd],
+    beside the cache. Wind-MTP: buf is None and entry e lives in the ring itself, at the slot of row
+    pos + offsets[e] (offsets: the tree's entry_offsets(), below depth * width), a slot whose committed row is
+    out of every window of the round (ring_draft_slots). Returns (out [B, T, H], buf, cache)."""
     w = weights.mtp
     eps = cfg.rms_norm_eps
     B, T = tokens.shape
@@ -208,24 +233,37 @@ def head_level(weights, cfg, tokens, hidden, cache, pos, j: int, buf, slots, buf
     x = linear(jnp.concatenate([e, h], axis=-1), w.fc)
     ah = rmsnorm_1pw(x, w.layer.input_norm, eps)
     q, k, v, gate = project_qkv(ah, w.layer.mixer, cfg, jnp.broadcast_to(row[:, None] + 1, (B, T)))
-    bk, bv = buf
     b = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    bk = bk.at[b, slots].set(to_cache(k, bk.dtype))
-    bv = bv.at[b, slots].set(to_cache(v, bv.dtype))
     S = cache.k.shape[1]
+    buf_rows = pos[:, None] - 1 + buf_depth  # [B, E]
     if window is None:  # native: slot = row, the committed rows are those before pos
+        bk, bv = buf
+        bk = bk.at[b, slots].set(to_cache(k, bk.dtype))
+        bv = bv.at[b, slots].set(to_cache(v, bv.dtype))
         held = jnp.broadcast_to(jnp.arange(S, dtype=pos.dtype), (B, S))
         held = jnp.where(held < pos[:, None], held, -1)
         committed = visible(held, row[:, None], S + 1, 0)
-    else:
-        committed = visible(ring_rows(pos - 1, sinks, S - sinks), row[:, None], window, sinks)
-    buf_rows = pos[:, None] - 1 + buf_depth  # [B, E]
-    in_window = visible(buf_rows, row[:, None], window if window is not None else S + 1, sinks)
-    o = attend_tree(q, cache.k, cache.v, jnp.broadcast_to(committed[:, None], (B, T, S)), bk, bv,
-                    buf_ok & in_window[:, None])
+        in_window = visible(buf_rows, row[:, None], S + 1, 0)
+        o = attend_tree(q, cache.k, cache.v, jnp.broadcast_to(committed[:, None], (B, T, S)), bk, bv,
+                        buf_ok & in_window[:, None])
+        buf = (bk, bv)
+    else:  # Wind-MTP: the entries in the ring, the ancestor mask over their slots
+        ring = S - sinks
+        entry_slot = ring_slot(pos[:, None] + jnp.asarray(offsets, pos.dtype)[None], sinks, ring)  # [B, E]
+        mine = jnp.take_along_axis(entry_slot, slots, axis=1)  # [B, T]
+        cache = KVCache(cache.k.at[b, mine].set(to_cache(k, cache.k.dtype)),
+                        cache.v.at[b, mine].set(to_cache(v, cache.v.dtype)))
+        committed = visible(ring_rows(pos - 1, sinks, ring), row[:, None], window, sinks)  # [B, S]
+        in_window = visible(buf_rows, row[:, None], window, sinks)
+        E = entry_slot.shape[1]
+        bt = (jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None])
+        ancestors = jnp.zeros((B, T, S), bool).at[bt[0], bt[1], jnp.broadcast_to(entry_slot[:, None], (B, T, E))] \
+            .set(buf_ok & in_window[:, None])
+        up = lambda c: c.astype(q.dtype)
+        o = attend(q, up(cache.k), up(cache.v), committed[:, None] | ancestors)
     res1 = x + output(o, gate, w.layer.mixer)
     res2 = res1 + feed_forward(rmsnorm_1pw(res1, w.layer.post_norm, eps), w.layer.mlp, cfg)
-    return rmsnorm_1pw(res2, w.norm, eps), (bk, bv)
+    return rmsnorm_1pw(res2, w.norm, eps), buf, cache
 
 
 def attend_tree(q, k, v, key_ok, k_new, v_new, new_ok):
@@ -251,6 +289,12 @@ def full_vocab(q_sub, ids, vocab_size: int):
     if ids is None:
         return q_sub
     return jnp.zeros(q_sub.shape[:-1] + (vocab_size,), q_sub.dtype).at[..., ids].set(q_sub)
+
+
+def ring_draft_slots(k: int, tree) -> int:
+    """The Wind-MTP ring's slots past sinks + window (SpecConfig.draft_slots): k for a chain (tree None),
+    depth * width for a tree."""
+    return k if tree is None else tree.depth * tree.width
 
 
 def empty_buffer(cfg, batch: int, size: int, dtype):

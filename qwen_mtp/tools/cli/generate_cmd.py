@@ -3,6 +3,7 @@ continuation and print one stats line."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -50,9 +51,49 @@ def _with_draft_vocab(model, path, choice, log):
     return with_draft_vocab(model, choice)
 
 
+TREE_FORMS = "widths per depth like 2,2,1 (integers in [1, 8]) or dynamic:DEPTH,TOPK,BUDGET"
+
+
+def tree_arg(value: str):
+    """--tree: '2,2,1' a static tree (StaticTree(widths), its depth is k); 'dynamic:D,K,N' EAGLE-2's dynamic
+    tree (DynamicTree(depth=D, topk=K, budget=N))."""
+    from qwen_mtp.head.tree import DynamicTree, StaticTree
+
+    dynamic = value.startswith("dynamic:")
+    parts = value.removeprefix("dynamic:").split(",")
+    try:
+        nums = tuple(int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {TREE_FORMS}, found {value!r}") from None
+    if dynamic and len(nums) != 3:
+        raise argparse.ArgumentTypeError(f"expected {TREE_FORMS}, found {value!r}")
+    try:
+        return DynamicTree(*nums) if dynamic else StaticTree(nums)
+    except ArgumentError as e:  # the shape's own limits (widths, node count, budget)
+        raise argparse.ArgumentTypeError(f"expected {e.expected} ({e.argument}), found {value!r}") from None
+
+
+def tree_shape(tree) -> str:
+    """A tree as --tree spells it."""
+    from qwen_mtp.head.tree import DynamicTree
+
+    if isinstance(tree, DynamicTree):
+        return f"dynamic:{tree.depth},{tree.topk},{tree.budget}"
+    return ",".join(map(str, tree.widths))
+
+
+def _tree_depth(args):
+    """k for --tree (its depth); --k, when given, must equal it."""
+    if args.no_spec:
+        raise ArgumentError("--tree", "no --no-spec (a tree drafts speculatively)", tree_shape(args.tree))
+    if args.k is not None and args.k != args.tree.depth:
+        raise ArgumentError("--k", f"no --k with --tree, or the tree's depth {args.tree.depth}", args.k)
+    return args.tree.depth
+
+
 def k_was_not_timed(args) -> bool:
     """--k auto already compiled and ran every candidate, the chosen one included."""
-    return args.no_spec or args.k != "auto"
+    return args.no_spec or args.k != "auto" or getattr(args, "tree", None) is not None
 
 
 def cmd_generate(args) -> int:
@@ -72,6 +113,8 @@ def cmd_generate(args) -> int:
         mesh_text = "model=-1"  # one job over every device of every process: tensor parallel
     mesh = None if mesh_text is None else parse_mesh(mesh_text)  # a bad --mesh fails before anything loads
     path = Path(args.model) if args.model else default_model_path()
+    tree = getattr(args, "tree", None)
+    tree_k = None if tree is None else _tree_depth(args)  # refused before the weights load
     penalty, penalty_from = args.repetition_penalty, "--repetition-penalty"
     if penalty is None:  # read (and a bad file refused) before the weights load
         penalty, penalty_from = generation_repetition_penalty(path), "generation_config.json"
@@ -86,9 +129,14 @@ def cmd_generate(args) -> int:
         raise ArgumentError("prompt", "text that encodes to at least one token", repr(args.prompt))
     sampling_kw = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
                    "kv_dtype": args.kv_dtype, "repetition_penalty": penalty}
-    make_spec = lambda k: SpecConfig(k=k, window=args.window, sinks=args.sinks)
+    make_spec = lambda k: SpecConfig(k=k, window=args.window, sinks=args.sinks, tree=tree)
     plan = None
-    if args.no_spec:
+    if tree is not None:  # a tree's depth is its k: no plan, no --k auto
+        spec = make_spec(tree_k)
+        if not model.has_mtp:
+            raise ArgumentError("--model", "a checkpoint with an MTP head (mtp.* tensors), or no --tree",
+                                f"{path} without mtp.*")
+    elif args.no_spec:
         spec = None
     else:
         if not model.has_mtp:
@@ -133,6 +181,9 @@ def cmd_generate(args) -> int:
         dv = model.weights.draft_vocab
         win += "" if dv is None else f", draft vocab {dv.ids.shape[0]}"
         line += f", k={spec.k} ({win}), AL {fmt(s.acceptance_length)}, alpha_j [{format_alphas(s.alpha)}]"
+        if s.tree is not None:
+            line += (f", tree {tree_shape(spec.tree)}: acceptance per depth [{format_alphas(s.tree['depth_rate'])}] "
+                     f"per sibling rank [{format_alphas(s.tree['rank_rate'])}]")
     if plan is not None:
         line += f", {plan.note()}"
     if penalty != 1.0:

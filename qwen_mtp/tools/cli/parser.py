@@ -26,7 +26,12 @@ from qwen_mtp.tools.cli.args import (
 )
 from qwen_mtp.tools.cli.certify_cmd import cmd_certify
 from qwen_mtp.tools.cli.convert_cmd import cmd_convert
-from qwen_mtp.tools.cli.generate_cmd import DRAFT_VOCAB_AUTO, cmd_generate
+from qwen_mtp.tools.cli.generate_cmd import (
+    DRAFT_VOCAB_AUTO,
+    TREE_FORMS,
+    cmd_generate,
+    tree_arg,
+)
 from qwen_mtp.tools.cli.profile_cmd import cmd_profile
 from qwen_mtp.tools.cli.serve_cmd import add_serve_command
 from qwen_mtp.tools.cli.usage import PROG, FlagError, Parser
@@ -64,6 +69,10 @@ def build_parser():
                    "WINDOW positions plus the sinks (default: native full attention)")
     g.add_argument("--sinks", type=nonneg_int, default=0, help="with --window: the first SINKS positions stay "
                    "visible to the draft head; may exceed the window (they are separate)")
+    g.add_argument("--tree", type=tree_arg, default=None, metavar="SHAPE", help="tree drafts: several "
+                   "continuations verified in one forward, output unchanged; SHAPE is " + TREE_FORMS + " (the "
+                   "top choices of the most probable nodes, BUDGET nodes kept); its depth is k. Default: a chain of "
+                   "k drafts")
     g.add_argument("--no-spec", action="store_true", help="plain decoding, no MTP drafts (default: speculative)")
     g.add_argument("--draft-vocab", type=draft_vocab_arg, default="auto", metavar="N|auto|off", help="the draft "
                    "head scores only the N most frequent token ids (the model folder's draft_vocab_counts.npy); "
