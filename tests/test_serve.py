@@ -3,8 +3,9 @@
 Against a stand-in engine (serve_fakes.FakeEngine: echoes the prompt's ids, so every answer is known): the
 `openai` package as the client for completions and chat, streaming and not, usage that adds up, stop strings;
 raw HTTP (http.client) for every error case; a client that disconnects mid-stream frees its slot; draining on
-stop. Against the real Engine and the shipped model in f32: the load test (32 requests from 8 client threads,
-some leaving mid-stream; every answer equals offline generate's).
+stop. Against the real Engine and the shipped model in f32: the load test (32 requests of mixed prompt lengths,
+some prefilled in several chunks, and mixed max_tokens, from 8 client threads against 4 slots, some leaving
+mid-stream; every answer equals offline generate's, slots reused, the server healthy afterwards).
 """
 
 from __future__ import annotations
@@ -361,10 +362,10 @@ def test_sigterm_finishes_running_requests_and_exits():
 
 
 # ---------------------------------------------------------------------------------------------- the real engine
-# The shipped model in f32 behind the real Engine, configured as tests/test_engine.py's (3 slots, one bucket, a
-# plan that speculates with k = 2 at 1-2 busy slots and decodes plain at 3, prompts of at most 16 tokens and at
-# most 16 new ones) so the two share their compiled programs through the persistent compile cache.
-LOAD_REQUESTS, LOAD_CLIENTS, LOAD_LEAVERS = 32, 8, 4
+# The shipped model in f32 behind the real Engine, configured as tests/test_engine.py's (4 slots, one bucket, a
+# plan that speculates with k = 2 at 1 busy slot and decodes plain at 2-4, prefill chunks of 16 positions, at
+# most 16 new tokens) so the two share their compiled programs through the persistent compile cache.
+LOAD_REQUESTS, LOAD_CLIENTS, LOAD_LEAVERS, LOAD_SLOTS, CHUNK = 32, 8, 4, 4, 16
 
 
 @pytest.fixture(scope="module")
@@ -375,31 +376,37 @@ def real(tok):
     from qwen_mtp.serving.plan import Plan
 
     model = qwen_mtp.load(default_model_path(), dtype="float32")
-    plan = Plan({1: 2, 2: 2, 3: 0}, {3: {0: 1.0, 2: 1.0}})
-    engine = qwen_mtp.Engine(model, max_batch=3, max_model_len=64, spec=plan, buckets=(3,), segment=4,
-                             max_waiting=LOAD_CLIENTS).start()
+    plan = Plan({1: 2, 2: 0, 3: 0, 4: 0}, {4: {0: 1.0, 2: 1.0}})
+    engine = qwen_mtp.Engine(model, max_batch=LOAD_SLOTS, max_model_len=64, spec=plan, buckets=(LOAD_SLOTS,),
+                             segment=4, max_waiting=LOAD_CLIENTS, prefill_chunk=CHUNK).start()
+    handles, submit = [], engine.submit  # every request the server hands the engine, to check its slot
+    engine.submit = lambda *a, **kw: handles.append(submit(*a, **kw)) or handles[-1]
     rng = np.random.default_rng(11)
-    prompts = [rng.integers(1, 4096, int(rng.integers(3, 17))).tolist() for _ in range(LOAD_REQUESTS)]
+    # mixed prompt lengths: one chunk (3..16 tokens) and, every fourth, two or three chunks (17..44)
+    prompts = [rng.integers(1, 4096, int(rng.integers(17, 45) if i % 4 == 1 else rng.integers(3, 17))).tolist()
+               for i in range(LOAD_REQUESTS)]
     budgets = [int(rng.integers(9, 17)) for _ in range(LOAD_REQUESTS)]
     refs = []
     for p, n in zip(prompts, budgets):  # offline generate, each prompt alone, plain greedy: the oracle
-        r = qwen_mtp.generate(model, np.asarray(p, np.int32), n)
+        r = qwen_mtp.generate(model, np.asarray(p, np.int32), n, prefill_chunk=CHUNK)
         refs.append(r.tokens[0, :r.lengths[0]].tolist())
     app = create_app(engine, tok, model_name=MODEL, max_model_len=64, vocab_size=4096,
                      chat_template=load_chat_template(default_model_path()), defaults={"temperature": 0.0})
     with ThreadServer(app) as s:
-        yield s, engine, prompts, budgets, refs
+        yield s, engine, prompts, budgets, refs, handles
     engine.stop()
 
 
 def test_under_load_every_answer_equals_generate(real, tok):
-    """32 requests of mixed prompt lengths and max_tokens from 8 client threads against 3 slots, 4 of them
-    streamed and dropped after their first chunk: every completed answer is offline generate's for its prompt
-    (none lost, duplicated or cross-wired), the dropped ones are cancelled, the slots all free afterwards, the
-    server healthy."""
+    """32 requests of mixed prompt lengths (8 of them prefilled in 2-3 chunks between decode segments) and
+    max_tokens from 8 client threads against 4 slots, 4 of them streamed and dropped after their first chunk:
+    every completed answer is offline generate's for its prompt (none lost, duplicated or cross-wired), the
+    dropped ones are cancelled, each slot served several requests, the slots all free afterwards, the server
+    healthy."""
+    import collections
     import concurrent.futures
 
-    s, engine, prompts, budgets, refs = real
+    s, engine, prompts, budgets, refs, handles = real
     assert len({tuple(r) for r in refs}) == LOAD_REQUESTS  # distinct answers: a cross-wired one cannot pass
     leavers = set(range(0, LOAD_REQUESTS, LOAD_REQUESTS // LOAD_LEAVERS))
     before = engine.metrics()["finished"].get("cancelled", 0)
@@ -433,8 +440,12 @@ def test_under_load_every_answer_equals_generate(real, tok):
     while (engine.running or engine.waiting) and time.time() < deadline:
         time.sleep(0.05)
     m = engine.metrics()
-    assert m["running"] == 0 and m["waiting"] == 0 and m["free_slots"] == 3
+    assert m["running"] == 0 and m["waiting"] == 0 and m["free_slots"] == LOAD_SLOTS
     assert m["finished"].get("cancelled", 0) - before >= 1  # the clients that left freed their slots early
+    assert len(handles) == LOAD_REQUESTS and all(h.finished for h in handles)  # one engine request per request
+    assert sorted(len(h.prompt_ids) for h in handles) == sorted(len(p) for p in prompts)
+    per_slot = collections.Counter(h.slot for h in handles)
+    assert set(per_slot) == set(range(LOAD_SLOTS)) and min(per_slot.values()) >= 2, per_slot  # slots reused
     assert _raw(s, "GET", "/health")[0] == 200
     assert _client(s).completions.create(model=MODEL, prompt=prompts[1], max_tokens=budgets[1]).choices[0].text \
         == tok.decode(refs[1])

@@ -18,11 +18,14 @@ Threads: submit, cancel, metrics and the handles are safe from any thread. The l
 the engine's own (start() / stop()), or a driver that calls step() itself (not both).
 
 How it runs: max_batch slots (slots.py), each with its own trunk KV, GDN state, head cache or Wind-MTP ring,
-position, key and sampling values. step(): cancelled requests free their slots; waiting requests are prefilled
-(alone, at batch 1, in chunks) and inserted into free slots; then one segment of the decode loop runs over the
-busy slots (a sub-batch of `bucket` rows, the smallest of `buckets` that holds them): `segment` plain steps, or
-segment // 2 speculative rounds, with k from the plan for that many busy slots (spec="auto", plan.py), or the
-fixed SpecConfig. Committed tokens are handed to the handles; finished requests free their slots.
+position, key and sampling values. step(): cancelled requests free their slots; prefill advances: a waiting
+request reserves a free slot and its prompt is prefilled alone (batch 1) in chunks of chunk_size(len,
+prefill_chunk) positions, at most prefill_chunk positions per step while other slots decode (a long prompt runs
+one chunk per segment boundary; the busy slots decode a segment between its chunks); a prompt whose last chunk
+ran is inserted into its slot with its first token. Then one segment of the decode loop runs over the busy
+slots (a sub-batch of `bucket` rows, the smallest of `buckets` that holds them): `segment` plain steps, or
+segment // 2 speculative rounds, k from the plan for that many busy slots (spec="auto", plan.py) or the fixed
+SpecConfig. Committed tokens are handed to the handles; finished requests free their slots.
 
 A request's tokens do not depend on what runs beside it: every row is computed on its own (no row reads
 another's), greedy rows take the argmax, sampled rows the Gumbel-max draw from noise of (their seed, the
@@ -58,10 +61,7 @@ from qwen_mtp.serving.stats import EngineCounters
 from qwen_mtp.trunk.state import resolve_kv_dtype
 
 DEFAULT_SEGMENT = 16
-
-
-def _is_int(x):
-    return isinstance(x, int) and not isinstance(x, bool)
+_is_int = lambda x: isinstance(x, int) and not isinstance(x, bool)
 
 
 class Engine:
@@ -77,12 +77,13 @@ class Engine:
     spec="auto" measures (its plan is measured at construction unless cached: every bucket x k = 0..max_k segment
     program is compiled and timed, minutes on a CPU the first time).
 
-    Not yet: a model on a mesh (ArgumentError), a Wind-MTP window with spec="auto" (give SpecConfig(window=...)
-    for a fixed k), prefix caching, n > 1."""
+    window, sinks: Wind-MTP for spec="auto" or a Plan (a fixed SpecConfig carries its own): the head's ring holds
+    sinks + window + max_k slots, which every k of the plan uses. Not yet: a model on a mesh (ArgumentError),
+    prefix caching, n > 1."""
 
     def __init__(self, model, max_batch: int = 8, max_model_len: int | None = None, spec="auto", kv_dtype=None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_waiting: int = 64, segment: int = DEFAULT_SEGMENT,
-                 buckets=None, eos_token_id=None, max_k: int = 3):
+                 buckets=None, eos_token_id=None, max_k: int = 3, window: int | None = None, sinks: int = 0):
         from qwen_mtp.decoding.checks import check_chunk, eos_ids
         from qwen_mtp.serving import plan as plan_mod
 
@@ -123,8 +124,12 @@ class Engine:
             require_mtp(model.weights)
         self.spec_mode = spec  # None | SpecConfig | "auto" | "plan"
         fixed = spec if isinstance(spec, SpecConfig) else None
-        self.window = fixed.window if fixed else None
-        self.sinks = fixed.sinks if fixed else 0
+        if (window is not None or sinks) and (spec is None or fixed is not None):
+            raise ArgumentError("window", "None with spec None or a SpecConfig (a SpecConfig carries its window)",
+                                repr(window))
+        SpecConfig(k=1, window=window, sinks=sinks)  # validates them
+        self.window = fixed.window if fixed else window
+        self.sinks = fixed.sinks if fixed else sinks
         self.max_k = fixed.k if fixed else (max(self.plan.ks()) if self.plan else max_k)
         self.uses_head = spec is not None
         kmax = self.max_k if self.uses_head else 0
@@ -136,6 +141,7 @@ class Engine:
         self._waiting: collections.deque = collections.deque()
         self._max_waiting = max_waiting
         self._running: dict = {}  # slot -> RequestHandle
+        self._job = None  # the PrefillJob in progress (its slot is reserved), or None
         self._thread = None
         self._stopping = False
         self._step_lock = threading.Lock()  # one loop at a time
@@ -217,10 +223,10 @@ class Engine:
         thread. Returns whether there was anything to do."""
         with self._step_lock:
             self._reap()
-            admitted = self._admit()
+            admitted = self._prefill()
             self._reap()  # a request that ended with its first token frees its slot before any segment
             if not self._running:
-                return admitted
+                return admitted or self._job is not None
             self.dev.run_segment()
             self._reap()
             return True
@@ -233,25 +239,23 @@ class Engine:
         """A snapshot of the engine-wide figures (for /metrics): running, waiting, free_slots, totals, speculation
         (drafts proposed / accepted, alpha per position, acceptance length), the plan."""
         with self._lock:
-            running, waiting = len(self._running), len(self._waiting)
+            running, waiting = len(self._running) + (self._job is not None), len(self._waiting)
         snap = self.counters.snapshot()
         snap.update(running=running, waiting=waiting, free_slots=self.max_batch - running, max_batch=self.max_batch,
                     plan=None if self.plan is None else self.plan.describe(), spec=self.describe_spec())
         return snap
 
     def describe_spec(self) -> str:
+        wind = "" if self.window is None else f" Wind-MTP window {self.window} sinks {self.sinks}"
         if self.spec_mode is None:
             return "plain"
-        if isinstance(self.spec_mode, SpecConfig):
-            return f"k={self.spec_mode.k}"
-        return "plan " + self.plan.describe()
+        fixed = isinstance(self.spec_mode, SpecConfig)
+        return (f"k={self.spec_mode.k}" if fixed else "plan " + self.plan.describe()) + wind
 
     def possible_ks(self) -> list:
         """Every k (0 = plain) a segment of this engine may run."""
-        if self.spec_mode is None:
-            return [0]
-        if isinstance(self.spec_mode, SpecConfig):
-            return [self.spec_mode.k]
+        if self.spec_mode is None or isinstance(self.spec_mode, SpecConfig):
+            return [self.k_for(1)]
         return self.plan.ks() if self.plan is not None else list(range(self.max_k + 1))
 
     def k_for(self, busy: int) -> int:
@@ -264,7 +268,14 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return len(self._running)
+        """Requests holding a slot: decoding, or being prefilled."""
+        with self._lock:
+            return len(self._running) + (self._job is not None)
+
+    def prefilling(self):
+        """(handle, chunks run, chunks in all) of the prefill in progress, or None."""
+        job = self._job
+        return None if job is None else (job.h, job.done, job.n)
 
     @property
     def waiting(self) -> int:
@@ -274,7 +285,7 @@ class Engine:
     def _loop(self):
         while True:
             with self._lock:
-                while not self._stopping and not self._waiting and not self._running:
+                while not self._stopping and not self._waiting and not self._running and self._job is None:
                     self._wake.wait()
                 if self._stopping:
                     return
@@ -285,10 +296,11 @@ class Engine:
 
     def _fail_all(self, e):
         with self._step_lock, self._lock:
-            for h in list(self._running.values()) + list(self._waiting):
+            for h in list(self._running.values()) + list(self._waiting) + ([self._job.h] if self._job else []):
                 self._finish(h, "error", e)
             self._running.clear()
             self._waiting.clear()
+            self._job = None
             self.dev.reset()
 
     def _finish(self, handle, reason, error=None):
@@ -306,31 +318,47 @@ class Engine:
                         self._finish(h, "cancelled")
                     free.append(slot)
                     del self._running[slot]
+            job = self._job
+            if job is not None and (job.h.cancel_requested or cancel_all):  # its slot was never written
+                self._finish(job.h, "cancelled")
+                self._job = None
         if free:
             self.dev.release(free)
 
-    def _admit(self) -> bool:
-        """Prefill waiting requests into free slots: at least one, then while the prompts so far are under
-        2 x prefill_chunk tokens (a long prompt does not hold up the running slots for more than its own)."""
-        budget, admitted = 2 * self.prefill_chunk, False
+    def _prefill(self) -> bool:
+        """Advance prefill: chunks of waiting requests' prompts, each request in a free slot it reserves, until
+        prefill_chunk positions ran while some slot decodes (at least one chunk: a long prompt takes one chunk per
+        segment boundary, never holding the running slots up for more), or until no request waits or no slot is
+        free while none decodes. A request whose last chunk ran is inserted with its first token."""
+        spent, did = 0, False
         while True:
             with self._lock:
-                free = [s for s in range(self.max_batch) if s not in self._running]
-                if not free or not self._waiting or budget <= 0:
-                    return admitted
-                h = self._waiting.popleft()
-                self._running[free[0]] = h  # reserved: cancel now finds it running
-            h.stats.started_at = time.perf_counter()
-            h.slot = free[0]
-            budget -= len(h.prompt_ids)
-            admitted = True
+                if self._running and spent >= self.prefill_chunk:
+                    return did
+                if self._job is None:
+                    taken = set(self._running)
+                    free = [s for s in range(self.max_batch) if s not in taken]
+                    if not free or not self._waiting:
+                        return did
+                    h = self._waiting.popleft()
+                    h.stats.started_at, h.slot = time.perf_counter(), free[0]
+                    self._job = self.dev.begin_prefill(free[0], h)  # the slot is reserved
+                job = self._job
+            did = True
             try:
-                first, ok = self.dev.prefill_into(free[0], h)
+                spent += job.C
+                if not job.advance():
+                    continue
+                first, ok = self.dev.finish_prefill(job)
             except Exception as e:  # noqa: BLE001 (this request fails; the others go on)
                 with self._lock:
-                    self._running.pop(free[0], None)
-                self._finish(h, "error", e)
+                    self._job = None
+                self._finish(job.h, "error", e)
                 continue
+            h = job.h
+            with self._lock:
+                self._job = None
+                self._running[job.slot] = h  # a cancel from now on finds it running
             self.counters.prompt_tokens += len(h.prompt_ids)
             if not ok:
                 self._finish(h, "error", NonFiniteError(0, 0, "prefill's logits"))

@@ -1,6 +1,8 @@
-"""The engine's device side, driven from its loop thread: one request's chunked prefill and insertion into a slot
-(`prefill_into`), one segment of the decode loop over the busy slots (`run_segment`), freeing slots
-(`release`), and compiling what the engine runs ahead of time (`precompile`). The programs are slots.py's."""
+"""The engine's device side, driven from its loop thread: one request's chunked prefill (a PrefillJob, one chunk
+per call, so the engine runs it between decode segments) and its insertion into a slot (`begin_prefill`,
+`finish_prefill`; `prefill_into` runs it all at once), one segment of the decode loop over the busy slots
+(`run_segment`), freeing slots (`release`), and compiling what the engine runs ahead of time (`precompile`).
+The programs are slots.py's."""
 
 from __future__ import annotations
 
@@ -34,56 +36,24 @@ class SlotRunner:
         self.slots = sl.release(self.slots, mask)
 
     # ---------------------------------------------------------------------------------------- prefill
-    def prefill_into(self, slot: int, h: RequestHandle):
-        """Prefill h's prompt (batch 1, chunks of chunk_size(len, prefill_chunk) as generate chunks it), choose
-        its first token, fill the head's cache, and write it all into `slot`. Returns (first token, finite)."""
-        e, t0 = self.e, time.perf_counter()
-        cfg, weights, p = e.cfg, e.model.weights, h.params
-        ids = h.prompt_ids
-        L = len(ids)
-        C = chunk_size(L, e.prefill_chunk)
-        n = -(-L // C)
-        tokens = np.zeros((1, n * C), np.int32)
-        tokens[0, :L] = ids
-        state = sl.one_state(cfg, e.cache_len, self.dtype, e.kv_dtype)
-        last = jax.device_put(np.zeros((1, cfg.hidden_size), self.dtype))
-        lens = np.array([L], np.int32)
-        hiddens = []
-        for c in range(n):
-            start = np.array([c * C], np.int32)
-            hidden, state = trunk_chunk(weights, cfg, tokens[:, c * C:(c + 1) * C], state, start,
-                                        np.clip(lens - c * C, 0, C).astype(np.int32))
-            last = keep_last(hidden, last, lens, start)
-            if self.head is not None:
-                hiddens.append(hidden)
-        key = np.asarray(jax.random.PRNGKey(p.seed))[None]
-        prompt = np.zeros((1, e.cache_len), np.int32)
-        prompt[0, :L] = ids
-        values = (np.array([p.temperature], np.float32), np.array([p.top_k], np.int32),
-                  np.array([p.top_p], np.float32), np.array([p.repetition_penalty], np.float32))
-        first, ok, seen = sl.first_pick(weights, last, prompt, lens, key, *values, sample=not p.greedy,
-                                        penalize=p.repetition_penalty != 1.0)
-        first_host, ok = int(np.asarray(first)[0]), bool(np.asarray(ok)[0])
-        mcache, m1 = None, np.zeros((1, 0), self.dtype)
-        if self.head is not None:  # head row t: (token t + 1, trunk hidden t); the last row's token is `first`
-            window, sinks, _ = self.head
-            nxt = np.zeros((1, n * C), np.int32)
-            nxt[0, :L - 1] = ids[1:]
-            nxt[0, L - 1] = first_host
-            mcache = sl.one_head_cache(cfg, e.cache_len, e.kv_dtype, self.head)
-            for c in range(n):
-                out, mcache = mtp_chunk(weights, cfg, nxt[:, c * C:(c + 1) * C], hiddens[c], mcache,
-                                        np.array([c * C], np.int32), window, sinks)
-                if c * C <= L - 1 < (c + 1) * C:
-                    m1 = take_rows(out, np.array([L - 1 - c * C], np.int32))
-        stops = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(e.eos)))
-        eos = np.full((1, MAX_STOP_IDS), sl.PAD, np.int32)
-        eos[0, :len(stops)] = stops
-        remaining = np.array([p.max_tokens - 1], np.int32)
-        self.slots = sl.insert(self.slots, np.int32(slot), state, mcache, first, lens, m1, key, seen, *values, eos,
-                               remaining)
-        e.counters.prefill_s += time.perf_counter() - t0
+    def begin_prefill(self, slot: int, h: RequestHandle) -> PrefillJob:
+        """A prefill of h's prompt for `slot`, run one chunk per PrefillJob.advance() (the engine's loop calls it
+        between segments); the slot is written by `finish_prefill` once every chunk has run."""
+        return PrefillJob(self, slot, h)
+
+    def finish_prefill(self, job: PrefillJob):
+        """After job's last chunk: its first token, the head's last chunk, and the whole request written into its
+        slot. Returns (first token, finite)."""
+        first_host, ok = job.finish()
+        self.slots = sl.insert(self.slots, np.int32(job.slot), *job.insert_args)
         return first_host, ok
+
+    def prefill_into(self, slot: int, h: RequestHandle):
+        """The whole prefill of h's prompt into `slot` at once (precompile, plan.measure). (first token, finite)"""
+        job = self.begin_prefill(slot, h)
+        while not job.advance():
+            pass
+        return self.finish_prefill(job)
 
     # ---------------------------------------------------------------------------------------- decode
     def plan_segment(self, busy: list):
@@ -157,3 +127,80 @@ class SlotRunner:
             self.prefill_into(0, h)
         self.release([0])
         return time.perf_counter() - t0
+
+
+class PrefillJob:
+    """One request's chunked prefill at batch 1, as generate chunks it (chunk_size(len, prefill_chunk) positions
+    per program call, so chunk programs are bucketed: 16, 32, ... prefill_chunk): `advance()` runs the next
+    chunk of the trunk and, for every chunk but the last, the head's chunk over the same positions (head row t:
+    the token t + 1 and the trunk hidden t, all prompt ids); `finish()` picks the first token from the last
+    position's hidden, runs the head's last chunk (its last row's token is that first token) and gathers what
+    `slots.insert` writes. The same programs in the same order as a prefill run all at once: the same numbers."""
+
+    def __init__(self, runner: SlotRunner, slot: int, h: RequestHandle):
+        e = runner.e
+        self.r, self.slot, self.h = runner, slot, h
+        ids = h.prompt_ids
+        self.L = L = len(ids)
+        self.C = C = chunk_size(L, e.prefill_chunk)
+        self.n = -(-L // C)
+        self.done = 0  # chunks run
+        self.tokens = np.zeros((1, self.n * C), np.int32)
+        self.tokens[0, :L] = ids
+        self.nxt = np.zeros((1, self.n * C), np.int32)  # the head's tokens: the prompt shifted by one
+        self.nxt[0, :L - 1] = ids[1:]
+        self.lens = np.array([L], np.int32)
+        self.state = sl.one_state(e.cfg, e.cache_len, runner.dtype, e.kv_dtype)
+        self.last = jax.device_put(np.zeros((1, e.cfg.hidden_size), runner.dtype))
+        self.mcache = None if runner.head is None else sl.one_head_cache(e.cfg, e.cache_len, e.kv_dtype, runner.head)
+        self.hidden = None  # the last chunk's trunk hiddens, for the head's last chunk
+        self.insert_args = None
+
+    def _head_chunk(self, c, hidden):
+        e = self.r.e
+        window, sinks, _ = self.r.head
+        C = self.C
+        out, self.mcache = mtp_chunk(e.model.weights, e.cfg, self.nxt[:, c * C:(c + 1) * C], hidden, self.mcache,
+                                     np.array([c * C], np.int32), window, sinks)
+        return out
+
+    def advance(self) -> bool:
+        """Run the next chunk; whether every chunk has run."""
+        e, t0, c, C = self.r.e, time.perf_counter(), self.done, self.C
+        start = np.array([c * C], np.int32)
+        hidden, self.state = trunk_chunk(e.model.weights, e.cfg, self.tokens[:, c * C:(c + 1) * C], self.state,
+                                         start, np.clip(self.lens - c * C, 0, C).astype(np.int32))
+        self.last = keep_last(hidden, self.last, self.lens, start)
+        self.done += 1
+        if self.r.head is not None:
+            if self.done < self.n:
+                self._head_chunk(c, hidden)
+            else:
+                self.hidden = hidden
+        e.counters.prefill_s += time.perf_counter() - t0
+        return self.done == self.n
+
+    def finish(self):
+        e, t0, p = self.r.e, time.perf_counter(), self.h.params
+        L, C = self.L, self.C
+        key = np.asarray(jax.random.PRNGKey(p.seed))[None]
+        prompt = np.zeros((1, e.cache_len), np.int32)
+        prompt[0, :L] = self.h.prompt_ids
+        values = (np.array([p.temperature], np.float32), np.array([p.top_k], np.int32),
+                  np.array([p.top_p], np.float32), np.array([p.repetition_penalty], np.float32))
+        first, ok, seen = sl.first_pick(e.model.weights, self.last, prompt, self.lens, key, *values,
+                                        sample=not p.greedy, penalize=p.repetition_penalty != 1.0)
+        first_host, ok = int(np.asarray(first)[0]), bool(np.asarray(ok)[0])
+        m1 = np.zeros((1, 0), self.r.dtype)
+        if self.r.head is not None:  # the last chunk holds position L - 1, whose head token is `first`
+            self.nxt[0, L - 1] = first_host
+            out = self._head_chunk(self.n - 1, self.hidden)
+            m1 = take_rows(out, np.array([L - 1 - (self.n - 1) * C], np.int32))
+        stops = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(e.eos)))
+        eos = np.full((1, MAX_STOP_IDS), sl.PAD, np.int32)
+        eos[0, :len(stops)] = stops
+        remaining = np.array([p.max_tokens - 1], np.int32)
+        self.insert_args = (self.state, self.mcache, first, self.lens, m1, key, seen, *values, eos, remaining)
+        self.state = self.mcache = self.hidden = None
+        e.counters.prefill_s += time.perf_counter() - t0
+        return first_host, ok
