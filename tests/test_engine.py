@@ -130,6 +130,26 @@ def test_long_prompt_is_prefilled_between_segments(engine, model, prompts, refer
     assert b.stats.ttft_s > 0 and b.usage["prompt_tokens"] == 40
 
 
+def test_wind_mtp_window_follows_the_plan(model, prompts, reference):
+    """spec = the plan with a Wind-MTP window: the head's ring holds sinks + window + max_k slots (not the
+    context), the plan's k (2 alone, plain with others, the plain segments catching the ring up) is followed, and
+    every answer is still generate's."""
+    engine = Engine(model, max_batch=4, max_model_len=64, spec=PLAN, buckets=(4,), segment=4, max_waiting=4,
+                    prefill_chunk=CHUNK, window=8, sinks=2)
+    assert engine.dev.slots.mcache.k.shape[1] == 2 + 8 + 2 and "window 8 sinks 2" in engine.describe_spec()
+    h = [engine.submit(prompts[0], SamplingParams(max_tokens=MAX_TOKENS[0]))]
+    engine.step()  # alone: k = 2
+    engine.step()
+    h += [engine.submit(prompts[i], SamplingParams(max_tokens=MAX_TOKENS[i])) for i in (3, 5)]
+    drain(engine)  # with others: plain, then k = 2 again as they leave
+    assert [x.tokens for x in h] == [reference[i] for i in (0, 3, 5)]
+    m = engine.metrics()
+    assert set(m["segments_by_k"]) == {0, 2} and m["drafts_accepted"] > 0, m
+    assert all(k == PLAN.k_for(busy) for busy, k in m["segments_by_busy_and_k"])
+    with pytest.raises(ArgumentError, match="window"):
+        Engine(model, max_batch=4, spec=None, window=8)
+
+
 def test_seeded_sampling_is_reproducible_per_request(engine, prompts, reference):
     sampled = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=40, seed=11)
     alone = engine.submit(prompts[0], sampled)

@@ -128,6 +128,8 @@ class Engine:
             raise ArgumentError("window", "None with spec None or a SpecConfig (a SpecConfig carries its window)",
                                 repr(window))
         SpecConfig(k=1, window=window, sinks=sinks)  # validates them
+        if getattr(fixed, "tree", None) is not None:
+            raise ArgumentError("spec", "a chain SpecConfig (tree=None): the engine runs no tree drafts", "a tree")
         self.window = fixed.window if fixed else window
         self.sinks = fixed.sinks if fixed else sinks
         self.max_k = fixed.k if fixed else (max(self.plan.ks()) if self.plan else max_k)
@@ -267,15 +269,13 @@ class Engine:
         return self.plan.k_for(busy)
 
     @property
-    def running(self) -> int:
-        """Requests holding a slot: decoding, or being prefilled."""
+    def running(self) -> int:  # requests holding a slot: decoding, or being prefilled
         with self._lock:
             return len(self._running) + (self._job is not None)
 
     def prefilling(self):
         """(handle, chunks run, chunks in all) of the prefill in progress, or None."""
-        job = self._job
-        return None if job is None else (job.h, job.done, job.n)
+        return None if (job := self._job) is None else (job.h, job.done, job.n)
 
     @property
     def waiting(self) -> int:

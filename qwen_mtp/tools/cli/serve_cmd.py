@@ -52,8 +52,8 @@ def add_serve_command(sub) -> None:
     s.add_argument("--spec", type=_spec_arg, default="auto", metavar="auto|off|K", help="speculation: 'auto' "
                    "(default) plain or k per busy-slot count as measured on this machine (cached), 'off' plain "
                    "decoding, K drafts per round always")
-    s.add_argument("--window", type=pos_int, default=None, help="with --spec K: Wind-MTP, the draft head attends "
-                   "to the last WINDOW positions plus the sinks (default: native full attention)")
+    s.add_argument("--window", type=pos_int, default=None, help="with --spec K or auto: Wind-MTP, the draft head "
+                   "attends to the last WINDOW positions plus the sinks (default: native full attention)")
     s.add_argument("--sinks", type=nonneg_int, default=0, help="with --window: positions always visible")
     s.add_argument("--quant", choices=["int8", "int4", "fp8"], default=None, help="quantize the weights as they "
                    "load (default: as stored)")
@@ -74,8 +74,10 @@ def add_serve_command(sub) -> None:
 def _spec(args, model):
     from qwen_mtp.decoding.speculative import SpecConfig
 
-    if args.window is not None and not isinstance(args.spec, int):
-        raise ArgumentError("--window", "--spec K with it (a fixed number of drafts)", f"--spec {args.spec}")
+    if args.window is None and args.sinks:
+        raise ArgumentError("--sinks", "0 without --window", str(args.sinks))
+    if args.window is not None and args.spec == "off":
+        raise ArgumentError("--window", "--spec K or auto with it (a window applies to the draft head)", "--spec off")
     if args.spec == "off":
         return None
     if not model.has_mtp:
@@ -116,8 +118,10 @@ def cmd_serve(args) -> int:
     defaults = folder_defaults(path)
     t0 = time.perf_counter()
     model = load(path, quant=args.quant)
-    engine = Engine(model, max_batch=args.max_batch, max_model_len=args.max_model_len, spec=_spec(args, model),
-                    kv_dtype=args.kv_dtype, max_waiting=args.max_waiting)
+    spec = _spec(args, model)
+    wind = {"window": args.window, "sinks": args.sinks} if spec == "auto" else {}  # a SpecConfig carries its own
+    engine = Engine(model, max_batch=args.max_batch, max_model_len=args.max_model_len, spec=spec,
+                    kv_dtype=args.kv_dtype, max_waiting=args.max_waiting, **wind)
     compile_s = engine.precompile()
     name = args.served_model_name or path.name
     app = create_app(engine, tok, model_name=name, max_model_len=engine.max_model_len,
