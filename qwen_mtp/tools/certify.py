@@ -64,7 +64,6 @@ class Case:
     arch: str = "model"
     tree: object = None  # None: a chain of k drafts; a head/tree.py StaticTree or DynamicTree of depth k
 
-
     def describe(self) -> str:
         lens = ",".join(str(len(r)) for r in self.rows)
         win = "native" if self.window is None else f"W{self.window} S{self.sinks}"
@@ -92,8 +91,9 @@ class Report:
     identical: int = 0
     rows: int = 0
     tokens: int = 0
-    drafted: int = 0
+    drafted: int = 0  # draft positions verified: rounds x k (a tree's depth k: its nodes are not counted)
     accepted: int = 0
+    cases: list = dataclasses.field(default_factory=list)  # per configuration: case, arch, window, tree, drafted, ...
     divergences: list = dataclasses.field(default_factory=list)
     archs: dict = dataclasses.field(default_factory=dict)  # "qwen3_5_moe_text:hf-fused" -> architectures run
     loader_mismatches: list = dataclasses.field(default_factory=list)  # messages; each fails the run
@@ -149,8 +149,8 @@ def draw_case(rng, index: int, vocab_size: int, text_ids=None, *, max_prompt: in
             rows.append(rng.integers(1, vocab_size, L).astype(np.int64))
             sources.append("random")
     windowed = rng.random() < 0.4
-    k = int(rng.integers(1, 9))
-    return Case(index=index, rows=rows, sources=sources, max_new=_log_uniform(rng, 1, 200),
+    max_new, k = _log_uniform(rng, 1, 200), int(rng.integers(1, 9))  # this order: a seed's draws from before trees
+    return Case(index=index, rows=rows, sources=sources, max_new=max_new,
                 k=k, window=_log_uniform(rng, 1, 128) if windowed else None,
                 sinks=int(rng.integers(0, 9)) if windowed and rng.random() < 0.5 else 0,
                 eos=None if rng.random() < 0.5 else [], prefill_chunk=int(rng.choice(PREFILL_CHUNKS)),
@@ -199,11 +199,13 @@ def run_case(model, case: Case, report: Report) -> list:
                                     near_tie(margin, float(top2[1]), report.dtype)))
         report.rows += 1
         report.tokens += n_p
-    st = fast.stats
-    if st.accept_hist is not None and st.rounds:
+    st, drafted, accepted = fast.stats, 0, 0
+    if st.accept_hist is not None and st.rounds:  # hist[n]: rounds that accepted n drafts (a tree: its path's n)
         hist = np.asarray(st.accept_hist)
-        report.drafted += int(st.rounds) * case.k
-        report.accepted += int((hist * np.arange(len(hist))).sum())
+        drafted, accepted = int(st.rounds) * case.k, int((hist * np.arange(len(hist))).sum())
+    report.drafted, report.accepted = report.drafted + drafted, report.accepted + accepted
+    report.cases.append({"case": case.describe(), "arch": case.arch, "window": case.window, "drafted": drafted,
+                         "tree": None if case.tree is None else repr(case.tree), "accepted": accepted})
     report.configs += 1
     report.identical += not found
     report.divergences.extend(found)
