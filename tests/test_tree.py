@@ -273,9 +273,10 @@ def test_tree_acceptance_is_exact(deterministic, report):
                                       jnp.full((n, 3, V), 1.0 / V)], axis=1)).astype(jnp.float32)
     expected = (P1[:, None] * P2).reshape(-1) * n
 
+    accept = jax.jit(accept_tree, static_argnums=(4, 6))  # the control's flag traced: one program for both
+
     def pvalue(broken):
-        acc = jax.jit(accept_tree, static_argnums=(4, 6, 7))(tokens, layout, Q, logits, Sampling(temperature=1.0),
-                                                            k3, deterministic, broken)
+        acc = accept(tokens, layout, Q, logits, Sampling(temperature=1.0), k3, deterministic, jnp.asarray(broken))
         x1 = jnp.where(acc.n >= 1, tokens[jnp.arange(n), acc.path[:, 1]], acc.bonus)
         x2 = jnp.where(acc.n >= 2, tokens[jnp.arange(n), acc.path[:, 2]], jnp.where(acc.n == 1, acc.bonus, -1))
         x2 = jnp.where(x2 < 0, jax.random.categorical(k4, jnp.log(jnp.asarray(P2))[x1]), x2)

@@ -44,8 +44,8 @@ def _normalised(r):
 
 def accept_tree(tokens, layout, Q, logits, sampling, key, deterministic: bool, broken_residual: bool = False):
     """tokens [B, N1], logits [B, N1, V] (the trunk's, penalised), Q [B, N1, V] (each node's children's draft
-    distribution; None when greedy or deterministic). broken_residual (a test's control only): every sibling is
-    tried against p_c instead of the residual."""
+    distribution; None when greedy or deterministic). broken_residual (a test's control only; a traced bool
+    too, so one program runs both): every sibling is tried against p_c instead of the residual."""
     B = tokens.shape[0]
     D = layout.anc.shape[-1] - 1
     W = layout.children.shape[-1]
@@ -99,7 +99,7 @@ def accept_tree(tokens, layout, Q, logits, sampling, key, deterministic: bool, b
             valid = searching & (child >= 0)
             x = tokens[rows, jnp.maximum(child, 0)]
             q_s = jax.nn.one_hot(x, P.shape[-1], dtype=P.dtype) if deterministic else Q[rows, c]
-            ref = p_c if broken_residual else r
+            ref = r if broken_residual is False else jnp.where(broken_residual, p_c, r)
             ok = valid & (u[:, d, s] * q_s[rows, x] < ref[rows, x])  # u < min(1, r/q), q(x) > 0
             r_try = r_try.at[:, s].set(r_try[:, s] | valid)
             r_acc = r_acc.at[:, s].set(r_acc[:, s] | ok)
