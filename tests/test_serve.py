@@ -364,7 +364,8 @@ def test_sigterm_finishes_running_requests_and_exits():
 # ---------------------------------------------------------------------------------------------- the real engine
 # The shipped model in f32 behind the real Engine, configured as tests/test_engine.py's (4 slots, one bucket, a
 # plan that speculates with k = 2 at 1 busy slot and decodes plain at 2-4, prefill chunks of 16 positions, at
-# most 16 new tokens) so the two share their compiled programs through the persistent compile cache.
+# most 16 new tokens), with a Wind-MTP window (8, 2 sinks) under that plan: the head's ring is caught up by the
+# plain segments and drafted from by the speculative ones.
 LOAD_REQUESTS, LOAD_CLIENTS, LOAD_LEAVERS, LOAD_SLOTS, CHUNK = 32, 8, 4, 4, 16
 
 
@@ -378,7 +379,7 @@ def real(tok):
     model = qwen_mtp.load(default_model_path(), dtype="float32")
     plan = Plan({1: 2, 2: 0, 3: 0, 4: 0}, {4: {0: 1.0, 2: 1.0}})
     engine = qwen_mtp.Engine(model, max_batch=LOAD_SLOTS, max_model_len=64, spec=plan, buckets=(LOAD_SLOTS,),
-                             segment=4, max_waiting=LOAD_CLIENTS, prefill_chunk=CHUNK).start()
+                             segment=4, max_waiting=LOAD_CLIENTS, prefill_chunk=CHUNK, window=8, sinks=2).start()
     handles, submit = [], engine.submit  # every request the server hands the engine, to check its slot
     engine.submit = lambda *a, **kw: handles.append(submit(*a, **kw)) or handles[-1]
     rng = np.random.default_rng(11)
@@ -399,10 +400,11 @@ def real(tok):
 
 def test_under_load_every_answer_equals_generate(real, tok):
     """32 requests of mixed prompt lengths (8 of them prefilled in 2-3 chunks between decode segments) and
-    max_tokens from 8 client threads against 4 slots, 4 of them streamed and dropped after their first chunk:
+    max_tokens from 8 client threads against 4 slots (Wind-MTP under the plan), 4 of them streamed and dropped
+    after their first chunk:
     every completed answer is offline generate's for its prompt (none lost, duplicated or cross-wired), the
-    dropped ones are cancelled, each slot served several requests, the slots all free afterwards, the server
-    healthy."""
+    dropped ones are cancelled, the 4 slots served them all (freed slots reused), the slots all free afterwards,
+    the plan followed, the server healthy."""
     import collections
     import concurrent.futures
 
@@ -445,7 +447,10 @@ def test_under_load_every_answer_equals_generate(real, tok):
     assert len(handles) == LOAD_REQUESTS and all(h.finished for h in handles)  # one engine request per request
     assert sorted(len(h.prompt_ids) for h in handles) == sorted(len(p) for p in prompts)
     per_slot = collections.Counter(h.slot for h in handles)
-    assert set(per_slot) == set(range(LOAD_SLOTS)) and min(per_slot.values()) >= 2, per_slot  # slots reused
+    assert set(per_slot) == set(range(LOAD_SLOTS)), per_slot  # every slot served, 32 requests: freed ones reused
+    assert engine.dev.slots.mcache.k.shape[1] == 2 + 8 + 2  # the ring: sinks + window + k slots
+    by_busy = m["segments_by_busy_and_k"]
+    assert all(k == (2 if busy == 1 else 0) for busy, k in by_busy) and {1, LOAD_SLOTS} <= {b for b, _ in by_busy}
     assert _raw(s, "GET", "/health")[0] == 200
     assert _client(s).completions.create(model=MODEL, prompt=prompts[1], max_tokens=budgets[1]).choices[0].text \
         == tok.decode(refs[1])
