@@ -70,16 +70,15 @@ class Engine:
     max_model_len: the longest prompt + max_tokens of one request (default min(4096, the config's)).
     spec: None (plain decoding), a SpecConfig (that k always), "auto" (the measured plan of plan.py: plain or
     k per busy-slot count; cached per machine, model and settings), or a plan.Plan. Default: "auto" when the
-    model has an MTP head, else None. kv_dtype: as generate's. prefill_chunk: the largest prefill chunk.
-    max_waiting: the waiting queue's bound (submit raises QueueFullError beyond it). segment: plain steps per
-    segment (speculative rounds: segment // 2). buckets: the sub-batch sizes segments run at (default powers of
-    two up to max_batch, and max_batch). eos_token_id: as generate's (None: the config's). max_k: the largest k
-    spec="auto" measures (its plan is measured at construction unless cached: every bucket x k = 0..max_k segment
-    program is compiled and timed, minutes on a CPU the first time).
-
-    window, sinks: Wind-MTP for spec="auto" or a Plan (a fixed SpecConfig carries its own): the head's ring holds
-    sinks + window + max_k slots, which every k of the plan uses. Not yet: a model on a mesh (ArgumentError),
-    prefix caching, n > 1."""
+    model has an MTP head, else None. kv_dtype: as generate's. prefill_chunk: the largest prefill chunk, and the
+    prompt positions one step prefills while slots decode. max_waiting: the waiting queue's bound (submit raises
+    QueueFullError beyond it). segment: plain steps per segment (speculative rounds: segment // 2). buckets: the
+    sub-batch sizes segments run at (default powers of two up to max_batch, and max_batch). eos_token_id: as
+    generate's (None: the config's). max_k: the largest k spec="auto" measures (its plan is measured at
+    construction unless cached: every bucket x k = 0..max_k segment program is compiled and timed, minutes on a
+    CPU the first time). window, sinks: Wind-MTP for spec="auto" or a Plan (a fixed SpecConfig carries its own):
+    the head's ring holds sinks + window + max_k slots, which every k of the plan uses. Not yet: a model on a
+    mesh (ArgumentError), tree drafts (ArgumentError), prefix caching, n > 1."""
 
     def __init__(self, model, max_batch: int = 8, max_model_len: int | None = None, spec="auto", kv_dtype=None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_waiting: int = 64, segment: int = DEFAULT_SEGMENT,
