@@ -129,6 +129,18 @@ def test_long_prompt_is_prefilled_between_segments(engine, model, prompts, refer
     drain(engine)
     assert a.tokens == reference[0] and b.tokens == want, (a.tokens, b.tokens, want)
     assert b.stats.ttft_s > 0 and b.usage["prompt_tokens"] == 40
+    # cancelled mid-prefill: its reserved slot is free again at the next step, the running request unaffected
+    a = engine.submit(prompts[0], SamplingParams(max_tokens=MAX_TOKENS[0]))
+    c = engine.submit(long, SamplingParams(max_tokens=16))
+    engine.step()
+    engine.step()
+    assert engine.prefilling()[0] is c and engine.running == 2
+    engine.cancel(c)
+    engine.step()
+    assert c.finish_reason == "cancelled" and c.tokens == [] and engine.prefilling() is None
+    assert engine.running == (0 if a.finished else 1)
+    drain(engine)
+    assert a.tokens == reference[0] and engine.running == 0
 
 
 def test_seeded_sampling_is_reproducible_per_request(engine, prompts, reference):
