@@ -2,7 +2,8 @@
 512, hidden 2048; a reduced vocabulary; 1-2 layers) with random weights, bf16 and int4, measured in one run.
 
     python benchmarks/bench_moe.py [--layers 1] [--vocab 8192] [--new 16] [--batches 1,8] [--formats bf16,int4]
-                                   [--repeats 5] [--budget SECONDS] [--no-grouped] [--prefill T] [--short]
+                                   [--repeats 5] [--budget SECONDS] [--no-grouped] [--prefill T,T,...]
+                                   [--prefill-only] [--path-limit SECONDS] [--short]
 
 Prints, per format and batch:
   * decode tokens/s through the public API (qwen_mtp.generate, greedy, plain decode);
@@ -14,9 +15,19 @@ Prints, per format and batch:
   * the bytes one decode step reads (every matrix of the slice except the embedding, of which one row per
     token; the experts: one per (token, expert) pair, as the routed path reads them) against this machine's
     read bandwidth measured here (a jitted sum over a 512 MB array), as the step time that bandwidth implies.
---prefill T: also time the MoE block at T tokens (a prefill chunk) both ways, routed (forced) and grouped, to
-show which is faster there on this machine (mlp.reads_routed_only sends T x top_k > num_experts to the grouped
-path). --budget: stop starting new measurements past this many seconds (what was measured is printed). --short: a tiny
+--prefill T,T,...: also time the MoE block at each T tokens (a prefill chunk) every way it can run, in one run:
+  routed      each (token, expert) pair reads its expert (quant.routed_dot, forced): what decode runs; skipped
+              where its gathered experts would pass 1.5 GB per matrix;
+  tiles       the grouped path as it runs on CPU (kernels_pallas/moe_grouped.py: a loop over tiles of one expert's
+              rows, each reading its expert by index);
+  ragged      lax.ragged_dot over every expert (the grouped path elsewhere; on CPU before 2026-12-05);
+  tokamax     tokamax.ragged_dot (default implementation: on CPU XLA's ragged_dot_general) in its place, where
+              tokamax imports (pip install tokamax; not a dependency: the `bench` extra names it);
+and what the dispatch takes there (mlp.reads_routed_only: routed while T x top_k <= num_experts, else grouped,
+which is `tiles` on CPU). --prefill-only: no decode measurements (only the prefill table). --path-limit S: a path
+whose call took more than S seconds at one token count is not run at the larger ones (each path's cost grows
+with the tokens; XLA's CPU ragged_dot took 65 s for one 64-token block here), saying so.
+--budget: stop starting new measurements past this many seconds (what was measured is printed). --short: a tiny
 MoE config (hidden 64, 16 experts of 32, top-2, vocab 256), batch 1, 3 tokens, no grouped timing: the CI test of
 this script (tests/test_moe_routed.py).
 Random weights: qwen_mtp.trunk.random_weights; int4: quant.quantize (groups of 128) of the same weights, the
@@ -26,6 +37,7 @@ stacked experts quantized 16 at a time (the same values: scales are per expert) 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -138,34 +150,106 @@ def block_times(moe_w, dense_w, cfg, batch, dtype, repeats, grouped: bool):
     t_dense = _best(jax.jit(mlp.mlp), x, dense_w, repeats=repeats)
     t_grouped = None
     if grouped:
-        t_grouped = _forced(lambda n, c: False, lambda x, w: mlp.moe(x, w, cfg), x, moe_w)
+        with _path(False, "ragged"):
+            t_grouped = _best(jax.jit(lambda x, w: mlp.moe(x, w, cfg)), x, moe_w, repeats=1)
     return t_moe, t_dense, t_grouped
 
 
-def _forced(rule, f, *args, repeats=1):
-    """Seconds of f(*args) (jitted here) with mlp.reads_routed_only replaced by `rule` while it is traced."""
+@contextlib.contextmanager
+def _path(routed: bool, impl: str = "ragged", ragged=None):
+    """While tracing: the MoE block's dispatch forced to `routed` (or not), its grouped product's impl
+    (moe_grouped IMPLS) and the function its "ragged" impl calls (default lax.ragged_dot)."""
+    import functools
+
     import jax
 
-    from qwen_mtp.trunk import mlp
+    from kernels_pallas import moe_grouped
+    from qwen_mtp.trunk import mlp, quant
 
-    real = mlp.reads_routed_only
-    mlp.reads_routed_only = rule
+    real = mlp.reads_routed_only, mlp.grouped_dot, moe_grouped.RAGGED
+    mlp.reads_routed_only = lambda n, c: routed
+    mlp.grouped_dot = functools.partial(quant.grouped_dot, impl=impl)
+    moe_grouped.RAGGED = jax.lax.ragged_dot if ragged is None else ragged
     try:
-        return _best(jax.jit(f), *args, repeats=repeats)
+        yield
     finally:
-        mlp.reads_routed_only = real
+        mlp.reads_routed_only, mlp.grouped_dot, moe_grouped.RAGGED = real
 
 
-def prefill_times(moe_w, cfg, tokens, dtype):
-    """(routed s, grouped s) of the MoE block at `tokens` tokens, one timed call each after the compile."""
+def _tokamax_ragged():
+    """tokamax.ragged_dot, or why it is not used (one line)."""
+    try:
+        import tokamax
+    except ImportError:
+        return "not installed (pip install tokamax)"
+    except Exception as e:  # noqa: BLE001 - installed but broken (a dependency of another version): say why
+        return f"does not import: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():  # tokamax reads absl flags; this script's own argv is not theirs
+        flags.FLAGS.mark_as_parsed()
+    return tokamax.ragged_dot
+
+
+def prefill_times(moe_w, cfg, tokens, dtype, paths=("routed", "tiles", "ragged", "tokamax"), skip=None):
+    """{path: seconds or why not} of the MoE block at `tokens` tokens (module doc), one timed call each after the
+    compile, and the largest relative difference of each path from `tiles`."""
     import jax
     import jax.numpy as jnp
 
     from qwen_mtp.trunk import mlp
 
     x = jax.random.normal(jax.random.PRNGKey(tokens), (tokens, cfg.hidden_size), jnp.float32).astype(dtype)
-    f = lambda x, w: mlp.moe(x, w, cfg)
-    return _forced(lambda n, c: True, f, x, moe_w), _forced(lambda n, c: False, f, x, moe_w)
+    from qwen_mtp.trunk.quant import QuantArray
+
+    # the gather's copy per pair: the expert's values (quantized ones: dequantized in float32)
+    per_expert = cfg.hidden_size * cfg.moe_intermediate_size * (4 if isinstance(moe_w.gate, QuantArray) else
+                                                                 jnp.dtype(moe_w.gate.dtype).itemsize)
+    out, got = {}, {}
+    for path in paths:
+        if skip and path in skip:
+            out[path] = skip[path]
+            continue
+        if path == "routed" and tokens * cfg.top_k * per_expert > 1.5e9:
+            out[path] = f"not run ({tokens * cfg.top_k * per_expert / 1e9:.1f} GB of gathered experts per matrix)"
+            continue
+        ragged = _tokamax_ragged() if path == "tokamax" else None
+        if isinstance(ragged, str):
+            out[path] = ragged
+            continue
+        try:
+            with _path(path == "routed", "tiles" if path == "tiles" else "ragged", ragged):
+                f = jax.jit(lambda x, w: mlp.moe(x, w, cfg))  # traced (the first call) under the forced path
+                got[path] = np.asarray(f(x, moe_w).astype(jnp.float32))
+            t = time.perf_counter()
+            jax.block_until_ready(f(x, moe_w))
+            out[path] = time.perf_counter() - t
+        except Exception as e:  # noqa: BLE001 - a path that does not run here says why, the others still run
+            out[path] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    ref = got.get("tiles")
+    diff = {} if ref is None else {p: float(np.max(np.abs(g - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+                                   for p, g in got.items()}
+    return out, diff
+
+
+def print_prefill(fmt, cfg, tokens, times, diff):
+    from qwen_mtp.trunk import mlp
+
+    done = {p: t for p, t in times.items() if isinstance(t, float)}
+    best = min(done, key=done.get) if done else None
+    rule = "routed" if mlp.reads_routed_only(tokens, cfg) else "tiles"
+    cells = []
+    for p, t in times.items():
+        if isinstance(t, float):
+            rel = f", {t / done[best]:.2f}x the fastest" if best and p != best else " (fastest)"
+            cells.append(f"{p} {1e3 * t:.1f} ms{rel}" + (f" [max_rel vs tiles {diff[p]:.1e}]" if p in diff and
+                                                           p != "tiles" else ""))
+        else:
+            cells.append(f"{p}: {t}")
+    print(f"{fmt} MoE block at {tokens} tokens ({tokens * cfg.top_k} pairs): " + "; ".join(cells) +
+          f"; the dispatch takes {rule}" + ("" if best is None else f" ({'=' if rule == best else '!='} fastest)"),
+          flush=True)
+    return {"fmt": fmt, "tokens": tokens, "best": best, "rule": rule, **{p: t for p, t in done.items()}}
 
 
 def main(argv=None) -> int:
@@ -178,12 +262,18 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget", type=float, default=None, help="seconds: start no new measurement past this")
     ap.add_argument("--no-grouped", action="store_true", help="skip timing the grouped (ragged_dot) block")
-    ap.add_argument("--prefill", type=int, default=0, help="also time the block at this many tokens both ways")
+    ap.add_argument("--prefill", default="", help="comma-separated token counts: time the block every way there")
+    ap.add_argument("--prefill-only", action="store_true", help="only the prefill table (no decode runs)")
+    ap.add_argument("--path-limit", type=float, default=None,
+                    help="seconds: a prefill path slower than this at one token count is not run at larger ones")
     ap.add_argument("--short", action="store_true", help="tiny config, few tokens (the CI test)")
     a = ap.parse_args(argv)
     if a.short:
         a.new, a.repeats, a.batches, a.no_grouped = 3, 1, "1", True
-    batches = [int(b) for b in a.batches.split(",")]
+    batches = [] if a.prefill_only else [int(b) for b in a.batches.split(",")]
+    prefill = sorted(int(t) for t in a.prefill.split(",") if t.strip())
+    if a.prefill_only and not prefill:
+        ap.error("--prefill-only needs --prefill T,T,...")
     formats = a.formats.split(",")
     for f in formats:
         if f not in ("bf16", "int8", "int4", "fp8"):
@@ -195,7 +285,6 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     import qwen_mtp
-    from qwen_mtp.trunk import mlp
     from qwen_mtp.trunk.quant import QuantPolicy
     from qwen_mtp.trunk.random_weights import random_weights
 
@@ -210,7 +299,7 @@ def main(argv=None) -> int:
     base = random_weights(cfg, 0, "bfloat16", mtp=False)
     print(f"random bf16 weights in {time.perf_counter() - t:.1f} s", flush=True)
     ids = np.random.default_rng(0).integers(1, cfg.vocab_size, 16)
-    rows = []
+    rows, prows = [], []
     for fmt in formats:
         if over():
             print(f"budget spent: {fmt} not measured", flush=True)
@@ -246,15 +335,25 @@ def main(argv=None) -> int:
                   f"{row['moe_ms']:.2f} ms, dense MLP {row['dense_ms']:.2f} ms: MoE block / dense MLP "
                   f"{row['ratio']:.2f}x{grouped}; step reads {row['step_mb']:.1f} MB = {row['roofline_ms']:.1f} ms "
                   f"at {bw / 1e9:.2f} GB/s ({row['roofline_ms'] / row['step_ms']:.0%} of the step)", flush=True)
-        if a.prefill and not over():
-            t_r, t_g = prefill_times(moe_w, cfg, a.prefill, jnp.bfloat16)
-            print(f"{fmt} MoE block at {a.prefill} tokens ({a.prefill * cfg.top_k} pairs): routed {1e3 * t_r:.0f} ms, "
-                  f"grouped (ragged_dot) {1e3 * t_g:.0f} ms: grouped / routed {t_g / t_r:.2f}x; the rule takes "
-                  f"{'routed' if mlp.reads_routed_only(a.prefill, cfg) else 'grouped'}", flush=True)
+        skip = {}
+        for tokens in prefill:
+            if over():
+                print(f"budget spent: {fmt} prefill at {tokens} tokens not measured", flush=True)
+                break
+            times, diff = prefill_times(moe_w, cfg, tokens, jnp.bfloat16, skip=skip)
+            for p, t in times.items():
+                if a.path_limit is not None and isinstance(t, float) and t > a.path_limit:
+                    skip[p] = f"not run (--path-limit: {t:.0f} s at {tokens} tokens)"
+            prows.append(print_prefill(fmt, cfg, tokens, times, diff))
     print("\nsummary (MoE block / dense MLP of the same active parameter count; target <= 1.5x at batch 1):")
     for r in rows:
         flag = "" if r["batch"] != 1 else ("  (meets <= 1.5x)" if r["ratio"] <= 1.5 else "  (MISSES 1.5x)")
         print(f"  {r['fmt']:5s} B={r['batch']}: {r['tok_s']:8.2f} tok/s  MoE/dense {r['ratio']:.2f}x{flag}")
+    if prows:
+        print("\nprefill summary (the MoE block; fastest path per format and token count, and the dispatch's):")
+        for r in prows:
+            print(f"  {r['fmt']:5s} T={r['tokens']:4d}: fastest {r['best']}, dispatch {r['rule']}" +
+                  "".join(f"  {p} {1e3 * r[p]:.1f} ms" for p in ("routed", "tiles", "ragged", "tokamax") if p in r))
     print(f"total {time.perf_counter() - t_start:.0f} s")
     return 0
 

@@ -6,6 +6,11 @@ Pallas kernel is a custom call it cannot look inside: given sharded operands it 
   quant_linear  x [M, K] @ QuantArray [K, N] with N split (column parallel: local, no communication) or K
                 split (row parallel: local partial products, then one psum over `model`, in f32), rows of x
                 split over `data` where they divide;
+  routed        the MoE experts at decode (moe_gemv): x [P, K] one row per (token, expert) pair times its
+                expert of the stacked w [E, K, N], the experts' intermediate dimension split over `model` as
+                sharding.py places it (gate / up: N, column parallel; down: K, row parallel, one psum in f32),
+                pairs split over `data` where they divide; every shard holds every expert's slice, so the ids
+                need no routing between devices;
   windowed      the draft head's windowed attention, split over batch rows (`data`) and kv heads (`model`),
                 each shard attending over its own heads of its own rows: no communication;
   causal        the trunk's and the native head's causal attention over their KV caches, split the same way.
@@ -66,6 +71,47 @@ def quant_linear(x, q, scale, spec, k: int, block, call):
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(dax, kax), P(kax, nax), s_spec), out_specs=P(dax, nax),
                          check_vma=False)(x, q, scale)
+
+
+def expert_spec(split: str, k: int, n: int):
+    """(K axis, N axis) of plain stacked experts [E, k, n] whose `split` ("k" or "n") dimension is the experts'
+    intermediate one: 'model' where that axis divides it (sharding.py's rule for expert_mlp), else None. A
+    QuantArray carries its own (QuantArray.spec). None when no mesh is active."""
+    mesh = active_mesh()
+    if mesh is None:
+        return None
+    m = mesh.shape["model"]
+    dim = k if split == "k" else n
+    ax = "model" if m > 1 and dim % m == 0 else None
+    return (ax, None) if split == "k" else (None, ax)
+
+
+def routed(x, w, scale, ids, spec, k: int, block, call):
+    """x [P, K] @ w[ids] -> [P, N] per shard (module doc). call(x, w, scale, ids, k, block) runs moe_gemv (kernel
+    or reference) on whole or local operands; scale None for plain experts; spec = (K axis, N axis) of w."""
+    mesh = active_mesh()
+    if mesh is None or spec is None:
+        return call(x, w, scale, ids, k, block)
+    kax, nax = spec
+    dax = batch_axis(mesh, x.shape[0])
+    if kax is None and nax is None and dax is None:
+        return call(x, w, scale, ids, k, block)
+    k_local = k // mesh.shape[kax] if kax else k
+    n_local = w.shape[-1] // mesh.shape[nax] if nax else w.shape[-1]
+    local_block = (min(block[0], k_local) if kax else block[0], min(block[1], n_local) if nax else block[1])
+    specs = [P(dax, kax), P(None, kax, nax), P(dax)]
+    args = [x, w, ids]
+    if scale is not None:
+        specs.append(P(None, kax if scale.shape[1] > 1 else None, nax if scale.shape[2] > 1 else None))
+        args.append(scale)
+
+    def local(x, w, ids, s=None):
+        y = call(x, w, s, ids, k_local, local_block)
+        if kax:
+            y = jax.lax.psum(y.astype(jnp.float32), kax).astype(x.dtype)
+        return y
+
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=P(dax, nax), check_vma=False)(*args)
 
 
 def _per_row_and_head(call, args, kv_heads: int, in_specs):

@@ -12,6 +12,8 @@ command line prints as one line with exit status 2.
     test       the above, pytest, torch, transformers, hypothesis, openai, httpx, ...
                                             the test suite and the transformers benchmarks
     sm90       triton                       the sm_90 compile tests (CI requires it)
+    bench      tokamax, qwix                the library baselines benchmarks/bench_moe.py and benchmarks/gpu_check
+                                            time beside ours (each skipped, saying why, where it does not import)
     cuda       jax[cuda12]                  running on an NVIDIA GPU
 """
 
@@ -26,6 +28,7 @@ EXTRAS = {
     "train": ("optax", "matplotlib"),
     "notebooks": ("nbclient", "nbformat", "ipykernel", "matplotlib"),
     "test": ("pytest", "torch", "transformers", "hypothesis"),
+    "bench": ("tokamax", "qwix"),
 }
 
 

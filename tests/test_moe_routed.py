@@ -10,7 +10,10 @@
 * Lowered for cuda at the expert shapes of 35B-A3B, 122B-A10B and 397B-A17B: the MoE block holds the kernel
   (gate / up, down); lowered for cpu: no Pallas kernel. Compiled for sm_90 (needs `triton`): shared
   memory within a block, no register spill. (gate and up have the same shapes: one lowered kernel, two calls.)
-* benchmarks/bench_moe.py's short form runs.
+* The prefill's grouped product (kernels_pallas/moe_grouped.py): the CPU's tiled loop equals lax.ragged_dot in
+  every format, with an empty expert and one longer than a tile (control: wrong group sizes are caught); the MoE
+  block lowered for cpu runs the loop, lowered for cuda lax.ragged_dot.
+* benchmarks/bench_moe.py's short form runs, its prefill table included.
 """
 
 import dataclasses
@@ -27,6 +30,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas import moe_gemv as mg
+from kernels_pallas import moe_grouped
 from kernels_pallas.quant_layout import cdiv, pack_int4, padded_k
 from qwen_mtp.tools.lowering import (
     SM90_SHARED_LIMIT,
@@ -37,7 +41,7 @@ from qwen_mtp.tools.lowering import (
 )
 from qwen_mtp.tools.real_shapes import config as real_config
 from qwen_mtp.trunk import mlp
-from qwen_mtp.trunk.quant import QuantArray, layout_of, quantize
+from qwen_mtp.trunk.quant import QuantArray, grouped_dot, layout_of, quantize
 from qwen_mtp.trunk.weights import MLPWeights, MoEWeights
 from tests.hf_tiny import rel_err
 from tests.test_kernel_quant_matmul import _oracle
@@ -100,7 +104,7 @@ def test_wrong_expert_is_caught(monkeypatch):
     x = jnp.asarray(np.random.default_rng(2).standard_normal((3, H)), jnp.float32)
     want = _grouped(x, w, monkeypatch)
     real = mlp.routed_dot
-    monkeypatch.setattr(mlp, "routed_dot", lambda x, w, ids: real(x, w, (ids + 1) % E))
+    monkeypatch.setattr(mlp, "routed_dot", lambda x, w, ids, **kw: real(x, w, (ids + 1) % E, **kw))
     bad = jax.jit(lambda x, w: mlp.moe(x, w, CFG))(x, w)
     assert rel_err(bad, want)[0] > 0.05
 
@@ -128,6 +132,34 @@ def test_decode_step_reads_only_routed_experts():
         assert max(sizes) <= TOPK * 64 * 64 < E * H * I, (fmt, max(sizes))
     prefill = str(jax.make_jaxpr(mlp.moe, static_argnums=2)(jnp.zeros((5, H)), _block_weights(1, "f32"), CFG))
     assert "ragged_dot" in prefill
+
+
+@pytest.mark.parametrize("fmt", ["f32", "int8", "int4", "fp8"])
+def test_grouped_tiles_equal_ragged_dot(fmt):
+    """The prefill's tiled loop (8-row tiles) == lax.ragged_dot over 21 sorted rows of 8 experts: two experts empty,
+    one of 9 rows (two tiles, the second masked). Control: the loop given wrong group sizes is far off."""
+    w = _block_weights(3, fmt).gate
+    sizes = jnp.asarray([3, 0, 9, 1, 0, 5, 2, 1], jnp.int32)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((21, H)), jnp.float32)
+    f = jax.jit(lambda x, w, g, impl: grouped_dot(x, w, g, impl=impl), static_argnums=3)
+    want = f(x, w, sizes, "ragged")
+    max_rel, max_abs = rel_err(f(x, w, sizes, "tiles"), want)
+    assert max_rel < 1e-5 or max_abs < 1e-6, (fmt, max_rel, max_abs)
+    assert rel_err(f(x, w, jnp.roll(sizes, 1), "tiles"), want)[0] > 0.05
+
+
+def test_prefill_lowers_tiles_for_cpu_and_ragged_dot_for_cuda():
+    x, w = jnp.zeros((5, H)), _block_weights(1, "int4")  # 10 pairs > 8 experts: the grouped path
+    assert not mlp.reads_routed_only(5, CFG)
+    fn = jax.jit(mlp.moe, static_argnums=2)
+    ops = lambda p: "\n".join(line for line in export_for(fn, x, w, CFG, platform=p).mlir_module().splitlines()
+                              if not line.startswith("#loc"))  # the ops, not the source locations' names
+    cpu, cuda = ops("cpu"), ops("cuda")
+    assert "stablehlo.while" in cpu and "ragged_dot" not in cpu
+    assert "chlo.ragged_dot" in cuda and "stablehlo.while" not in cuda
+    with pytest.raises(ValueError, match="impl one of"):
+        moe_grouped.grouped_dot(x, w.gate.q, w.gate.scale, jnp.ones(E, jnp.int32), kind="int4", k=H,
+                                block=w.gate.block, impl="fast")
 
 
 # ------------------------------------------------------------------------------------------------ the kernel
@@ -332,10 +364,11 @@ def test_kernel_compiles_for_sm90(report):
 
 
 def test_bench_moe_short_form_runs():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_moe.py"), "--short"], capture_output=True,
-                         text=True, cwd=ROOT, timeout=600, check=False)
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_moe.py"), "--short", "--prefill", "12"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "MoE block / dense MLP" in out.stdout, out.stdout
+    assert "bf16  T=  12: fastest " in out.stdout and "dispatch tiles" in out.stdout, out.stdout
 
 
 def test_gpu_check_moe_section_runs_on_cpu(capsys):
@@ -343,7 +376,10 @@ def test_gpu_check_moe_section_runs_on_cpu(capsys):
     bench = str(ROOT / "benchmarks")
     if bench not in sys.path:
         sys.path.insert(0, bench)
-    from gpu_check.moe import MOE_SMOKE, check_moe
+    from gpu_check.moe import MOE_PREFILL_SMOKE, MOE_SMOKE, check_moe, check_moe_prefill
 
     assert check_moe(MOE_SMOKE[:1], interpret=True, timings=False) == 0
     assert "OK" in capsys.readouterr().out
+    assert check_moe_prefill(MOE_PREFILL_SMOKE[:1], interpret=True, timings=False) == 0
+    out = capsys.readouterr().out
+    assert "lax.ragged_dot max_rel" in out and "tiles (CPU path) max_rel" in out and "routed kernel max_rel" in out

@@ -12,7 +12,15 @@ from .causal import CAUSAL_LONG, CAUSAL_SMALL, check_causal
 from .e2e_27b import check_end_to_end_27b
 from .end_to_end import check_end_to_end
 from .long_context import check_long_context_27b
-from .moe import MOE_REAL, MOE_SMALL, MOE_SMOKE, check_moe
+from .moe import (
+    MOE_PREFILL_REAL,
+    MOE_PREFILL_SMOKE,
+    MOE_REAL,
+    MOE_SMALL,
+    MOE_SMOKE,
+    check_moe,
+    check_moe_prefill,
+)
 from .quant import QUANT_REAL, QUANT_SMALL, QUANT_SMOKE, check_quant
 from .tensor_parallel import check_tensor_parallel
 from .windowed import REAL, SMALL, check_kernels
@@ -24,7 +32,8 @@ def main(argv=None):
     ap.add_argument("--max-new", type=int, default=128, help="new tokens per end-to-end run")
     ap.add_argument("--quant-only", action="store_true", help="only the quantized-matmul checks (item 5)")
     ap.add_argument("--long-only", action="store_true", help="only the causal attention checks (item 8)")
-    ap.add_argument("--moe-only", action="store_true", help="only the routed MoE experts checks (moe.py)")
+    ap.add_argument("--moe-only", action="store_true",
+                    help="only the MoE experts checks (moe.py): routed at decode, grouped at prefill")
     ap.add_argument("--tp-only", action="store_true", help="only the tensor-parallel check (item 6)")
     ap.add_argument("--e2e27b-only", action="store_true",
                     help="only the end-to-end timing on the Qwen3.5-27B slice (item 7; on CPU a small config)")
@@ -65,8 +74,11 @@ def main(argv=None):
         return summary(results, t0)
     if args.moe_only:
         sec("MoE routed experts, small", lambda: check_moe(MOE_SMOKE if interp else MOE_SMALL, interp, False))
+        sec("MoE prefill paths, small", lambda: check_moe_prefill(MOE_PREFILL_SMOKE, interp, False))
         if not interp:
             sec("MoE routed experts, 35B-A3B experts, timed", lambda: check_moe(MOE_REAL, False, timings=True))
+            sec("MoE prefill paths, 35B-A3B experts, timed",
+                lambda: check_moe_prefill(MOE_PREFILL_REAL, False, timings=True))
         return summary(results, t0)
     if args.quant_only:
         sec("quantized matmul, small", lambda: check_quant(QUANT_SMOKE if interp else QUANT_SMALL, interp, False))
@@ -88,6 +100,7 @@ def main(argv=None):
     sec("causal attention, small", lambda: check_causal(CAUSAL_SMALL, False, timings=False))
     sec("quantized matmul, small", lambda: check_quant(QUANT_SMALL, False, timings=False))
     sec("MoE routed experts, small", lambda: check_moe(MOE_SMALL, False, timings=False))
+    sec("MoE prefill paths, small", lambda: check_moe_prefill(MOE_PREFILL_SMOKE, False, timings=False))
     sec("windowed attention, real shapes, timed", lambda: check_kernels(REAL, False, timings=True))
     sec("causal attention, 27B long caches, timed", lambda: check_causal(CAUSAL_LONG, False, timings=True))
     sec("end to end, shipped model", lambda: check_end_to_end(args.max_new, thorough=True))
@@ -95,6 +108,7 @@ def main(argv=None):
     sec("end to end, 27B slice", lambda: check_end_to_end_27b(args.max_new, args.e2e27b_layers))
     sec("quantized matmul, 27B matrices, timed", lambda: check_quant(QUANT_REAL, False, timings=True))
     sec("MoE routed experts, 35B-A3B experts, timed", lambda: check_moe(MOE_REAL, False, timings=True))
+    sec("MoE prefill paths, 35B-A3B experts, timed", lambda: check_moe_prefill(MOE_PREFILL_REAL, False, timings=True))
     if args.budget is not None:  # the long-context prefill only where a budget says how long the lease is
         sec("long context end to end, 27B slice", lambda: check_long_context_27b(contexts=contexts), min_left=60)
     return summary(results, t0)

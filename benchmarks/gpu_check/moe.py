@@ -1,20 +1,36 @@
-"""The routed MoE experts at decode (kernels_pallas/moe_gemv.py): the grouped-GEMV kernel against its reference (XLA's
+"""The MoE experts on the device.
+
+Decode (`check_moe`): the routed grouped-GEMV kernel (kernels_pallas/moe_gemv.py) against its reference (XLA's
 gather of the routed experts) and against lax.ragged_dot over every expert (the grouped path the MoE block takes
 at prefill, which decode used before), in bf16, int8, int4 and fp8 blocks, at small shapes and at the expert
 matrices of Qwen3.5-35B-A3B (256 experts; gate / up 2048 -> 512, down 512 -> 2048) with the pairs of batch 1
 and batch 8 (8 and 64 (token, expert) pairs). GB/s counts the bytes the routed product must read: each pair's
-expert (values and scales), x and the output."""
+expert (values and scales), x and the output; with the share of HBM and the time 80% of HBM allows.
+
+Prefill (`check_moe_prefill`, issue 38 item 2: "measure lax.ragged_dot, tokamax's ragged dot where it runs, and
+your kernel; keep the fastest"): rows sorted by expert at 35B-A3B's experts for 64 and 512 tokens (512 and 4096
+pairs), every way the product can run, each checked against the gather reference before it is timed:
+lax.ragged_dot (kernels_pallas/moe_grouped.py "ragged", what the MoE block runs at prefill on a GPU),
+tokamax.ragged_dot with each implementation (triton, mosaic, xla; where tokamax imports: not a dependency, the
+`bench` extra or the carried wheels of benchmarks/gpu_check's docstring; quantized experts dequantized first, as
+lax.ragged_dot gets them), the routed kernel (moe_gemv over the sorted pairs) and the CPU's tiled loop
+("tiles"). GB/s counts each distinct routed expert once, x and the output. The line names the fastest and what
+the MoE block dispatches to there (routed while tokens x top_k <= experts, else "ragged" on a GPU): where they
+differ, the dispatch rule in moe_grouped.py / mlp.reads_routed_only should follow the measurement."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import moe_gemv as mg
+from kernels_pallas import moe_grouped
 from kernels_pallas.quant_layout import cdiv, padded_k
 
 from .budget import out_of_time
 from .common import bandwidth, max_rel, one_line
-from .timing import time_call
+from .timing import checked_time, time_call
 
 # (kind, int4 group | fp8 block | None, pairs, experts, K, N, x dtype)
 MOE_SMOKE = [("plain", None, 3, 5, 100, 40, "float32"), ("int4", 32, 4, 6, 96, 24, "bfloat16"),
@@ -24,6 +40,11 @@ MOE_SMALL = MOE_SMOKE + [("int8", None, 8, 16, 300, 72, "bfloat16"), ("int4", 12
 MOE_SHAPES = {"gate/up": (2048, 512), "down": (512, 2048)}  # Qwen3.5-35B-A3B experts
 MOE_REAL = [(kind, fmt, P, 256, K, N, "bfloat16") for (K, N) in MOE_SHAPES.values() for P in (8, 64)
             for kind, fmt in (("plain", None), ("int8", None), ("int4", 128), ("fp8", (128, 128)))]
+# prefill: (kind, fmt, pairs, experts, K, N, x dtype), pairs = tokens x top-8
+MOE_PREFILL_SMOKE = [("plain", None, 24, 8, 64, 48, "float32"), ("int4", 32, 24, 8, 64, 48, "bfloat16")]
+MOE_PREFILL_REAL = [(kind, fmt, T * 8, 256, K, N, "bfloat16") for (K, N) in MOE_SHAPES.values() for T in (64, 512)
+                    for kind, fmt in (("plain", None), ("int4", 128), ("fp8", (128, 128)))]
+HBM_TARGET = 0.8
 
 
 def _block(kind, fmt, K):
@@ -47,9 +68,9 @@ def _arrays(kind, block, P, E, K, N, dtype, key):
 
 
 def _ragged(kind, K, block):
-    """The grouped path over every expert: rows sorted by expert, quant.ragged_dot (lax.ragged_dot; int4 and fp8
-    blocks dequantize all experts first), back in pair order."""
-    from qwen_mtp.trunk.quant import QuantArray, ragged_dot
+    """The grouped path over every expert: rows sorted by expert, quant.grouped_dot(impl="ragged")
+    (lax.ragged_dot; int4 and fp8 blocks dequantize all experts first), back in pair order."""
+    from qwen_mtp.trunk.quant import QuantArray, grouped_dot
 
     def f(x, w, scale, ids):
         E = w.shape[0]
@@ -57,10 +78,107 @@ def _ragged(kind, K, block):
             w = QuantArray(q=w, scale=scale, kind=kind, shape=(E, K, w.shape[2]), block=block)
         order = jnp.argsort(ids, stable=True)
         sizes = jnp.bincount(ids, length=E).astype(jnp.int32)
-        y = ragged_dot(x[order], w, sizes, ids[order])
+        y = grouped_dot(x[order], w, sizes, impl="ragged")
         return jnp.zeros_like(y).at[order].set(y)
 
     return jax.jit(f)
+
+
+def _tokamax():
+    """The tokamax module, or why it is not used (one line)."""
+    try:
+        import tokamax
+    except ImportError:
+        return "not installed (pip install tokamax, or the carried wheels: benchmarks/gpu_check's docstring)"
+    except Exception as e:  # noqa: BLE001 - installed but broken (a dependency of another version): say why
+        return f"does not import ({one_line(e)})"
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():  # tokamax reads absl flags; gpu_check's argv is not theirs
+        flags.FLAGS.mark_as_parsed()
+    return tokamax
+
+
+def _grouped(kind, K, block, impl, ragged=None):
+    """moe_grouped.grouped_dot(impl) on rows sorted by expert, jitted; `ragged` replaces lax.ragged_dot (traced here,
+    at the first call)."""
+    def f(x, w, scale, sizes):
+        real = moe_grouped.RAGGED
+        moe_grouped.RAGGED = real if ragged is None else ragged
+        try:
+            return moe_grouped.grouped_dot(x, w, scale, sizes, kind=kind, k=K, block=block, impl=impl)
+        finally:
+            moe_grouped.RAGGED = real
+
+    return jax.jit(f)
+
+
+def check_moe_prefill(cases, interpret, timings):
+    """The grouped product at prefill every way it runs (module doc): numerics against the gather reference, and
+    with timings each path's time, GB/s and the fastest."""
+    kind_of_device, bw = bandwidth()
+    tk = _tokamax()
+    failures = 0
+    for i, (kind, fmt, P, E, K, N, dtype) in enumerate(cases):
+        label = f"moe prefill {kind} {fmt} pairs {P} E{E} K{K} N{N} {dtype}".replace(" (", " ").replace(", ", "x")
+        label = label.replace(")", "")
+        if out_of_time(f"{label} and the rest"):
+            break
+        dt = jnp.dtype(dtype)
+        block = _block(kind, fmt, K)
+        try:
+            x, w, scale, ids = jax.jit(_arrays, static_argnums=(0, 1, 2, 3, 4, 5, 6))(
+                kind, block, P, E, K, N, dt, jax.random.PRNGKey(100 + i))
+            ids = jnp.sort(ids)
+            sizes = jnp.bincount(ids, length=E).astype(jnp.int32)
+            want = np.asarray(mg.moe_gemv_reference(x, w, scale, ids, kind=kind, k=K, block=block).astype(jnp.float32))
+        except Exception as e:  # noqa: BLE001 - one case that does not build must not hide the others
+            print(f"{label}: FAIL {one_line(e)}", flush=True)
+            failures += 1
+            continue
+        paths = {"lax.ragged_dot": (_grouped(kind, K, block, "ragged"), sizes),
+                 "tiles (CPU path)": (_grouped(kind, K, block, "tiles"), sizes),
+                 "routed kernel": (jax.jit(lambda x, w, s, ids, kind=kind, K=K, block=block: mg.moe_gemv_pallas(
+                     x, w, s, ids, kind=kind, k=K, block=block, interpret=interpret)), ids)}
+        notes = []
+        if isinstance(tk, str):
+            notes.append(f"tokamax: {tk}")
+        else:
+            for impl in ("triton", "mosaic", "xla"):
+                paths[f"tokamax {impl}"] = (_grouped(kind, K, block, "ragged", functools.partial(
+                    tk.ragged_dot, implementation=impl)), sizes)
+        times, line = {}, []
+        for name, (fn, last) in paths.items():
+            try:
+                if timings:
+                    t = checked_time(fn, want, x, w, scale, last, n=10)
+                else:
+                    rel = max_rel(np.asarray(fn(x, w, scale, last).astype(jnp.float32)), want)
+                    t = rel if rel < (1e-4 if dt == jnp.float32 else 2e-2) else f"wrong answer (max_rel {rel:.1e})"
+            except Exception as e:  # noqa: BLE001 - a path that does not take the case says why, in one line
+                t = f"not used ({one_line(e, 120)})"
+            if isinstance(t, str):
+                line.append(f"{name}: {t}")
+                failures += not name.startswith("tokamax")  # ours must run and be right; a library's may refuse
+            elif timings:
+                times[name] = t
+            else:
+                line.append(f"{name} max_rel {t:.1e} OK")
+        if timings and times:
+            distinct = int(np.unique(np.asarray(ids)).size)
+            per_expert = (w.nbytes + (0 if scale is None else scale.nbytes)) // E
+            nbytes = distinct * per_expert + x.nbytes + P * N * dt.itemsize
+            fastest = min(times, key=times.get)
+            line = [f"{nbytes / 1e6:.1f} MB read ({distinct} distinct experts)"] + (
+                [f"{HBM_TARGET:.0%} of HBM = {1e6 * nbytes / (HBM_TARGET * bw):.1f} us"] if bw else []) + line
+            for name, t in times.items():
+                frac = f" = {100 * nbytes / t / bw:.0f}% of {kind_of_device}'s {bw / 1e12:.2f} TB/s" if bw else ""
+                line.append(f"{name} {1e6 * t:.1f} us ({nbytes / t / 1e9:.0f} GB/s{frac}"
+                            f"{'' if name == fastest else f'; {t / times[fastest]:.2f}x the fastest'})")
+            line.append(f"fastest: {fastest}; the MoE block runs lax.ragged_dot here on a GPU")
+        print(f"{label}: " + "; ".join(line + notes), flush=True)
+        del x, w, scale
+    return failures
 
 
 def check_moe(cases, interpret, timings):
@@ -99,7 +217,8 @@ def check_moe(cases, interpret, timings):
             per_expert = (w.nbytes + (0 if scale is None else scale.nbytes)) // E
             nbytes = P * per_expert + x.nbytes + P * N * dt.itemsize
             t_k, t_r = time_call(kern, x, w, scale, ids), time_call(ref, x, w, scale, ids)
-            frac = f" = {100 * nbytes / t_k / bw:.0f}% of {kind_of_device}'s {bw / 1e12:.2f} TB/s" if bw else ""
+            frac = (f" = {100 * nbytes / t_k / bw:.0f}% of {kind_of_device}'s {bw / 1e12:.2f} TB/s; "
+                     f"{HBM_TARGET:.0%} of HBM = {1e6 * nbytes / (HBM_TARGET * bw):.1f} us") if bw else ""
             line += (f"; kernel {1e6 * t_k:.1f} us ({nbytes / t_k / 1e9:.0f} GB/s{frac}), XLA gather "
                      f"{1e6 * t_r:.1f} us ({nbytes / t_r / 1e9:.0f} GB/s; kernel/gather {t_k / t_r:.2f}x)")
             try:

@@ -5,8 +5,9 @@ The routed experts run one of two ways, chosen statically from the shapes (`read
            (quant.routed_dot: the Pallas grouped GEMV on cuda, XLA's gather of the routed experts on CPU), so
            the block reads at most as many expert matrices as the grouped path would and, at decode, a small
            share of them (35B-A3B at batch 1: 8 of 256);
-  prefill  more pairs than experts: tokens sorted by expert through grouped matmuls (quant.ragged_dot:
-           lax.ragged_dot, which reads every expert).
+  prefill  more pairs than experts: tokens sorted by expert through grouped matmuls (quant.grouped_dot,
+           kernels_pallas/moe_grouped.py: on CPU a loop over tiles of one expert's rows, each reading its expert
+           by index, several times faster there than lax.ragged_dot; elsewhere lax.ragged_dot).
 The router and the shared expert are the same in both.
 """
 
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.ops import linear
-from qwen_mtp.trunk.quant import ragged_dot, routed_dot
+from qwen_mtp.trunk.quant import grouped_dot, routed_dot
 from qwen_mtp.trunk.weights import MLPWeights, MoEWeights
 
 
@@ -32,7 +33,7 @@ def reads_routed_only(n_tokens: int, cfg: ModelConfig) -> bool:
 
 def moe(x, w: MoEWeights, cfg: ModelConfig):
     """x [..., H]. Few tokens: each (token, expert) pair reads its expert's weights only (quant.routed_dot);
-    many: tokens sorted by expert through grouped matmuls (quant.ragged_dot). Module doc."""
+    many: tokens sorted by expert through grouped matmuls (quant.grouped_dot). Module doc."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     n, k, E = x2.shape[0], cfg.top_k, cfg.num_experts
@@ -50,10 +51,9 @@ def moe(x, w: MoEWeights, cfg: ModelConfig):
     token = order // k
     group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
     xs = x2[token]
-    row_expert = flat_e[order]
-    g = ragged_dot(xs, w.gate, group_sizes, row_expert)
-    u = ragged_dot(xs, w.up, group_sizes, row_expert)
-    y = ragged_dot(jax.nn.silu(g) * u, w.down, group_sizes, row_expert)
+    g = grouped_dot(xs, w.gate, group_sizes)
+    u = grouped_dot(xs, w.up, group_sizes)
+    y = grouped_dot(jax.nn.silu(g) * u, w.down, group_sizes)
     y = y * top_p.reshape(-1)[order][:, None]
     routed = jnp.zeros_like(x2).at[token].add(y)
     return (routed + shared).reshape(shape)
@@ -65,9 +65,9 @@ def _routed_pairs(x2, w: MoEWeights, top_p, top_e):
     n, k = top_e.shape
     pair_e = top_e.reshape(-1)
     xs = jnp.repeat(x2, k, axis=0)
-    g = routed_dot(xs, w.gate, pair_e)
-    u = routed_dot(xs, w.up, pair_e)
-    y = routed_dot(jax.nn.silu(g) * u, w.down, pair_e)
+    g = routed_dot(xs, w.gate, pair_e, split="n")
+    u = routed_dot(xs, w.up, pair_e, split="n")
+    y = routed_dot(jax.nn.silu(g) * u, w.down, pair_e, split="k")
     y = (y * top_p.reshape(-1, 1)).astype(jnp.float32)
     return y.reshape(n, k, -1).sum(axis=1).astype(x2.dtype)
 

@@ -3,7 +3,7 @@
 A `QuantArray` holds one weight matrix [..., K, N] (stored [in, out]; a leading expert axis for MoE experts) in
 the layout of kernels_pallas/quant_layout.py: `q` (int8 / packed int4 / float8_e4m3fn values) and `scale`
 (float32, one per block of `block` = (bk, bn) weights). `ops.linear` takes it wherever it takes a plain matrix;
-the MoE block takes stacked experts through `ragged_dot` here.
+the MoE block takes stacked experts through `grouped_dot` (prefill) and `routed_dot` (decode) here.
 
 Formats (`quantize`):
   int8  symmetric, one scale per output channel: scale = max|w[:, n]| / 127, values round-half-even, clip 127
@@ -28,9 +28,9 @@ import ml_dtypes
 import numpy as np
 from flax import struct
 
+from kernels_pallas import moe_grouped
 from kernels_pallas import per_shard as spmd
 from kernels_pallas import quant_layout as layout
-from kernels_pallas.masked_attention import precision_for
 from kernels_pallas.moe_gemv import moe_gemv
 from kernels_pallas.quant_matmul import quant_matmul
 from qwen_mtp.errors import ArgumentError
@@ -158,34 +158,31 @@ def linear(x, w: QuantArray, *, backend: str = "auto"):
     return y.reshape(*x.shape[:-1], N)
 
 
-def ragged_dot(x, w, group_sizes, row_expert):
-    """Grouped matmul of the MoE experts: x [n, K] sorted by expert, w [E, K, N] plain or QuantArray,
-    row_expert [n] the expert of each row. Per-channel formats (int8, per-channel fp8) run the grouped dot on the
-    raw values and scale each row by its expert's column scales (exact); grouped formats (int4, fp8 blocks)
-    dequantize the stacked experts to x's dtype first, then one grouped dot."""
-    prec = precision_for(x.dtype)
-    if not isinstance(w, QuantArray):
-        return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes, precision=prec)
+def grouped_dot(x, w, group_sizes, *, impl: str = "auto"):
+    """Grouped matmul of the MoE experts at prefill: x [n, K] sorted by expert, w [E, K, N] plain or QuantArray,
+    group_sizes [E] -> [n, N] in x's dtype (kernels_pallas.moe_grouped: on CPU a loop over tiles of one expert's
+    rows reading that expert's weights by index; elsewhere lax.ragged_dot, grouped formats dequantizing every
+    expert first, per-channel formats scaling each row by its expert's column scales)."""
     K = w.shape[-2]
-    if w.block[0] >= K and w.block[1] == 1:
-        v = layout.values(w.q, w.kind, w.block, jnp)[:, :K].astype(x.dtype)
-        y = jax.lax.ragged_dot(x, v, group_sizes, precision=prec, preferred_element_type=jnp.float32)
-        return (y * w.scale[row_expert, 0]).astype(x.dtype)
-    return jax.lax.ragged_dot(x, w.dequantize(x.dtype), group_sizes, precision=prec)
+    if isinstance(w, QuantArray):
+        return moe_grouped.grouped_dot(x, w.q, w.scale, group_sizes, kind=w.kind, k=K, block=w.block, impl=impl)
+    return moe_grouped.grouped_dot(x, w, None, group_sizes, kind="plain", k=K, block=(K, 1), impl=impl)
 
 
-def routed_dot(x, w, ids, *, backend: str = "auto"):
+def routed_dot(x, w, ids, *, split: str | None = None, backend: str = "auto"):
     """The MoE experts at decode, reading only the routed ones: x [P, K] one row per (token, expert) pair,
     w [E, K, N] plain or QuantArray, ids [P] the pair's expert -> [P, N], x[p] @ w[ids[p]] in x's dtype
     (kernels_pallas.moe_gemv: the Pallas grouped GEMV on cuda, XLA's gather of the routed experts elsewhere;
-    a QuantArray's values and scales are gathered, never all experts dequantized). Under a mesh the gather
-    reference runs (XLA partitions it by the weights' shardings; a custom call would get them whole)."""
-    if spmd.active_mesh() is not None:
-        backend = "reference"
+    a QuantArray's values and scales are gathered, never all experts dequantized). Under a mesh it runs per
+    shard (per_shard.routed): a QuantArray's `spec` says how its experts are split; plain experts name the
+    dimension sharding.py splits, `split` "k" (down) or "n" (gate / up)."""
     K = w.shape[-2]
     if isinstance(w, QuantArray):
-        return moe_gemv(x, w.q, w.scale, ids, kind=w.kind, k=K, block=w.block, backend=backend)
-    return moe_gemv(x, w, None, ids, kind="plain", k=K, backend=backend)
+        call = lambda x, q, s, ids, k, block: moe_gemv(x, q, s, ids, kind=w.kind, k=k, block=block, backend=backend)
+        return spmd.routed(x, w.q, w.scale, ids, w.spec, K, w.block, call)
+    call = lambda x, v, s, ids, k, block: moe_gemv(x, v, None, ids, kind="plain", k=k, backend=backend)
+    spec = None if split is None else spmd.expert_spec(split, K, w.shape[-1])
+    return spmd.routed(x, w, None, ids, spec, K, (K, 1), call)
 
 
 # ---------------------------------------------------------------- policy
