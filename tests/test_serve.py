@@ -450,7 +450,10 @@ def test_under_load_every_answer_equals_generate(real, tok):
     assert set(per_slot) == set(range(LOAD_SLOTS)), per_slot  # every slot served, 32 requests: freed ones reused
     assert engine.dev.slots.mcache.k.shape[1] == 2 + 8 + 2  # the ring: sinks + window + k slots
     by_busy = m["segments_by_busy_and_k"]
-    assert all(k == (2 if busy == 1 else 0) for busy, k in by_busy) and {1, LOAD_SLOTS} <= {b for b, _ in by_busy}
+    # the plan followed in both of its modes: k = 2 alone, plain with company (how many slots are busy at once
+    # beyond that depends on the clients' timing: 2, 3 or 4)
+    busy_seen = {b for b, _ in by_busy}
+    assert all(k == (2 if busy == 1 else 0) for busy, k in by_busy) and 1 in busy_seen and max(busy_seen) >= 2, by_busy
     assert _raw(s, "GET", "/health")[0] == 200
     assert _client(s).completions.create(model=MODEL, prompt=prompts[1], max_tokens=budgets[1]).choices[0].text \
         == tok.decode(refs[1])
