@@ -355,3 +355,8 @@ def test_generate_cli_runs_a_converted_folder(tmp_path, capsys):
     for r in runs:
         assert "draft vocab 1024" in r.err and "repetition penalty 1.3 (generation_config.json)" in r.err, r.err
     assert "[shipped]" in got.err
+    # a folder that lost its counts runs without a draft vocabulary, same text, and its stats line says why
+    (dst / "draft_vocab_counts.npy").unlink()
+    assert main(["generate", "--model", str(dst), *args]) == 0
+    lost = capsys.readouterr()
+    assert lost.out == want.out and "draft vocab off (no draft_vocab_counts.npy in the folder)" in lost.err, lost.err

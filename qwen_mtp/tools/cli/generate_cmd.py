@@ -179,7 +179,12 @@ def cmd_generate(args) -> int:
     else:
         win = "native" if spec.window is None else f"window {spec.window} sinks {spec.sinks}"
         dv = model.weights.draft_vocab
-        win += "" if dv is None else f", draft vocab {dv.ids.shape[0]}"
+        if dv is not None:
+            win += f", draft vocab {dv.ids.shape[0]}"
+        elif args.draft_vocab == "auto" and model.config.vocab_size > DRAFT_VOCAB_AUTO:
+            from qwen_mtp.head.draft_vocab import COUNTS_FILE
+
+            win += f", draft vocab off (no {COUNTS_FILE} in the folder)"  # a folder that lost its counts says so
         line += f", k={spec.k} ({win}), AL {fmt(s.acceptance_length)}, alpha_j [{format_alphas(s.alpha)}]"
         if s.tree is not None:
             line += (f", tree {tree_shape(spec.tree)}: acceptance per depth [{format_alphas(s.tree['depth_rate'])}] "
