@@ -196,6 +196,13 @@ def test_plan_is_measured_and_cached(engine, prompts, tmp_path, monkeypatch):
     assert plan_mod.save_cached(measured) == tmp_path / plan_mod.PLAN_DIR / "test-key.json"
     assert plan_mod.load_cached("test-key") == measured
     assert plan_mod.choose({0: 100.0, 1: 104.0, 2: 90.0}) == 0 and plan_mod.choose({0: 100.0, 2: 120.0}) == 2
+    # an impossible ratio (k = 1 at 3.96x plain: a round commits at most 2 tokens) is load noise, never chosen, and a
+    # cached plan holding one is measured again (bench_serve met one measured under load 14-21)
+    assert plan_mod.choose({0: 100.0, 1: 396.0}) == 0 and plan_mod.choose({0: 100.0, 1: 396.0, 2: 150.0}) == 2
+    noisy = Plan({1: 1}, {1: {0: 100.0, 1: 396.0}}, key="noisy-key")
+    assert plan_mod.save_cached(noisy) is not None and plan_mod.load_cached("noisy-key") is None
+    sane = Plan({1: 1}, {1: {0: 100.0, 1: 150.0}}, key="sane-key")
+    assert plan_mod.save_cached(sane) is not None and plan_mod.load_cached("sane-key") == sane  # the control
     assert "k=2" in Plan({1: 2}, {1: {0: 1.0, 2: 1.5}}).note() and "1.50x" in Plan({1: 2}, {1: {0: 1.0, 2: 1.5}}).note()
 
 

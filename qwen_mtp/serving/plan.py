@@ -104,10 +104,18 @@ class Plan:
                    d.get("key", ""), d.get("measured_at", ""))
 
 
+def plausible(k: int, rate: float, plain: float | None) -> bool:
+    """A round of k drafts commits at most k + 1 tokens and costs at least one plain step (its verify is a trunk
+    forward over k + 1 rows), so k can be at most k + 1 times as fast as plain decoding: a measured ratio above
+    that is the machine's load changing between the timings, not speed."""
+    return plain is None or k == 0 or rate <= (k + 1) * plain
+
+
 def choose(rates: dict, margin: float = MARGIN) -> int:
     """The k to run from measured rates {k: tokens/s} (0 = plain): the fastest k > 0 if it beat plain by at least
-    `margin`, else plain (a gain inside the timing noise is not worth the risk of decoding slower)."""
-    spec = {k: v for k, v in rates.items() if k}
+    `margin`, else plain (a gain inside the timing noise is not worth the risk of decoding slower). A k whose
+    ratio is impossible (`plausible`) is not chosen."""
+    spec = {k: v for k, v in rates.items() if k and plausible(k, v, rates.get(0))}
     if 0 not in rates:
         return max(spec, key=lambda k: (spec[k], -k))
     if not spec:
@@ -153,9 +161,12 @@ def load_cached(key: str) -> Plan | None:
         return None
     try:
         d = json.loads(path.read_text())
-        return Plan.from_json(d) if d.get("version") == VERSION and d.get("key") == key else None
+        plan = Plan.from_json(d) if d.get("version") == VERSION and d.get("key") == key else None
     except (OSError, ValueError, KeyError, TypeError):
         return None  # unreadable: measured again and rewritten
+    if plan is not None and not all(plausible(k, v, r.get(0)) for r in plan.rates.values() for k, v in r.items()):
+        return None  # measured while the machine's load changed (an impossible ratio): measured again
+    return plan
 
 
 def save_cached(plan: Plan) -> Path | None:
