@@ -176,31 +176,17 @@ def _path(routed: bool, impl: str = "ragged", ragged=None):
         mlp.reads_routed_only, mlp.grouped_dot, moe_grouped.RAGGED = real
 
 
-def _tokamax_ragged():
-    """tokamax.ragged_dot, or why it is not used (one line)."""
-    try:
-        import tokamax
-    except ImportError:
-        return "not installed (pip install tokamax)"
-    except Exception as e:  # noqa: BLE001 - installed but broken (a dependency of another version): say why
-        return f"does not import: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():  # tokamax reads absl flags; this script's own argv is not theirs
-        flags.FLAGS.mark_as_parsed()
-    return tokamax.ragged_dot
-
-
 def prefill_times(moe_w, cfg, tokens, dtype, paths=("routed", "tiles", "ragged", "tokamax"), skip=None):
     """{path: seconds or why not} of the MoE block at `tokens` tokens (module doc), one timed call each after the
     compile, and the largest relative difference of each path from `tiles`."""
     import jax
     import jax.numpy as jnp
 
+    from qwen_mtp.extras import tokamax_or_reason
     from qwen_mtp.trunk import mlp
+    from qwen_mtp.trunk.quant import QuantArray
 
     x = jax.random.normal(jax.random.PRNGKey(tokens), (tokens, cfg.hidden_size), jnp.float32).astype(dtype)
-    from qwen_mtp.trunk.quant import QuantArray
 
     # the gather's copy per pair: the expert's values (quantized ones: dequantized in float32)
     per_expert = cfg.hidden_size * cfg.moe_intermediate_size * (4 if isinstance(moe_w.gate, QuantArray) else
@@ -213,10 +199,13 @@ def prefill_times(moe_w, cfg, tokens, dtype, paths=("routed", "tiles", "ragged",
         if path == "routed" and tokens * cfg.top_k * per_expert > 1.5e9:
             out[path] = f"not run ({tokens * cfg.top_k * per_expert / 1e9:.1f} GB of gathered experts per matrix)"
             continue
-        ragged = _tokamax_ragged() if path == "tokamax" else None
-        if isinstance(ragged, str):
-            out[path] = ragged
-            continue
+        ragged = None
+        if path == "tokamax":
+            tk = tokamax_or_reason()
+            if isinstance(tk, str):
+                out[path] = tk
+                continue
+            ragged = tk.ragged_dot
         try:
             with _path(path == "routed", "tiles" if path == "tiles" else "ragged", ragged):
                 f = jax.jit(lambda x, w: mlp.moe(x, w, cfg))  # traced (the first call) under the forced path

@@ -43,6 +43,23 @@ def missing(modules) -> list:
     return out
 
 
+def tokamax_or_reason(hint: str = "pip install -e \".[bench]\""):
+    """The tokamax module (the `bench` extra: a library baseline beside our kernels), or one line saying why it is
+    not used: not installed (with `hint`), or installed but failing to import. tokamax reads absl flags at call
+    time; a benchmark's own argv is not theirs, so they are marked parsed here."""
+    try:
+        import tokamax
+    except ImportError:
+        return f"not installed ({hint})"
+    except Exception as e:  # noqa: BLE001 - installed but broken (a dependency of another version): say why
+        return f"does not import: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    return tokamax
+
+
 def require(feature: str, extra: str, modules=None) -> None:
     """Raise MissingExtraError unless every module of `modules` (default: all of the extra's) imports."""
     gone = missing(EXTRAS[extra] if modules is None else modules)

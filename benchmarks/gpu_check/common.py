@@ -17,6 +17,11 @@ sys.path.insert(0, ROOT)
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "B200": 8.0e12}
 
 
+def case_label(text: str) -> str:
+    """A case's label on one printed line: a format's tuple "(128, 128)" as "128x128"."""
+    return text.replace(" (", " ").replace(", ", "x").replace(")", "")
+
+
 def one_line(e, limit=300):
     """An exception as one line: its type and the first `limit` characters of its message's first line."""
     return f"{type(e).__name__}: {str(e).splitlines()[0][:limit] if str(e) else ''}"

@@ -27,9 +27,10 @@ import numpy as np
 from kernels_pallas import moe_gemv as mg
 from kernels_pallas import moe_grouped
 from kernels_pallas.quant_layout import cdiv, padded_k
+from qwen_mtp.extras import tokamax_or_reason
 
 from .budget import out_of_time
-from .common import bandwidth, max_rel, one_line
+from .common import bandwidth, case_label, max_rel, one_line
 from .timing import checked_time, time_call
 
 # (kind, int4 group | fp8 block | None, pairs, experts, K, N, x dtype)
@@ -51,6 +52,7 @@ def _block(kind, fmt, K):
     return (K, 1) if kind in ("plain", "int8") else ((fmt, 1) if kind == "int4" else tuple(fmt))
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
 def _arrays(kind, block, P, E, K, N, dtype, key):
     kw, ks, kx, ki = jax.random.split(key, 4)
     ids = jax.random.randint(ki, (P,), 0, E, jnp.int32)
@@ -84,21 +86,6 @@ def _ragged(kind, K, block):
     return jax.jit(f)
 
 
-def _tokamax():
-    """The tokamax module, or why it is not used (one line)."""
-    try:
-        import tokamax
-    except ImportError:
-        return "not installed (pip install tokamax, or the carried wheels: benchmarks/gpu_check's docstring)"
-    except Exception as e:  # noqa: BLE001 - installed but broken (a dependency of another version): say why
-        return f"does not import ({one_line(e)})"
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():  # tokamax reads absl flags; gpu_check's argv is not theirs
-        flags.FLAGS.mark_as_parsed()
-    return tokamax
-
-
 def _grouped(kind, K, block, impl, ragged=None):
     """moe_grouped.grouped_dot(impl) on rows sorted by expert, jitted; `ragged` replaces lax.ragged_dot (traced here,
     at the first call)."""
@@ -117,18 +104,16 @@ def check_moe_prefill(cases, interpret, timings):
     """The grouped product at prefill every way it runs (module doc): numerics against the gather reference, and
     with timings each path's time, GB/s and the fastest."""
     kind_of_device, bw = bandwidth()
-    tk = _tokamax()
+    tk = tokamax_or_reason("pip install tokamax, or the carried wheels: benchmarks/gpu_check's docstring")
     failures = 0
     for i, (kind, fmt, P, E, K, N, dtype) in enumerate(cases):
-        label = f"moe prefill {kind} {fmt} pairs {P} E{E} K{K} N{N} {dtype}".replace(" (", " ").replace(", ", "x")
-        label = label.replace(")", "")
+        label = case_label(f"moe prefill {kind} {fmt} pairs {P} E{E} K{K} N{N} {dtype}")
         if out_of_time(f"{label} and the rest"):
             break
         dt = jnp.dtype(dtype)
         block = _block(kind, fmt, K)
         try:
-            x, w, scale, ids = jax.jit(_arrays, static_argnums=(0, 1, 2, 3, 4, 5, 6))(
-                kind, block, P, E, K, N, dt, jax.random.PRNGKey(100 + i))
+            x, w, scale, ids = _arrays(kind, block, P, E, K, N, dt, jax.random.PRNGKey(100 + i))
             ids = jnp.sort(ids)
             sizes = jnp.bincount(ids, length=E).astype(jnp.int32)
             want = np.asarray(mg.moe_gemv_reference(x, w, scale, ids, kind=kind, k=K, block=block).astype(jnp.float32))
@@ -186,15 +171,13 @@ def check_moe(cases, interpret, timings):
     kind_of_device, bw = bandwidth()
     failures = 0
     for i, (kind, fmt, P, E, K, N, dtype) in enumerate(cases):
-        label = f"moe_gemv {kind} {fmt} P{P} E{E} K{K} N{N} {dtype}".replace(" (", " ").replace(", ", "x")
-        label = label.replace(")", "")
+        label = case_label(f"moe_gemv {kind} {fmt} P{P} E{E} K{K} N{N} {dtype}")
         if out_of_time(f"{label} and the rest"):
             break
         dt = jnp.dtype(dtype)
         block = _block(kind, fmt, K)
         try:
-            x, w, scale, ids = jax.jit(_arrays, static_argnums=(0, 1, 2, 3, 4, 5, 6))(
-                kind, block, P, E, K, N, dt, jax.random.PRNGKey(i))
+            x, w, scale, ids = _arrays(kind, block, P, E, K, N, dt, jax.random.PRNGKey(i))
             reason = mg.unsupported_reason(x, w, scale, ids, kind=kind, k=K, block=block)
             assert reason is None, reason
             kern = jax.jit(lambda x, w, s, ids, kind=kind, K=K, block=block: mg.moe_gemv_pallas(

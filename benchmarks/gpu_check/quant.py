@@ -13,7 +13,7 @@ from kernels_pallas import quant_matmul as qmm
 from kernels_pallas.quant_layout import cdiv, padded_k
 
 from .budget import out_of_time
-from .common import bandwidth, max_rel, one_line
+from .common import bandwidth, case_label, max_rel, one_line
 from .timing import checked_time, time_call
 
 # quantized matmul cases (kind, "channel" | int4 group | fp8 block, M, K, N, x dtype): the CPU smoke form runs
@@ -117,7 +117,7 @@ def check_quant(cases, interpret, timings):
         if out_of_time(f"quant case {kind} {fmt} M{M} K{K} N{N} and the rest"):
             break
         dt = jnp.dtype(dtype)
-        label = f"quant {kind} {fmt} M{M} K{K} N{N} {dtype}".replace(" (", " ").replace(", ", "x").replace(")", "")
+        label = case_label(f"quant {kind} {fmt} M{M} K{K} N{N} {dtype}")
         try:
             x, q, scale, block = _quant_inputs(kind, fmt, M, K, N, dt, seed=i)
             reason = qmm.unsupported_reason(x, q, scale, kind=kind, k=K, block=block)
