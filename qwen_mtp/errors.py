@@ -1,4 +1,5 @@
-"""Typed errors. Every message names the file / tensor / argument, what was expected and what was found."""
+"""Typed errors. Every message names the file / tensor / argument, what was expected and what was found. Also
+`is_python_int`, the integer test the ArgumentError checks of static arguments share."""
 
 from __future__ import annotations
 
@@ -80,3 +81,8 @@ class QueueFullError(QwenMTPError, RuntimeError):
 
 class EngineStoppedError(QwenMTPError, RuntimeError):
     """A request was submitted to a serving engine that is stopping or stopped."""
+
+
+def is_python_int(x) -> bool:
+    """A Python int and not a bool: what a static (hashable, compile-time) integer argument must be."""
+    return isinstance(x, int) and not isinstance(x, bool)

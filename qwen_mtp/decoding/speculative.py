@@ -36,16 +36,12 @@ from qwen_mtp.decoding import penalty
 from qwen_mtp.decoding.nonfinite import BIG
 from qwen_mtp.decoding.rollback import select_states
 from qwen_mtp.decoding.sampling import Sampling, argmax, draw, probs, row_scores
-from qwen_mtp.errors import ArgumentError
+from qwen_mtp.errors import ArgumentError, is_python_int
 from qwen_mtp.head import draft_vocab
 from qwen_mtp.head.mtp import mtp_forward
 from qwen_mtp.head.tree import check_tree, ring_draft_slots
 from qwen_mtp.trunk.forward import forward, lm_logits
 from qwen_mtp.trunk.ops import DECODE_COMPILER_OPTIONS, LOOP_COMPILER_OPTIONS
-
-
-def _is_int(x):
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +55,11 @@ class SpecConfig:
     tree: object = None  # None: a chain; a head/tree.py StaticTree or DynamicTree of depth k (tree_loop.py)
 
     def __post_init__(self):
-        if not _is_int(self.k) or not 1 <= self.k <= 16:
+        if not is_python_int(self.k) or not 1 <= self.k <= 16:
             raise ArgumentError("SpecConfig.k", "an integer in [1, 16]", repr(self.k))
-        if self.window is not None and (not _is_int(self.window) or self.window < 1):
+        if self.window is not None and (not is_python_int(self.window) or self.window < 1):
             raise ArgumentError("SpecConfig.window", "None (native attention) or an integer >= 1", repr(self.window))
-        if not _is_int(self.sinks) or self.sinks < 0:
+        if not is_python_int(self.sinks) or self.sinks < 0:
             raise ArgumentError("SpecConfig.sinks", "an integer >= 0", repr(self.sinks))
         if self.sinks and self.window is None:
             raise ArgumentError("SpecConfig.sinks", "0 when window is None (sinks only apply to a window)",

@@ -38,7 +38,7 @@ import numpy as np
 
 from kernels_pallas.masked_attention import BLOCK_DIAGONAL_ROWS, attend, attend_with_new
 from kernels_pallas.ring_layout import ring_rows, ring_slot, visible
-from qwen_mtp.errors import ArgumentError
+from qwen_mtp.errors import ArgumentError, is_python_int
 from qwen_mtp.head import draft_vocab
 from qwen_mtp.trunk.attention import output, project_qkv
 from qwen_mtp.trunk.forward import lm_logits
@@ -49,9 +49,6 @@ from qwen_mtp.trunk.state import KVCache, to_cache
 MAX_NODES = 64  # draft nodes per tree (the verify's rows, root excluded)
 
 
-def _is_int(x):
-    return isinstance(x, int) and not isinstance(x, bool)
-
 
 @dataclasses.dataclass(frozen=True)
 class StaticTree:
@@ -60,7 +57,7 @@ class StaticTree:
 
     def __post_init__(self):
         w = self.widths
-        if not isinstance(w, tuple) or not w or not all(_is_int(x) and 1 <= x <= 8 for x in w):
+        if not isinstance(w, tuple) or not w or not all(is_python_int(x) and 1 <= x <= 8 for x in w):
             raise ArgumentError("StaticTree.widths", "a non-empty tuple of integers in [1, 8]", repr(w))
         if self.nodes > MAX_NODES:
             raise ArgumentError("StaticTree.widths", f"a tree of at most {MAX_NODES} nodes", f"{self.nodes} nodes")
@@ -105,12 +102,12 @@ class DynamicTree:
     budget: int = 8
 
     def __post_init__(self):
-        if not _is_int(self.depth) or not 1 <= self.depth <= 16:
+        if not is_python_int(self.depth) or not 1 <= self.depth <= 16:
             raise ArgumentError("DynamicTree.depth", "an integer in [1, 16]", repr(self.depth))
-        if not _is_int(self.topk) or not 1 <= self.topk <= 8:
+        if not is_python_int(self.topk) or not 1 <= self.topk <= 8:
             raise ArgumentError("DynamicTree.topk", "an integer in [1, 8]", repr(self.topk))
         pool = self.topk + (self.depth - 1) * self.topk ** 2
-        if not _is_int(self.budget) or not 1 <= self.budget <= min(pool, MAX_NODES):
+        if not is_python_int(self.budget) or not 1 <= self.budget <= min(pool, MAX_NODES):
             raise ArgumentError("DynamicTree.budget", f"an integer in [1, {min(pool, MAX_NODES)}] (the candidates)",
                                 repr(self.budget))
 

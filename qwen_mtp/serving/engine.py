@@ -53,6 +53,7 @@ from qwen_mtp.errors import (
     EngineStoppedError,
     NonFiniteError,
     QueueFullError,
+    is_python_int,
 )
 from qwen_mtp.head.mtp import require_mtp
 from qwen_mtp.serving import runner
@@ -61,7 +62,6 @@ from qwen_mtp.serving.stats import EngineCounters
 from qwen_mtp.trunk.state import resolve_kv_dtype
 
 DEFAULT_SEGMENT = 16
-_is_int = lambda x: isinstance(x, int) and not isinstance(x, bool)
 
 
 class Engine:
@@ -92,11 +92,11 @@ class Engine:
                                 "a model sharded over a mesh")
         for name, v, lo in (("max_batch", max_batch, 1), ("max_waiting", max_waiting, 0), ("segment", segment, 2),
                             ("max_k", max_k, 1)):
-            if not _is_int(v) or v < lo:
+            if not is_python_int(v) or v < lo:
                 raise ArgumentError(name, f"an integer >= {lo}", repr(v))
         if max_model_len is None:
             max_model_len = min(4096, cfg.max_position_embeddings)
-        if not _is_int(max_model_len) or not 2 <= max_model_len <= cfg.max_position_embeddings:
+        if not is_python_int(max_model_len) or not 2 <= max_model_len <= cfg.max_position_embeddings:
             raise ArgumentError("max_model_len", f"an integer in [2, {cfg.max_position_embeddings}]",
                                 repr(max_model_len))
         self.model, self.cfg = model, cfg
@@ -109,7 +109,7 @@ class Engine:
         if buckets is None:
             buckets = sorted({min(pow2_at_least(n), max_batch) for n in range(1, max_batch + 1)})
         buckets = tuple(sorted(set(buckets)))
-        if not buckets or not all(_is_int(b) and 1 <= b <= max_batch for b in buckets) or buckets[-1] != max_batch:
+        if not buckets or not all(is_python_int(b) and 1 <= b <= max_batch for b in buckets) or buckets[-1] != max_batch:
             raise ArgumentError("buckets", f"sizes in [1, {max_batch}] including max_batch", repr(buckets))
         self.buckets = buckets
         if isinstance(spec, str) and spec == "auto" and not model.has_mtp:

@@ -12,15 +12,12 @@ import threading
 import time
 
 from qwen_mtp.decoding.sampling import Sampling
-from qwen_mtp.errors import ArgumentError
+from qwen_mtp.errors import ArgumentError, is_python_int
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 _log = logging.getLogger(__name__)
 MAX_STOP_IDS = 8  # stop_token_ids per request (beside the model's EOS ids): a fixed shape of the programs
 
-
-def _is_int(x):
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,14 +38,14 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_python_int(self.max_tokens) or self.max_tokens < 1:
             raise ArgumentError("max_tokens", "an integer >= 1", repr(self.max_tokens))
         Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                  repetition_penalty=self.repetition_penalty)  # the same checks as generate's
-        if not _is_int(self.seed) or not 0 <= self.seed < 2 ** 63:
+        if not is_python_int(self.seed) or not 0 <= self.seed < 2 ** 63:
             raise ArgumentError("seed", "an integer in [0, 2**63)", repr(self.seed))
         stops = tuple(self.stop_token_ids) if isinstance(self.stop_token_ids, (list, tuple)) else None
-        if stops is None or not all(_is_int(t) and t >= 0 for t in stops) or len(stops) > MAX_STOP_IDS:
+        if stops is None or not all(is_python_int(t) and t >= 0 for t in stops) or len(stops) > MAX_STOP_IDS:
             raise ArgumentError("stop_token_ids", f"a list of at most {MAX_STOP_IDS} token ids >= 0",
                                 repr(self.stop_token_ids))
         object.__setattr__(self, "stop_token_ids", stops)
