@@ -44,9 +44,10 @@ The real Qwen3.5-27B shapes in bf16 (grid rows x columns x K parts):
 tests/test_export_cuda.py lowers the kernel for cuda at these shapes and compiles its Triton IR for sm_90
 (shared memory, registers, spills); benchmarks/gpu_check times it on a GPU.
 
-Decode rows: backend "auto" runs quant_gemv.py's decode kernel (FMA units, no I2F, split K) at M <= its
-ROWS_FMA (int4 / int8: 4, fp8: 8) where it takes the shape (`quant_gemv` here is its dispatching function);
-"pallas" always means the tiled kernel of this module.
+Decode rows: backend "auto" first asks quant_decode.decode_kernel: quant_mma.py's tensor-core kernel for int4
+with bf16 / f16 x at M 2 .. 16, else quant_gemv.py's FMA kernel at M <= its ROWS_FMA (int4 / int8: 4, fp8: 8),
+where they take the shape; "pallas" always means the tiled kernel of this module. The reference and the input
+check live in quant_reference.py (imported here).
 
 Backend choice is kernels_pallas/dispatch.py's rule: the kernel in a program lowered for cuda, the reference
 elsewhere; `backend="pallas"` with `interpret=True` runs the kernel on CPU, as the tests do. A format or shape
@@ -74,21 +75,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels_pallas import dispatch
-from kernels_pallas import quant_gemv as gemv
-from kernels_pallas.masked_attention import precision_for
-from kernels_pallas.quant_layout import (
-    STORAGE,
-    cdiv,
-    check,
-    dequantize,
-    padded_k,
-    values,
-)
+from kernels_pallas.quant_decode import decode_kernel, gemv_rows, quant_gemv, quant_mma
+from kernels_pallas.quant_layout import STORAGE, cdiv, padded_k
+from kernels_pallas.quant_reference import check_inputs, quant_matmul_reference
+
+__all__ = ["check_inputs", "decode_kernel", "gemv_rows", "plan", "quant_gemv", "quant_matmul", "quant_matmul_pallas",
+           "quant_matmul_reference", "quant_mma", "unsupported_reason", "xla_is_faster"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -100,34 +96,6 @@ MAX_K_BLOCK = 256
 MAX_ELEMENTS = 2 ** 31  # the kernel's offsets are int32
 MAX_GRID_YZ = 65535  # grid (row tiles, column tiles, K parts) is CUDA's (x, y, z)
 XLA_ROWS = 16  # backend "auto": past one tile of rows XLA's dequantize-then-dot measured faster (xla_is_faster)
-
-
-@functools.partial(jax.jit, static_argnames=("kind", "k", "block"))
-def quant_matmul_reference(x, q, scale, *, kind: str, k: int, block):
-    """XLA dequantize-then-dot. x [M, K]; q / scale 2-D in quant_layout's format (block a tuple)."""
-    dt = x.dtype
-    prec = precision_for(dt)
-    bk, bn = block
-    if bk >= k and bn == 1:  # one scale per output column: dot on the values, then scale the columns (exact)
-        v = values(q, kind, block, jnp)[:k].astype(dt)
-        y = jnp.dot(x, v, precision=prec, preferred_element_type=jnp.float32)
-        return (y * scale[0].astype(jnp.float32)).astype(dt)
-    w = dequantize(q, scale, kind, k, block, dt, jnp)
-    return jnp.dot(x, w, precision=prec, preferred_element_type=jnp.float32).astype(dt)
-
-
-def check_inputs(x, q, scale, kind: str, k: int, block) -> None:
-    """ValueError naming what is wrong when x / q / scale do not form a quantized matmul of this layout."""
-    if x.ndim != 2 or q.ndim != 2 or scale.ndim != 2:
-        raise ValueError(f"quant_matmul takes x [M, K], q and scale 2-D, found x {list(x.shape)}, "
-                         f"q {list(q.shape)}, scale {list(scale.shape)}")
-    if x.shape[1] != k:
-        raise ValueError(f"quant_matmul: x of shape [M, {k}], found {list(x.shape)}")
-    err = check(kind, q.shape, scale.shape, k, q.shape[1], tuple(block))
-    if err is not None:
-        raise ValueError(f"quant_matmul ({kind}, block {tuple(block)}): {err}")
-    if np.dtype(q.dtype) != STORAGE[kind]:
-        raise ValueError(f"quant_matmul: {kind} values stored as {STORAGE[kind].name}, found {np.dtype(q.dtype).name}")
 
 
 def _mode(kind: str, k: int, block) -> str:
@@ -159,11 +127,6 @@ def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
     if max(p.col_tiles, p.splits) > MAX_GRID_YZ:
         return f"{p.col_tiles} column tiles x {p.splits} K parts: a CUDA grid's y and z stop at {MAX_GRID_YZ}"
     return None
-
-
-def gemv_rows(M: int, kind: str) -> bool:
-    """backend "auto" takes the decode kernel (quant_gemv.py) at these rows: M <= gemv.ROWS_FMA[kind]."""
-    return M <= gemv.ROWS_FMA[kind]
 
 
 def xla_is_faster(M: int, kind: str, k: int, block):
@@ -365,26 +328,14 @@ def quant_matmul_pallas(x, q, scale, *, kind: str, k: int, block, block_m: int |
     return out.sum(axis=0).astype(dt) if p.splits > 1 else out
 
 
-def quant_gemv(x, q, scale, *, kind: str, k: int, block, backend: str = "auto", interpret: bool = False):
-    """The decode kernel (quant_gemv.py) in a program lowered for cuda, the reference elsewhere; a shape it
-    does not take (more than 16 rows, N not a multiple of 4, ...) falls back to the reference with a warning."""
-    block = tuple(int(b) for b in block)
-    check_inputs(x, q, scale, kind, k, block)
-    reference = functools.partial(quant_matmul_reference, kind=kind, k=k, block=block)
-    kernel = functools.partial(gemv.quant_gemv_pallas, kind=kind, k=k, block=block, interpret=interpret)
-    reason = gemv.unsupported_reason(x, q, scale, kind=kind, k=k, block=block)
-    return dispatch.run("quantized matmul (decode kernel)", kernel, reference, reason, backend, x, q, scale)
-
-
 def quant_matmul(x, q, scale, *, kind: str, k: int, block, backend: str = "auto", interpret: bool = False):
     """The kernel in a program lowered for cuda, the reference elsewhere (dispatch.run); see the module doc.
-    backend "auto" at decode rows (gemv_rows) runs the decode kernel (quant_gemv) where it takes the shape;
-    "pallas" always means this module's tiled kernel."""
+    backend "auto" at decode rows runs a decode kernel (decode_kernel); "pallas" means this module's tiled kernel."""
     block = tuple(int(b) for b in block)
     check_inputs(x, q, scale, kind, k, block)
-    if backend == "auto" and gemv_rows(x.shape[0], kind) and \
-            gemv.unsupported_reason(x, q, scale, kind=kind, k=k, block=block) is None:
-        return quant_gemv(x, q, scale, kind=kind, k=k, block=block, interpret=interpret)
+    decode = decode_kernel(x, q, scale, kind, k, block) if backend == "auto" else None
+    if decode is not None:
+        return decode(x, q, scale, kind=kind, k=k, block=block, interpret=interpret)
     reference = functools.partial(quant_matmul_reference, kind=kind, k=k, block=block)
     kernel = functools.partial(quant_matmul_pallas, kind=kind, k=k, block=block, interpret=interpret)
     reason = unsupported_reason(x, q, scale, kind=kind, k=k, block=block)

@@ -377,11 +377,12 @@ def test_quant_kernel_lowers_for_cuda_at_real_shapes(kind):
             assert f"tensor<{K}x{N}xbf16>" not in exported.mlir_module(), (name, M)
             auto = kernel_calls(export_for(_quant_fn(kind, K, block), *args))
             faster = qmm.xla_is_faster(M, kind, K, block)
-            assert auto == ([] if faster else [f"quant_matmul_{kind}"]), (name, M, faster)
+            mma = qmm.decode_kernel(*args, kind, K, block) is qmm.quant_mma  # int4 at 2 .. 16 rows: tensor cores
+            assert auto == ([] if faster else [f"quant_matmul_{kind}" + "_mma" * mma]), (name, M, faster)
             if not faster:
                 chose_kernel.add(M)
     # the rule's table: the decode kernel at M <= quant_gemv.ROWS_FMA (int8 per channel: 4, so M 5 is XLA's),
-    # the tiled kernel for int4 / fp8 blocks up to 16 rows, XLA above
+    # int4 at M 2 .. 16 the tensor-core decode kernel, the tiled kernel for fp8 blocks up to 16 rows, XLA above
     assert chose_kernel == ({1} if kind == "int8" else {1, 5}), chose_kernel
     args, block = _quant_args(kind, 5, 5120, 17408, jnp.bfloat16)
     on_cpu = export_for(_quant_fn(kind, 5120, block), *args, platform="cpu")
@@ -463,14 +464,16 @@ def test_quant_kernel_compiles_for_sm90(report):
 def test_quantized_27b_speculative_loop_lowers_for_cuda():
     """The speculative loop of a 27B (4 real layers) quantized as load(quant="int4") quantizes it, with an fp8
     KV cache (generate(kv_dtype="float8_e4m3fn")): every quantized matrix of the trunk and the MTP head is read
-    by the quantized-matmul kernel (its packed values are an operand of a kernel call), none exists
+    by a quantized-matmul kernel (its packed values are an operand of a kernel call), none exists
     dequantized, and the windowed draft attention kernel reads the fp8 ring as it is stored."""
     cfg, dtype = _config("Qwen3.5-27B")
     weights = quant.abstract(weight_shapes(cfg, dtype), quant.QuantPolicy("int4"))
     exported = export_spec_decode(cfg, dtype, WINDOWED, GREEDY, batch=1, cache_len=CACHE, cap=CAP, weights=weights,
                                   kv_dtype="float8_e4m3fn")
     calls = kernel_calls(exported)
-    assert calls.count(KERNEL) == 2 and set(calls) == {KERNEL, CAUSAL, "quant_matmul_int4"}, calls
+    # the draft steps (1 row) on the FMA decode kernel, the verify (k + 1 rows) on the tensor-core one
+    assert calls.count(KERNEL) == 2 and set(calls) == {KERNEL, CAUSAL, "quant_matmul_int4", "quant_matmul_int4_mma"}, \
+        calls
     assert calls.count(CAUSAL) == 1  # the verify's attention (every layer's) reads the fp8 trunk cache too
     text = exported.mlir_module()
     ring = WINDOWED.sinks + WINDOWED.window + WINDOWED.k

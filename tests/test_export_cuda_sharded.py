@@ -68,7 +68,7 @@ def check() -> dict:
 
     report = manual_report(exported)
     names = [k.name for k in report.kernels]
-    assert set(names) == {QMM, KERNEL, CAUSAL} and names.count(KERNEL) == 2, names
+    assert set(names) == {QMM, QMM + "_mma", KERNEL, CAUSAL} and names.count(KERNEL) == 2, names
     assert all(k.manual for k in report.kernels), [k.name for k in report.kernels if not k.manual]
     operands = {t for k in report.kernels for t in k.operands}
 
@@ -84,13 +84,18 @@ def check() -> dict:
         kax, nax = plan.spec
         if (kax, nax) == (None, None):
             continue
-        local = f"tensor<{q0 // (mesh.shape[kax] if kax else 1)}x{q1 // (mesh.shape[nax] if nax else 1)}xui8>"
-        assert local in operands and f"tensor<{q0}x{q1}xui8>" not in operands, (w.shape, plan.spec, local)
+        l0, l1 = q0 // (mesh.shape[kax] if kax else 1), q1 // (mesh.shape[nax] if nax else 1)
+        local = (f"tensor<{l0}x{l1}xui8>", f"tensor<{l0}x{l1 // 4}xi32>")  # packed bytes, or them as int32 words
+        whole = (f"tensor<{q0}x{q1}xui8>", f"tensor<{q0}x{q1 // 4}xi32>")
+        assert set(local) & operands and not set(whole) & operands, (w.shape, plan.spec, local)
         checked += 1
     assert checked == len(shapes), (checked, len(shapes))  # at (2, 4) every int4 matrix of the 27B splits
-    # one batch row per data shard (a draft step: 1 row, a verify: k + 1 rows of it)
+    # one batch row per data shard: a draft step's 1 row on the FMA decode kernel (x's rows its first operand's
+    # first dimension), a verify's k + 1 rows on the tensor-core kernel (x padded to one 16-row tile: [2, 16, Kq])
     rows = {int(k.operands[0].split("<")[1].split("x")[0]) for k in report.kernels if k.name == QMM}
-    assert rows == {1, spec.k + 1}, rows
+    assert rows == {1}, rows
+    tiles = {k.operands[0].split("<")[1].split("x")[:2] == ["2", "16"] for k in report.kernels if k.name == QMM + "_mma"}
+    assert tiles == {True} and BATCH // DATA * (spec.k + 1) <= 16, tiles
     # the draft head's fp8 ring: its rows of this data shard and its kv heads of this model shard
     L, kv, hd = spec.sinks + spec.window + spec.k, cfg.num_kv_heads, cfg.head_dim
     ring = f"tensor<{BATCH // DATA}x{L}x{kv // MODEL}x{hd}xf8E4M3FN>"

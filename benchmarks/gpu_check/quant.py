@@ -1,8 +1,9 @@
 """Item 5: the quantized-matmul kernels (int8 per channel, int4 groups, fp8 blocks and per channel) against their XLA
 reference at small shapes and at the real 27B matrices, timed beside XLA dequantize-then-dot, a bf16 dot and qwix,
-with whether backend "auto" picks the faster. At decode rows (M <= 16) each line times the decode kernel
-(kernels_pallas/quant_gemv.py) beside the tiled kernel (quant_matmul.py), and prints every path's GB/s and share
-of HBM for the bytes it reads, and the time 80% of HBM allows for the quantized bytes."""
+with whether backend "auto" picks the faster. At decode rows (M <= 16) each line times the decode kernels
+(kernels_pallas/quant_gemv.py on the FMA units; for int4 with bf16 / f16 x quant_mma.py on the tensor cores)
+beside the tiled kernel (quant_matmul.py), and prints every path's GB/s and share of HBM for the bytes it reads,
+and the time 80% of HBM allows for the quantized bytes."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import numpy as np
 
 from kernels_pallas import quant_gemv as gemv
 from kernels_pallas import quant_matmul as qmm
+from kernels_pallas import quant_mma as mma
 from kernels_pallas.quant_layout import cdiv, padded_k
 
 from .budget import out_of_time
@@ -36,6 +38,7 @@ QUANT_REAL += [(kind, fmt, 512, K, N, "bfloat16") for (K, N) in QUANT_SHAPES.val
 # 1, 5 and 512 only): int4 and fp8 blocks on gate / up and lm_head at 32 .. 256 rows
 QUANT_REAL += [(kind, fmt, M, K, N, "bfloat16") for (K, N) in (QUANT_SHAPES["gate/up"], QUANT_SHAPES["lm_head"])
                for M in (32, 64, 128, 256) for kind, fmt in (("int4", 128), ("fp8", (128, 128)))]
+QUANT_REAL += [("int4", 128, 2, K, N, "bfloat16") for (K, N) in QUANT_SHAPES.values()]  # the FMA kernel's weakest
 QUANT_REAL += [("fp8", "channel", 1, 5120, 17408, "bfloat16"), ("int4", 32, 1, 5120, 17408, "bfloat16"),
                ("int8", "channel", 5, 5120, 17408, "float32"), ("int4", 128, 5, 17408, 5120, "float32")]
 HBM_TARGET = 0.8  # issue 38: decode matmuls at >= 80% of HBM
@@ -130,9 +133,12 @@ def check_quant(cases, interpret, timings):
             gv = None if gemv.unsupported_reason(x, q, scale, kind=kind, k=K, block=block) else jax.jit(
                 lambda x, q, s, kind=kind, K=K, block=block: gemv.quant_gemv_pallas(
                     x, q, s, kind=kind, k=K, block=block, interpret=interpret, rows=4 if interpret else None))
+            tc = None if mma.unsupported_reason(x, q, scale, kind=kind, k=K, block=block) else jax.jit(
+                lambda x, q, s, K=K, block=block: mma.quant_mma_pallas(x, q, s, k=K, block=block, interpret=interpret))
             want = np.asarray(ref(x, q, scale).astype(jnp.float32))
             got = np.asarray(kern(x, q, scale).astype(jnp.float32))
             got_g = None if gv is None else np.asarray(gv(x, q, scale).astype(jnp.float32))
+            got_t = None if tc is None else np.asarray(tc(x, q, scale).astype(jnp.float32))
         except Exception as e:  # noqa: BLE001 - one case that does not compile or run must not hide the others
             print(f"{label}: FAIL {type(e).__name__}: {e}", flush=True)
             failures += 1
@@ -140,7 +146,9 @@ def check_quant(cases, interpret, timings):
         tol = 1e-4 if dt == jnp.float32 else 2e-2  # bf16: the reference rounds each dequantized weight to bf16
         rel = max_rel(got, want)
         rel_g = None if got_g is None else max_rel(got_g, want)
-        ok = rel < tol and np.isfinite(got).all() and (got_g is None or (rel_g < tol and np.isfinite(got_g).all()))
+        rel_t = None if got_t is None else max_rel(got_t, want)
+        ok = rel < tol and np.isfinite(got).all() and all(
+            o is None or (r < tol and np.isfinite(o).all()) for o, r in ((got_g, rel_g), (got_t, rel_t)))
         failures += not ok
         p = qmm.plan(M, K, N, kind, block, dt.itemsize)
         line = (f"{label}: tiled grid ({p.row_tiles},{p.col_tiles},{p.splits}) tile {p.block_m}x{p.block_n} K step "
@@ -149,15 +157,19 @@ def check_quant(cases, interpret, timings):
             pg = gemv.plan(M, K, N, kind, block, rows=4 if interpret else None)
             line += (f"; decode kernel grid ({pg.col_tiles},{pg.splits}) {pg.cols} stored columns x {pg.rows} rows "
                      f"per load, max_rel {rel_g:.1e}")
+        if got_t is not None:
+            pt = mma.plan(M, K, N, block)
+            line += f"; tensor-core decode kernel grid ({pt.col_tiles},{pt.splits}), max_rel {rel_t:.1e}"
         line += " OK" if ok else " FAIL"
         if timings:
-            line += _timings(kind, block, M, K, N, dt, x, q, scale, kern, ref, gv, bw, kind_of_device, bf16_dot, i)
+            line += _timings(kind, block, M, K, N, dt, x, q, scale, kern, ref, gv, tc, bw, kind_of_device, bf16_dot,
+                             i)
         print(line, flush=True)
         del x, q, scale
     return failures
 
 
-def _timings(kind, block, M, K, N, dt, x, q, scale, kern, ref, gv, bw, device, bf16_dot, seed):
+def _timings(kind, block, M, K, N, dt, x, q, scale, kern, ref, gv, tc, bw, device, bf16_dot, seed):
     """The timed part of one case's line: each path's us, GB/s and share of HBM, which backend "auto" picks."""
     nbytes = q.nbytes + scale.nbytes + x.nbytes + M * N * dt.itemsize
     line = f"; {nbytes / 1e6:.1f} MB read"
@@ -170,11 +182,14 @@ def _timings(kind, block, M, K, N, dt, x, q, scale, kern, ref, gv, bw, device, b
             flat = jax.jit(lambda x, q, s: gemv.quant_gemv_pallas(x, q, s, kind=kind, k=K, block=block,
                                                                   prefetch=False))
             times["decode kernel without prefetch"] = time_call(flat, x, q, scale)
+    if tc is not None:
+        times["tensor-core decode kernel"] = time_call(tc, x, q, scale)
     times["tiled kernel"] = time_call(kern, x, q, scale)
     times["XLA dequantize-then-dot"] = time_call(ref, x, q, scale)
     for name, t in times.items():
         line += f"; {name} {1e6 * t:.1f} us ({_rate(nbytes, t, bw, device)})"
-    auto = "decode kernel" if qmm.gemv_rows(M, kind) and gv is not None else (
+    decode = qmm.decode_kernel(x, q, scale, kind, K, block)
+    auto = {qmm.quant_mma: "tensor-core decode kernel", qmm.quant_gemv: "decode kernel"}.get(decode) or (
         "XLA dequantize-then-dot" if qmm.xla_is_faster(M, kind, K, block) else "tiled kernel")
     fastest = min(times, key=times.get)
     line += f"; backend auto picks the {auto}, {'as' if auto == fastest else 'NOT as'} this run measured"

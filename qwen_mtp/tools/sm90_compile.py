@@ -6,7 +6,9 @@ Run as a script, in its own process (`triton`'s LLVM must not share a process wi
 
 Input: a JSON list of {"name", "ir" (Triton IR text), "num_warps", "num_stages"}; output: per kernel
 {"name", "shared" (bytes of shared memory per block), "registers" (per thread), "local" (bytes of local
-memory per thread: register spills), "error"}. It uses the `triton` package's compiler and the cuobjdump it
+memory per thread: register spills), "loops", "error"}; "loops" (when the input has "loops": true) lists each loop
+of the machine code (a backward branch) as {"instructions": n, "opcodes": {opcode: count}}, innermost first:
+the instruction mix per iteration that the kernels' modules quote. It uses the `triton` package's compiler and the cuobjdump it
 ships; XLA compiles the same IR with its own copy of Triton on the GPU, so this is a close proxy, not XLA's
 exact pipeline. qwen_mtp.tools.lowering.compile_sm90 is the caller.
 """
@@ -34,8 +36,30 @@ def _compile(kernel, workdir):
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
     field = lambda key: int(re.search(rf"\b{key}:(\d+)", usage.split("Function", 1)[1]).group(1))
-    return {"name": kernel["name"], "shared": int(compiled.metadata.shared), "registers": field("REG"),
-            "local": field("LOCAL"), "stack": field("STACK"), "error": None}
+    out = {"name": kernel["name"], "shared": int(compiled.metadata.shared), "registers": field("REG"),
+           "local": field("LOCAL"), "stack": field("STACK"), "error": None}
+    if kernel.get("loops"):
+        sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        out["loops"] = loops(sass)
+    return out
+
+
+def loops(sass: str) -> list:
+    """Each backward branch's range of the disassembly, with its instruction count and opcode mix (predicates
+    and modifiers dropped: "@P0 LDG.E.128" counts as LDG), smallest range first."""
+    code = [(int(m.group(1), 16), m.group(2).split()) for m in
+            re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    found = []
+    for addr, words in code:
+        target = re.search(r"0x([0-9a-f]+)", " ".join(words)) if "BRA" in " ".join(words) else None
+        if target and int(target.group(1), 16) < addr:
+            ops = {}
+            for a, w in code:
+                if int(target.group(1), 16) <= a <= addr:
+                    op = next(x for x in w if not x.startswith("@")).split(".")[0]
+                    ops[op] = ops.get(op, 0) + 1
+            found.append({"instructions": sum(ops.values()), "opcodes": dict(sorted(ops.items(), key=lambda kv: -kv[1]))})
+    return sorted(found, key=lambda r: r["instructions"])
 
 
 def main():

@@ -1,0 +1,61 @@
+"""Which kernel runs a quantized matmul at decode and verify rows (M <= 16), and the two decode kernels'
+dispatching functions (each: the kernel in a program lowered for cuda, quant_matmul_reference elsewhere).
+
+    decode_kernel(x, q, scale, kind, k, block) -> quant_mma | quant_gemv | None   (backend "auto"'s choice)
+    quant_mma(x, q, scale, *, kind, k, block, backend="auto")    the tensor-core kernel (quant_mma.py)
+    quant_gemv(x, q, scale, *, kind, k, block, backend="auto")   the FMA-unit kernel (quant_gemv.py)
+
+The rule, from the sm_90 machine code of each kernel's loop (instructions per stored value against the bytes'
+time; estimates until benchmarks/gpu_check --quant-only times them on a GPU): int4 with bf16 / f16 x at 2 .. 16
+rows on the tensor cores (about 3.4 instructions per value at every M: estimated memory bound), else the FMA
+kernel up to its ROWS_FMA (int4 M 1: 93% of HBM; int8 / fp8 see quant_gemv.ROWS_FMA), else None: quant_matmul's
+tiled kernel / XLA rule.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from kernels_pallas import dispatch
+from kernels_pallas import quant_gemv as gemv
+from kernels_pallas import quant_mma as mma
+from kernels_pallas.quant_reference import check_inputs, quant_matmul_reference
+
+
+def gemv_rows(M: int, kind: str) -> bool:
+    """backend "auto" may take the FMA decode kernel (quant_gemv.py) at these rows: M <= gemv.ROWS_FMA[kind]."""
+    return M <= gemv.ROWS_FMA[kind]
+
+
+def decode_kernel(x, q, scale, kind: str, k: int, block):
+    """backend "auto"'s decode kernel for these inputs (its dispatching function below): quant_mma (int4,
+    bf16 / f16 x, M 2 .. 16), quant_gemv (M <= ROWS_FMA), or None (quant_matmul's tiled kernel / XLA rule)."""
+    M = x.shape[0]
+    if M >= mma.MIN_ROWS and mma.unsupported_reason(x, q, scale, kind=kind, k=k, block=block) is None:
+        return quant_mma
+    if gemv_rows(M, kind) and gemv.unsupported_reason(x, q, scale, kind=kind, k=k, block=block) is None:
+        return quant_gemv
+    return None
+
+
+def _run(name, module_kernel, reason_of, x, q, scale, kind, k, block, backend, interpret):
+    block = tuple(int(b) for b in block)
+    check_inputs(x, q, scale, kind, k, block)
+    reference = functools.partial(quant_matmul_reference, kind=kind, k=k, block=block)
+    kernel = functools.partial(module_kernel, kind=kind, k=k, block=block, interpret=interpret)
+    reason = reason_of(x, q, scale, kind=kind, k=k, block=block)
+    return dispatch.run(name, kernel, reference, reason, backend, x, q, scale)
+
+
+def quant_gemv(x, q, scale, *, kind: str, k: int, block, backend: str = "auto", interpret: bool = False):
+    """The FMA decode kernel (quant_gemv.py) on cuda, the reference elsewhere; a shape it does not take (more
+    than 16 rows, N not a multiple of 4, ...) falls back to the reference with a warning."""
+    return _run("quantized matmul (decode kernel)", gemv.quant_gemv_pallas, gemv.unsupported_reason, x, q, scale,
+                kind, k, block, backend, interpret)
+
+
+def quant_mma(x, q, scale, *, kind: str, k: int, block, backend: str = "auto", interpret: bool = False):
+    """The tensor-core decode kernel (quant_mma.py) on cuda, the reference elsewhere; inputs it does not take
+    (not int4, f32 x, more than 16 rows, ...) fall back to the reference with a warning."""
+    return _run("quantized matmul (tensor-core decode kernel)", mma.quant_mma_pallas, mma.unsupported_reason, x, q,
+                scale, kind, k, block, backend, interpret)
