@@ -6,10 +6,10 @@ dispatching functions (each: the kernel in a program lowered for cuda, quant_mat
     quant_gemv(x, q, scale, *, kind, k, block, backend="auto")   the FMA-unit kernel (quant_gemv.py)
 
 The rule, from the sm_90 machine code of each kernel's loop (instructions per stored value against the bytes'
-time; estimates until benchmarks/gpu_check --quant-only times them on a GPU): int4 with bf16 / f16 x at 2 .. 16
-rows on the tensor cores (about 3.4 instructions per value at every M: estimated memory bound), else the FMA
-kernel up to its ROWS_FMA (int4 M 1: 93% of HBM; int8 / fp8 see quant_gemv.ROWS_FMA), else None: quant_matmul's
-tiled kernel / XLA rule.
+time; estimates until benchmarks/gpu_check --quant-only times them on a GPU): on the tensor cores int4 with
+bf16 / f16 x at 2 .. 16 rows and int8 per channel with bf16 x at 4 .. 16 (3.4 and 5.6 instructions per value at
+every M: estimated memory bound), else the FMA kernel up to its ROWS_FMA (int4 M 1: 93% of HBM; int8 memory
+bound up to M 3; fp8 up to M 8), else None: quant_matmul's tiled kernel / XLA rule.
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ def gemv_rows(M: int, kind: str) -> bool:
 
 
 def decode_kernel(x, q, scale, kind: str, k: int, block):
-    """backend "auto"'s decode kernel for these inputs (its dispatching function below): quant_mma (int4,
-    bf16 / f16 x, M 2 .. 16), quant_gemv (M <= ROWS_FMA), or None (quant_matmul's tiled kernel / XLA rule)."""
+    """backend "auto"'s decode kernel for these inputs (its dispatching function below): quant_mma (int4 with
+    bf16 / f16 x at M 2 .. 16, int8 per channel with bf16 x at M 4 .. 16), quant_gemv (M <= ROWS_FMA), or None
+    (quant_matmul's tiled kernel / XLA rule)."""
     M = x.shape[0]
-    if M >= mma.MIN_ROWS and mma.unsupported_reason(x, q, scale, kind=kind, k=k, block=block) is None:
+    if M >= mma.MIN_ROWS.get(kind, mma.ROWS + 1) and \
+            mma.unsupported_reason(x, q, scale, kind=kind, k=k, block=block) is None:
         return quant_mma
     if gemv_rows(M, kind) and gemv.unsupported_reason(x, q, scale, kind=kind, k=k, block=block) is None:
         return quant_gemv

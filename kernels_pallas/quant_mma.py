@@ -1,38 +1,42 @@
-"""int4 matmul at decode and verify rows (M = 2 .. 16) on the tensor cores: x [M, K] (bf16 / f16) @ an int4
-weight in quant_layout's format (groups of g >= 32 rows) -> [M, N].
+"""int4 and int8 matmuls at decode and verify rows (M 2 .. 16) on the tensor cores: x [M, K] (bf16; int4 also
+f16) @ a weight in quant_layout's format (int4 groups of g >= 32 rows, int8 one scale per column) -> [M, N].
 
-    quant_mma_pallas(x, q, scale, *, k, block) -> [M, N]   (reference: quant_matmul_reference)
+    quant_mma_pallas(x, q, scale, *, kind, k, block) -> [M, N]   (reference: quant_matmul_reference)
 
-Why a third kernel. The decode kernel (quant_gemv.py) multiplies on the FMA units: M multiply-adds per weight on
-top of its conversion, so its estimated share of HBM falls with the rows (int4: 93% at M 1, 72% at M 2, 42% at
-M 4), and a k = 3 verify at batch 1 has 4 rows. The tiled kernel (quant_matmul.py) uses the tensor cores, whose
-cost does not depend on M up to 16, but converts each value with I2F (an eighth of the FMA rate): 26% of HBM on
-an H200. This kernel feeds the tensor cores without any conversion instruction:
+Why a third kernel. The FMA decode kernel (quant_gemv.py) multiplies on the FMA units: M multiply-adds per weight
+on top of its conversion, so its estimated share of HBM falls with the rows (int4: 93% at M 1, 72% at M 2, 42% at
+M 4; int8: 89% at M 4, 42% at M 8), and a k = 3 verify at batch 1 has 4 rows. The tiled kernel (quant_matmul.py)
+uses the tensor cores, whose cost does not depend on M up to 16, but converts each value with I2F (an eighth of
+the FMA rate): 26% of HBM for int4 on an H200. This kernel feeds the tensor cores without a conversion:
 
-- a 32-bit word of packed int4 holds 4 columns x 2 nibbles (byte b: column 4c + b, low nibble row j of a group,
-  high nibble row j + g/2). One LOP3 makes two bf16 values out of it at once: ((word >> s) & 0x000F000F) ^
-  0x43084308 puts nibble n (bits s .. s+3 and s+16 .. s+19) under bf16's exponent of 128 with bit 3 flipped,
-  i.e. the bf16 value 128 + (n ^ 8) = 136 + v for the signed value v (the XOR folds the offset to unsigned into
-  the same instruction; f16: 0x64086408, 1024 + (n ^ 8) = 1032 + v). Its low half is column 4c + b', its high
-  half column 4c + b' + 2 (b' = 0, 1): four shifts (s = 0, 4, 8, 12) give all 8 values of a word;
-- the tensor cores multiply x by these exact values (bf16 x bf16 products are exact in the f32 accumulator);
-  the offset comes back once per group, row and column: out += (acc - 136 * sum(x over the group)) * scale;
-  sum(x) is computed by XLA beside the call (a few KB);
-- the rows of x are padded to one 16-row tile in XLA (bf16 [2, 16, Kq]: the low and high halves of each group,
-  as in quant_gemv.rows_of_x), so the loads of x need no mask; the output stores only the M real rows;
-- a CTA of 4 warps covers 32 words (128 columns) of one group's g/2 packed rows per loop step (64 rows at g 128:
-  8 KB), loads the next step's words before the arithmetic on these (a software pipeline of one step in
-  registers), and K is split into parts (f32 partial products summed in XLA) until the grid gives the SMs
-  about PROGRAMS_PER_SM CTAs each, while the partial products stay under MAX_PARTIAL_TRAFFIC of the bytes.
+- a 32-bit word of packed values holds 4 columns (byte b: column 4c + b; int4: low nibble row j of a group, high
+  nibble row j + g/2; int8: one row). One LOP3 makes two bf16 numbers of it at once: ((word >> s) & 0x000F000F)
+  ^ 0x43084308 puts the nibbles at bits s .. s+3 and s+16 .. s+19 under bf16's exponent of 128 with bit 3 flipped:
+  the bf16 number 128 + (n ^ 8) = 136 + v for a signed nibble v (the XOR folds the offset to unsigned into the
+  same instruction; f16: 0x64086408, 1032 + v). Its low half is column 4c + b', its high half 4c + b' + 2
+  (b' = 0, 1): the shifts s = 0, 4, 8, 12 give every nibble of the word;
+- int8 splits each byte into its unsigned low nibble (0x43004300, kept: 128 + l) and its signed high nibble
+  (flipped: 136 + h), v = 16 h + l: the high nibbles multiply 16 x (exact in bf16), the low ones x, so int8 is
+  int4's loop with both nibbles on one row of x;
+- the tensor cores multiply x by these exact numbers (bf16 x bf16 products are exact in the f32 accumulator);
+  the bases come back once per group (int4) or K part (int8), row and column: out += (acc - correction) *
+  scale, the correction (the bases times the sums of x they multiply) computed by XLA beside the call (a few KB);
+- x is padded to one 16-row tile in XLA (x's dtype [2, 16, K']: the rows the low and high nibbles multiply), so
+  its loads need no mask; the output stores only the M real rows;
+- a CTA of 4 warps covers 32 words (128 columns) of 64 stored rows per loop step (8 KB), loads the next step's
+  words before the arithmetic on these (a software pipeline of one step in registers), and K is split into
+  parts (f32 partial products summed in XLA) until the grid gives the SMs about PROGRAMS_PER_SM CTAs each, while
+  the partial products stay under MAX_PARTIAL_TRAFFIC of the bytes.
 
-sm_90 machine code of the loop (tests/test_kernel_quant_mma.py compiles it and counts), M 4, 27B gate/up, bf16:
-per stored value 3.4 lane-instructions (LOP3 0.53, PRMT 0.5 (the pairs of rows the tensor-core operand wants),
-SHF 0.38, shared-memory operand staging STS 0.27 + LDSM 0.19, HMMA 0.25, the per-group epilogue 0.5), 168
-registers, no spill, 12 KB shared; the same code at every M <= 16. Against the bytes' time at 4.8 TB/s (9.6e12
-int4 values/s; an SM issues 4 warp instructions per clock, 33.5e12 lane-instructions/s on 132 SMs at 1.98 GHz)
-that is an estimate of 100% of HBM, not a measurement: benchmarks/gpu_check --quant-only times it beside the
-decode kernel, the tiled kernel, XLA and qwix. The tensor cores then run at about a third of their mma.sync
-rate (16 padded rows x 9.6e12 values/s = 307 TFLOP/s of bf16).
+sm_90 machine code of the loop (tests/test_kernel_quant_mma.py compiles it and counts), 27B gate/up, bf16 x, the
+same code at every M <= 16: per stored value, int4 3.4 lane-instructions (LOP3 0.53, PRMT 0.5 (the pairs of rows
+the tensor-core operand wants), SHF 0.38, the operand's staging in shared memory STS 0.27 + LDSM 0.19, HMMA 0.25,
+the per-group epilogue 0.5), int8 5.6 (the same per word, 4 values a word); 164-178 registers, no spill, 12 KB
+shared. Against the bytes' time at 4.8 TB/s (int4 9.6e12, int8 4.8e12 values/s; an SM issues 4 warp
+instructions per clock: 33.5e12 lane-instructions/s on 132 SMs at 1.98 GHz) both are estimated memory bound
+(int4 with 1.03x headroom, int8 1.25x): estimates, not measurements. benchmarks/gpu_check --quant-only times it
+beside the FMA and tiled kernels, XLA and qwix. The tensor cores then run at about a third of their mma.sync
+rate (16 padded rows x 9.6e12 int4 values/s = 307 TFLOP/s of bf16).
 """
 
 from __future__ import annotations
@@ -49,14 +53,17 @@ from jax.experimental.pallas import triton as plt
 from kernels_pallas.quant_layout import cdiv
 
 ROWS = 16  # one tensor-core tile of rows: M = 1 .. 16
-MIN_ROWS = 2  # backend "auto" runs it at M >= 2 (M 1: the decode kernel, estimated at 93% of HBM)
-# x's dtype -> (the 32-bit LOP3 constant putting two nibbles under the exponent, with bit 3 flipped; the value
-# 0x..08 stands for: 136 = 128 + 8 (bf16), 1032 = 1024 + 8 (f16))
-MAGIC = {jnp.dtype(jnp.bfloat16): (0x43084308, 136.0), jnp.dtype(jnp.float16): (0x64086408, 1032.0)}
+# backend "auto" runs it from these rows (below: the FMA decode kernel, int4 M 1 estimated at 93% of HBM, int8
+# memory bound up to M 3 and 89% at M 4, against this kernel's 100%)
+MIN_ROWS = {"int4": 2, "int8": 4}
+# x's dtype -> the 32-bit LOP3 constants that put two nibbles under the exponent of 128 (bf16) / 1024 (f16),
+# bit 3 flipped (the signed nibble to unsigned) or not, and the value each such nibble stands for beside v
+FLIP = {jnp.dtype(jnp.bfloat16): (0x43084308, 136.0), jnp.dtype(jnp.float16): (0x64086408, 1032.0)}
+KEEP = {jnp.dtype(jnp.bfloat16): (0x43004300, 128.0), jnp.dtype(jnp.float16): (0x64006400, 1024.0)}
 NIBBLES = 0x000F000F
 MIN_GROUP = 32  # half a group is one dot's K: >= 16
 WORDS = 32  # words (4 columns each) per CTA
-MAX_STEP_ROWS = 64  # packed rows per load (a larger half group is loaded in parts)
+MAX_STEP_ROWS = 64  # packed rows per load (a larger half group is loaded in parts; int8: K in steps of 64)
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 6  # 168 registers x 128 threads: 3 CTAs fit an SM; two waves' worth hides the tail
 SMS = 132
@@ -66,14 +73,23 @@ MAX_ELEMENTS = 2 ** 31
 MAX_GRID = 65535
 
 
+def halves(kind: str, dt):
+    """Per nibble position (low, high): (LOP3 constant, base): the value a nibble's bf16 / f16 number is beside
+    its share of the stored value. int4: both nibbles are signed values (flipped, 136 + v); int8 per channel: the
+    low nibble is unsigned (128 + l, kept), the high one signed (136 + h, flipped), v = 16 h + l, so the high
+    nibbles multiply 16 x (exact in bf16)."""
+    dt = jnp.dtype(dt)
+    return (FLIP[dt], FLIP[dt]) if kind == "int4" else (KEEP[dt], FLIP[dt])
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """grid (col_tiles, splits); a program covers WORDS words of every loop step (one load of `rows` packed rows;
-    a group's half is `subs` steps) of `per` groups."""
+    """grid (col_tiles, splits); a program covers WORDS words of `per` steps (int4: a group, scaled at its end;
+    int8: 64 rows of K, scaled once at the end), each `subs` loads of `rows` stored rows."""
     col_tiles: int
     rows: int
     subs: int
-    groups: int
+    steps: int
     per: int
     splits: int
 
@@ -82,91 +98,105 @@ class Plan:
         return self.col_tiles * self.splits
 
 
-def plan(M, K, N, block, *, splits=None) -> Plan:
-    g = block[0]
-    h = g // 2
-    rows = min(h, MAX_STEP_ROWS)
+def plan(M, K, N, block, *, kind="int4", splits=None) -> Plan:
+    step = block[0] // 2 if kind == "int4" else MAX_STEP_ROWS
+    rows = min(step, MAX_STEP_ROWS)
     col_tiles = cdiv(N // 4, WORDS)
-    groups = cdiv(K, g)
+    steps = cdiv(K, block[0]) if kind == "int4" else cdiv(K, step)
     if splits is None:
         want = cdiv(SMS * PROGRAMS_PER_SM, col_tiles)
-        weight_bytes = groups * h * N
+        weight_bytes = steps * step * N
         traffic = int(MAX_PARTIAL_TRAFFIC * weight_bytes // (2 * 4 * M * N))
-        splits = max(1, min(want, groups // MIN_STEPS_PER_SPLIT, traffic))
-    splits = max(1, min(int(splits), groups))
-    per = cdiv(groups, splits)
-    return Plan(col_tiles, rows, h // rows, groups, per, cdiv(groups, per))
+        splits = max(1, min(want, steps // MIN_STEPS_PER_SPLIT, traffic))
+    splits = max(1, min(int(splits), steps))
+    per = cdiv(steps, splits)
+    return Plan(col_tiles, rows, step // rows, steps, per, cdiv(steps, per))
 
 
 def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
     """None if this kernel takes these inputs (the layout already checked), else why not."""
     M, N = x.shape[0], q.shape[1]
     g = block[0]
-    if kind != "int4":
-        return f"{kind}: the tensor-core decode kernel takes int4 only"
-    if jnp.dtype(x.dtype) not in MAGIC:
-        return f"x of dtype {jnp.dtype(x.dtype)}: the tensor-core decode kernel takes bfloat16 / float16"
+    dt = jnp.dtype(x.dtype)
+    if kind not in ("int4", "int8"):
+        return f"{kind}: the tensor-core decode kernel takes int4 and int8"
+    if dt not in FLIP or (kind == "int8" and dt != jnp.bfloat16):
+        return (f"x of dtype {dt}: the tensor-core decode kernel takes bfloat16 / float16 (int8: bfloat16 only, "
+                "its high nibbles multiply 16 x, which float16 could overflow)")
+    if kind == "int8" and tuple(block) != (k, 1):
+        return f"int8 block {tuple(block)}: the tensor-core decode kernel takes one scale per column, ({k}, 1)"
     if not 1 <= M <= ROWS:
         return f"{M} rows: the tensor-core decode kernel takes 1 .. {ROWS}"
     if N == 0 or k == 0:
         return f"an empty matmul ({M} x {k} @ {k} x {N})"
     if N % 4:
-        return f"N = {N} columns: int4 values are read as int32 words of 4 columns, N must be a multiple of 4"
-    if g < MIN_GROUP or (g // 2) % min(g // 2, MAX_STEP_ROWS) or g & (g - 1):
+        return f"N = {N} columns: {kind} values are read as int32 words of 4 columns, N must be a multiple of 4"
+    if kind == "int4" and (g < MIN_GROUP or g & (g - 1)):
         return f"int4 group of {g} rows: the kernel takes a power of two >= {MIN_GROUP}"
-    p = plan(M, k, N, block)
-    if max(q.size, ROWS * 2 * q.shape[0], p.splits * M * N) >= MAX_ELEMENTS:
+    p = plan(M, k, N, block, kind=kind)
+    if max(q.size, ROWS * 2 * p.steps * p.subs * p.rows, p.splits * M * N) >= MAX_ELEMENTS:
         return f"x [{M}, {k}] @ [{k}, {N}]: more than 2^31 elements in one array (the kernel's offsets are int32)"
     if max(p.col_tiles, p.splits) > MAX_GRID:
         return f"{p.col_tiles} column tiles x {p.splits} K parts: a CUDA grid's y and z stop at {MAX_GRID}"
     return None
 
 
-def _kernel(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, *, M, N, h, p, base, dt):
+def _kernel(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, *, kind, M, N, kq, p, dt):
     j, part = pl.program_id(0), pl.program_id(1)
-    R = p.rows
+    R, step = p.rows, p.rows * p.subs
     c0 = j * WORDS
     cidx = c0 + jnp.arange(WORDS, dtype=jnp.int32)
-    nibbles, magic = c_ref[0], c_ref[1]  # loaded, not literals (a LOP3 takes one immediate)
-    last = p.groups * h - R  # the last load's first row (the prefetch past a part's end reads rows it skips)
+    nibbles, magic = c_ref[0], (c_ref[1], c_ref[2])  # loaded, not literals (a LOP3 takes one immediate)
+    last = p.steps * step - R  # the last load's first row (the prefetch past a part's end reads rows it skips)
     c_ragged = (N // 4) % WORDS != 0
+    r_ragged = kq % R != 0  # int8: K not a whole number of loads (rows past K read as 0, x is 0 there)
     col_ok = cidx < N // 4
 
     def load(r0):  # [R, WORDS] int32
         r0 = jnp.minimum(r0, last)
-        if not c_ragged:
+        if not (c_ragged or r_ragged):
             return q_ref[pl.ds(r0, R), pl.ds(c0, WORDS)]
-        return plt.load(q_ref.at[pl.ds(r0, R), pl.ds(c0, WORDS)], mask=col_ok[None, :], other=0)
+        ok = ((r0 + jnp.arange(R, dtype=jnp.int32)) < kq)[:, None] & col_ok[None, :]
+        return plt.load(q_ref.at[pl.ds(r0, R), pl.ds(c0, WORDS)], mask=ok, other=0)
 
-    def group(t, carry):
+    def scales(t):  # [4][1, WORDS] f32: step t's scales (int4) / the column scales (int8) of byte b's columns
+        out = []
+        for b in range(4):
+            cols = cidx * 4 + b
+            out.append(plt.load(s_ref.at[jnp.full((WORDS,), t, jnp.int32), cols], mask=cols < N, other=0)[None, :])
+        return out
+
+    def one_step(t, carry):
         out, wn = carry
-        acc = [jnp.zeros((ROWS, WORDS), jnp.float32) for _ in range(4)]
+        # int4: a group's sums, scaled at its end; int8: one sum over the part, the products added to `out` itself
+        acc = [jnp.zeros((ROWS, WORDS), jnp.float32) for _ in range(4)] if kind == "int4" else list(out)
         for s in range(p.subs):
-            r0 = t * h + s * R
+            r0 = t * step + s * R
             w, wn = wn, load(r0 + R)
-            xv = (x_ref[0, :, pl.ds(r0, R)], x_ref[1, :, pl.ds(r0, R)])  # [16, R]: low / high nibbles' rows of x
+            xv = (x_ref[0, :, pl.ds(r0, R)], x_ref[1, :, pl.ds(r0, R)])  # [16, R]: what the low / high nibbles multiply
             for b in range(2):  # bytes b and b + 2 of each word
                 for half in range(2):
                     sh = 8 * b + 4 * half
                     v = jax.lax.shift_right_logical(w, jnp.int32(sh)) if sh else w
-                    v = jax.lax.bitwise_xor(jax.lax.bitwise_and(v, nibbles), magic)
+                    v = jax.lax.bitwise_xor(jax.lax.bitwise_and(v, nibbles), magic[half])
                     lo = jax.lax.bitcast_convert_type(v.astype(jnp.int16), dt)
                     hi = jax.lax.bitcast_convert_type(jax.lax.shift_right_logical(v, jnp.int32(16)).astype(jnp.int16),
                                                       dt)
                     acc[b] = acc[b] + jnp.dot(xv[half], lo, preferred_element_type=jnp.float32)
                     acc[b + 2] = acc[b + 2] + jnp.dot(xv[half], hi, preferred_element_type=jnp.float32)
-        xs = xs_ref[:, pl.ds(t, 1)]  # [16, 1]: the sum of x over the group
-        res = []
-        for b in range(4):
-            cols = cidx * 4 + b
-            sc = plt.load(s_ref.at[jnp.full((WORDS,), t, jnp.int32), cols], mask=cols < N, other=0)
-            res.append(out[b] + (acc[b] - base * xs) * sc[None, :])
-        return res, wn
+        if kind == "int8":
+            return acc, wn
+        xs = xs_ref[:, pl.ds(t, 1)]  # [16, 1]: the bases times the sums of x over the group
+        sc = scales(t)
+        return [out[b] + (acc[b] - xs) * sc[b] for b in range(4)], wn
 
     out0 = [jnp.zeros((ROWS, WORDS), jnp.float32) for _ in range(4)]
     first = part * p.per
-    n = jnp.minimum(p.per, p.groups - first)
-    out, _ = jax.lax.fori_loop(first, first + n, group, (out0, load(first * h)))
+    n = jnp.minimum(p.per, p.steps - first)
+    out, _ = jax.lax.fori_loop(first, first + n, one_step, (out0, load(first * step)))
+    if kind == "int8":  # the correction over the part's rows, then the column scales
+        xs = xs_ref[:, pl.ds(part, 1)]
+        out = [(o - xs) * sc for o, sc in zip(out, scales(0))]
     rows = jnp.arange(ROWS, dtype=jnp.int32)[:, None] + jnp.zeros((1, WORDS), jnp.int32)
     for b in range(4):
         cols = (cidx * 4 + b)[None, :] + jnp.zeros((ROWS, 1), jnp.int32)  # a scatter: byte b's columns, 4 apart
@@ -177,15 +207,27 @@ def _kernel(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, *, M, N, h, p, base, dt):
             plt.store(o_ref.at[rows, cols], out[b].astype(o_ref.dtype), mask=ok)
 
 
-def rows_of_x(x, g, kq):
-    """x [M, K] -> x's dtype [2, 16, kq]: entry [h, m, r] multiplies packed row r's low (h 0) / high (h 1) nibble;
-    rows past M and K zero. Also f32 [16, groups]: the sum of x over each group (the offset's correction)."""
+def rows_of_x(x, kind, block, p):
+    """x [M, K] -> x's dtype [2, 16, Kx]: entry [h, m, r] multiplies stored row r's low (h 0) / high (h 1)
+    nibble (int4: the two halves of a group; int8: x and 16 x); rows past M and K zero. Also the correction the
+    kernel subtracts, f32: the bases (`halves`) times the sums of x they multiply, per group (int4: [16, steps])
+    or per K part (int8: [16, splits])."""
     M, k = x.shape
-    xp = jnp.pad(x.astype(jnp.float32), ((0, ROWS - M), (0, 2 * kq - k)))
-    xr = xp.reshape(ROWS, -1, 2, g // 2).transpose(2, 0, 1, 3).reshape(2, ROWS, kq)
+    step = p.rows * p.subs
+    xf = x.astype(jnp.float32)
+    if kind == "int4":
+        g = block[0]
+        xp = jnp.pad(xf, ((0, ROWS - M), (0, p.steps * g - k)))
+        xr = xp.reshape(ROWS, -1, 2, g // 2).transpose(2, 0, 1, 3).reshape(2, ROWS, p.steps * step)
+    else:
+        xp = jnp.pad(xf, ((0, ROWS - M), (0, p.steps * step - k)))
+        xr = jnp.stack([xp, 16.0 * xp])
     xr = xr.astype(x.dtype)
-    xs = xr.astype(jnp.float32).reshape(2, ROWS, -1, g // 2).sum(axis=(0, 3))
-    return xr, xs
+    bases = jnp.asarray([b for _, b in halves(kind, x.dtype)], jnp.float32)
+    sums = xr.astype(jnp.float32).reshape(2, ROWS, p.steps, step).sum(axis=3)
+    if kind == "int8":  # per part of `per` steps
+        sums = jnp.pad(sums, ((0, 0), (0, 0), (0, p.splits * p.per - p.steps))).reshape(2, ROWS, p.splits, -1).sum(3)
+    return xr, jnp.einsum("h,hms->ms", bases, sums, precision=jax.lax.Precision.HIGHEST)
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "interpret"))
@@ -194,27 +236,25 @@ def quant_mma_pallas(x, q, scale, *, kind: str = "int4", k: int, block, splits: 
     """The kernel. Inputs must pass quant_matmul.check_inputs and unsupported_reason here."""
     from kernels_pallas.quant_gemv import as_words
 
-    assert kind == "int4", kind
     block = tuple(block)
     M, N = x.shape[0], q.shape[1]
     dt = jnp.dtype(x.dtype)
-    g = block[0]
-    p = plan(M, k, N, block, splits=splits)
-    magic, base = MAGIC[dt]
-    xr, xs = rows_of_x(x, g, q.shape[0])
-    consts = jnp.asarray(np.array([NIBBLES, magic], np.uint32).view(np.int32))
+    p = plan(M, k, N, block, kind=kind, splits=splits)
+    xr, xs = rows_of_x(x, kind, block, p)
+    (m_lo, _), (m_hi, _) = halves(kind, dt)
+    consts = jnp.asarray(np.array([NIBBLES, m_lo, m_hi], np.uint32).view(np.int32))
     words = as_words(q)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, s: (0,) * a.ndim)
     out_shape = jax.ShapeDtypeStruct((p.splits, M, N) if p.splits > 1 else (M, N),
                                      jnp.float32 if p.splits > 1 else dt)
     out = pl.pallas_call(
-        functools.partial(_kernel, M=M, N=N, h=g // 2, p=p, base=base, dt=dt),
+        functools.partial(_kernel, kind=kind, M=M, N=N, kq=q.shape[0], p=p, dt=dt),
         grid=(p.col_tiles, p.splits),
         in_specs=[whole(xr), whole(xs), whole(words), whole(scale), whole(consts)],
         out_specs=whole(out_shape),
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret,
-        name="quant_matmul_int4_mma",
+        name=f"quant_matmul_{kind}_mma",
     )(xr, xs, words, scale.astype(jnp.float32), consts)
     return out.sum(axis=0).astype(dt) if p.splits > 1 else out

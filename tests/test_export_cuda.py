@@ -365,8 +365,9 @@ def test_quant_kernel_lowers_for_cuda_at_real_shapes(kind):
     """27B's gate / up, down and lm_head at M = 1, 5 and 512 with bf16 activations: the kernel (backend
     "pallas") is in the cuda program, and no dequantized weight is: no [K, N] bf16 array exists anywhere in it
     (the reference, lowered for cpu, has one; that is what the check would see if the kernel dequantized through
-    memory). backend "auto" lowers the kernel exactly where it measured faster on an H200 (qmm.xla_is_faster:
-    int4 groups and fp8 blocks at M <= 16) and XLA's dequantize-then-dot elsewhere."""
+    memory). backend "auto" lowers a decode kernel where one takes the rows (qmm.decode_kernel), else the tiled
+    kernel where it measured faster on an H200 (qmm.xla_is_faster: int4 groups and fp8 blocks at M <= 16) and
+    XLA's dequantize-then-dot elsewhere."""
     chose_kernel = set()
     for name, (K, N) in QUANT_REAL.items():
         for M in QUANT_M:
@@ -377,13 +378,15 @@ def test_quant_kernel_lowers_for_cuda_at_real_shapes(kind):
             assert f"tensor<{K}x{N}xbf16>" not in exported.mlir_module(), (name, M)
             auto = kernel_calls(export_for(_quant_fn(kind, K, block), *args))
             faster = qmm.xla_is_faster(M, kind, K, block)
-            mma = qmm.decode_kernel(*args, kind, K, block) is qmm.quant_mma  # int4 at 2 .. 16 rows: tensor cores
-            assert auto == ([] if faster else [f"quant_matmul_{kind}" + "_mma" * mma]), (name, M, faster)
-            if not faster:
+            decode = qmm.decode_kernel(*args, kind, K, block)  # first: a decode kernel where one takes the rows
+            want = ([] if faster else [f"quant_matmul_{kind}"]) if decode is None else \
+                [f"quant_matmul_{kind}" + "_mma" * (decode is qmm.quant_mma)]
+            assert auto == want, (name, M, faster)
+            if auto:
                 chose_kernel.add(M)
-    # the rule's table: the decode kernel at M <= quant_gemv.ROWS_FMA (int8 per channel: 4, so M 5 is XLA's),
-    # int4 at M 2 .. 16 the tensor-core decode kernel, the tiled kernel for fp8 blocks up to 16 rows, XLA above
-    assert chose_kernel == ({1} if kind == "int8" else {1, 5}), chose_kernel
+    # the rule's table: the FMA decode kernel at M 1; at 5 rows the tensor-core decode kernel for int4 and int8,
+    # the FMA one for fp8 (up to 8 rows), the tiled kernel for fp8 blocks up to 16 rows; XLA above
+    assert chose_kernel == {1, 5}, chose_kernel
     args, block = _quant_args(kind, 5, 5120, 17408, jnp.bfloat16)
     on_cpu = export_for(_quant_fn(kind, 5120, block), *args, platform="cpu")
     assert kernel_calls(on_cpu) == [] and "tensor<5120x17408xbf16>" in on_cpu.mlir_module()

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 from kernels_pallas import quant_gemv as gemv
+from kernels_pallas import quant_mma as mma
 from kernels_pallas.quant_matmul import quant_gemv, quant_matmul, quant_matmul_reference
 from qwen_mtp.tools.lowering import export_for, kernel_calls, triton_kernels
 from tests.hf_tiny import rel_err
@@ -141,8 +142,9 @@ def _real_args(kind, M, K, N):
 
 def test_decode_rows_lower_the_decode_kernel_for_cuda_at_real_shapes():
     """backend "auto" in a program lowered for cuda: the decode kernel at M <= ROWS_FMA[kind] for every real
-    matrix and format (its Triton IR reads int32 words / fp8 bytes: no tt.dot, no dequantized matrix; int4 at
-    M >= 2: the tensor-core decode kernel), the tiled kernel or XLA above; lowered for cpu, the reference."""
+    matrix and format (its Triton IR reads int32 words / fp8 bytes: no tt.dot, no dequantized matrix; int4 from
+    2 rows and int8 from 4: the tensor-core decode kernel), the tiled kernel or XLA above; lowered for cpu, the
+    reference."""
     for kind in FORMATS:
         for name, (K, N) in REAL.items():
             for M in sorted({1, gemv.ROWS_FMA[kind]}):
@@ -151,7 +153,7 @@ def test_decode_rows_lower_the_decode_kernel_for_cuda_at_real_shapes():
                 fn = jax.jit(lambda x, q, s, kind=kind, K=K, block=block: quant_matmul(x, q, s, kind=kind, k=K,
                                                                                        block=block))
                 exported = export_for(fn, *args)
-                tensor_cores = kind == "int4" and M >= 2  # int4 at 2 .. 16 rows: quant_mma.py's kernel
+                tensor_cores = M >= mma.MIN_ROWS.get(kind, 17)  # int4 from 2 rows, int8 from 4: quant_mma.py
                 assert kernel_calls(exported) == [f"quant_matmul_{kind}" + "_mma" * tensor_cores], (kind, name, M)
                 assert f"tensor<{K}x{N}xbf16>" not in exported.mlir_module(), (kind, name, M)
                 if M == 1 and name == "lm_head":

@@ -1,12 +1,13 @@
-"""The tensor-core decode kernel for int4 (kernels_pallas/quant_mma.py, interpret mode on CPU) against its XLA
+"""The tensor-core decode kernel for int4 and int8 (kernels_pallas/quant_mma.py, interpret mode on CPU) against its XLA
 reference (quant_matmul_reference) and the float64 oracle of test_kernel_quant_matmul.py; its cuda lowering at
 real shapes; its sm_90 machine code (registers, spills, and the instruction count per stored value that the
 module's estimate rests on).
 
 Cases: groups of 32 (one 16-row load per half group), 128 (64 rows) and 256 (two loads per half group: the
 prefetch crosses a sub-step), K padded to whole groups (the padded nibbles garbage, x zero there), columns
-ragged inside a tile and across two tiles, K in parts with a shorter last part, M 2 .. 16, x in bf16 and f16.
-Every nibble value occurs (random over -8 .. 7): the kernel builds each value from its bits.
+ragged inside a tile and across two tiles, K in parts with a shorter last part, M 2 .. 16, x in bf16 and f16;
+int8 per channel (bf16 x) with K a whole number of loads and not (rows past K masked), in parts. Every nibble
+and byte value occurs (random over the format's range): the kernel builds each value from its bits.
 """
 
 import dataclasses
@@ -26,12 +27,14 @@ from tests.test_kernel_quant_matmul import _inputs, _oracle
 pytest.register_assert_rewrite("kernel_contract")
 from kernel_contract import KernelContract  # noqa: E402
 
-# (group, M, K, N, x dtype, splits)
+# (kind, int4 group | "channel", M, K, N, x dtype, splits)
 CASES = [
-    (32, 2, 150, 24, "bf16", 2),     # K 150 -> 5 groups (padded), parts of 3 and 2; 6 words: a ragged tile
-    (128, 5, 300, 136, "bf16", None),  # 3 groups; 34 words: a full tile and a ragged one
-    (256, 16, 512, 516, "f16", 2),   # two loads per half group; 16 rows; 129 words
-    (64, 3, 192, 128, "f16", 3),
+    ("int4", 32, 2, 150, 24, "bf16", 2),     # K 150 -> 5 groups (padded), parts of 3 and 2; 6 words: a ragged tile
+    ("int4", 128, 5, 300, 136, "bf16", None),  # 3 groups; 34 words: a full tile and a ragged one
+    ("int4", 256, 16, 512, 516, "f16", 2),   # two loads per half group; 16 rows; 129 words
+    ("int4", 64, 3, 192, 128, "f16", 3),
+    ("int8", "channel", 4, 300, 136, "bf16", 2),   # 5 loads of 64 rows, the last past K; parts of 3 and 2
+    ("int8", "channel", 16, 256, 40, "bf16", None),
 ]
 BOUND = {"bf16": 2.0 ** -8, "f16": 2.0 ** -11}  # the output's rounding
 
@@ -42,7 +45,8 @@ class Run:
 
     @property
     def block(self):
-        return (self.case[0], 1)
+        kind, fmt, _, K = self.case[:4]
+        return (K, 1) if fmt == "channel" else (fmt, 1)
 
 
 class TestQuantMmaContract(KernelContract):
@@ -55,24 +59,25 @@ class TestQuantMmaContract(KernelContract):
         return [Run(c) for c in CASES]
 
     def case_id(self, run):
-        g, M, K, N, dt, splits = run.case
-        return f"g{g}-M{M}K{K}N{N}-{dt}-splits{splits}"
+        kind, fmt, M, K, N, dt, splits = run.case
+        return f"{kind}-{fmt}-M{M}K{K}N{N}-{dt}-splits{splits}"
 
     def inputs(self, run):
-        g, M, K, N, dt, _ = run.case
-        return _inputs("int4", g, M, K, N, dt, seed=M + K + N)[:3]
+        kind, fmt, M, K, N, dt, _ = run.case
+        return _inputs(kind, fmt, M, K, N, dt, seed=M + K + N)[:3]
 
     def kernel(self, run, x, q, scale):
-        return mma.quant_mma_pallas(x, q, scale, k=run.case[2], block=run.block, splits=run.case[5], interpret=True)
+        kind, _, _, K, _, _, splits = run.case
+        return mma.quant_mma_pallas(x, q, scale, kind=kind, k=K, block=run.block, splits=splits, interpret=True)
 
     def reference(self, run, x, q, scale):
-        return quant_matmul_reference(x, q, scale, kind="int4", k=run.case[2], block=run.block)
+        return quant_matmul_reference(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block)
 
     def dispatching(self, run, x, q, scale, **kw):
-        return quant_mma(x, q, scale, kind="int4", k=run.case[2], block=run.block, **kw)
+        return quant_mma(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block, **kw)
 
     def reason(self, run, x, q, scale):
-        return mma.unsupported_reason(x, q, scale, kind="int4", k=run.case[2], block=run.block)
+        return mma.unsupported_reason(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block)
 
     def error(self, got, want):
         return rel_err(got, want)[:1]
@@ -81,21 +86,23 @@ class TestQuantMmaContract(KernelContract):
         return (1e-2,)  # the reference rounds each dequantized weight to x's dtype; the oracle bound is tighter
 
     def check_more(self, run, args, got, ref, report):
-        g, M, K, N, dt, splits = run.case
-        p = mma.plan(M, K, N, run.block, splits=splits)
+        kind, fmt, M, K, N, dt, splits = run.case
+        p = mma.plan(M, K, N, run.block, kind=kind, splits=splits)
         if splits is not None:
             assert p.splits == splits, p
-        vs_oracle = rel_err(got, _oracle(*args, "int4", K, run.block))[0]
+        vs_oracle = rel_err(got, _oracle(*args, kind, K, run.block))[0]
         assert vs_oracle < BOUND[dt], (vs_oracle, BOUND[dt])
-        report(f"quant_mma kernel int4 g{g} M{M} K{K} N{N} {dt} grid ({p.col_tiles},{p.splits}), {p.rows} packed "
+        report(f"quant_mma kernel {kind} {fmt} M{M} K{K} N{N} {dt} grid ({p.col_tiles},{p.splits}), {p.rows} stored "
                f"rows per load: max_rel vs float64 {vs_oracle:.1e}")
 
     def unsupported_case(self):
-        return Run((32, 2, 64, 24, "f32", None)), "bfloat16 / float16"
+        return Run(("int4", 32, 2, 64, 24, "f32", None)), "bfloat16 / float16"
 
     def more_unsupported_reasons(self):
         out = []
-        for kind, fmt, M, dt, fragment in (("int8", "channel", 2, "bf16", "int4 only"),
+        for kind, fmt, M, dt, fragment in (("fp8", (16, 16), 2, "bf16", "int4 and int8"),
+                                           ("int8", "channel", 4, "f16", "int8: bfloat16 only"),
+                                           ("int8", "tensor", 4, "bf16", "one scale per column"),
                                            ("int4", 32, 17, "bf16", "17 rows"), ("int4", 16, 2, "bf16", "group of 16")):
             x, q, s, block = _inputs(kind, fmt, M, 64, 24, dt, seed=1)
             out.append((mma.unsupported_reason(x, q, s, kind=kind, k=64, block=block), fragment))
@@ -104,59 +111,71 @@ class TestQuantMmaContract(KernelContract):
         return out
 
     def lowering_case(self):
-        return Run((32, 4, 100, 24, "bf16", None))
+        return Run(("int4", 32, 4, 100, 24, "bf16", None))
 
     def auto(self, run):
-        K, block = run.case[2], run.block
+        K, block = run.case[3], run.block
         return jax.jit(lambda x, q, s: quant_matmul(x, q, s, kind="int4", k=K, block=block))
 
     def custom_call(self, run):
         return "quant_matmul_int4_mma"
 
 
-def test_the_offset_correction_is_what_makes_it_right(monkeypatch):
-    """Control: the kernel reads each value as 136 + v (bf16) and takes 136 x sum(x) off per group; with the
-    correction's constant off by 8 (the offset to unsigned forgotten) the same case is far from the oracle."""
-    g, M, K, N = 32, 2, 64, 24
-    x, q, s, block = _inputs("int4", g, M, K, N, "bf16", seed=7)
-    good = mma.quant_mma_pallas(x, q, s, k=K, block=block, interpret=True)
-    assert rel_err(good, _oracle(x, q, s, "int4", K, block))[0] < BOUND["bf16"]
-    monkeypatch.setitem(mma.MAGIC, jnp.dtype(jnp.bfloat16), (mma.MAGIC[jnp.dtype(jnp.bfloat16)][0], 128.0))
-    bad = mma.quant_mma_pallas(x, q, s, k=K, block=block, splits=2, interpret=True)  # a new trace
-    assert rel_err(bad, _oracle(x, q, s, "int4", K, block))[0] > 0.1
+@pytest.mark.parametrize("kind, fmt, table", [("int4", 32, "FLIP"), ("int8", "channel", "KEEP")])
+def test_the_offset_correction_is_what_makes_it_right(monkeypatch, kind, fmt, table):
+    """Control: the kernel reads each nibble as a base + its value (int4 136 + v; int8's low nibble 128 + l) and
+    takes the bases times the sums of x off; with one base off by 8 the same case is far from the oracle."""
+    M, K, N = 2, 64, 24
+    x, q, s, block = _inputs(kind, fmt, M, K, N, "bf16", seed=7)
+    good = mma.quant_mma_pallas(x, q, s, kind=kind, k=K, block=block, interpret=True)
+    assert rel_err(good, _oracle(x, q, s, kind, K, block))[0] < BOUND["bf16"]
+    bf16 = jnp.dtype(jnp.bfloat16)
+    constant, base = getattr(mma, table)[bf16]
+    monkeypatch.setitem(getattr(mma, table), bf16, (constant, base + 8.0))
+    bad = mma.quant_mma_pallas(x, q, s, kind=kind, k=K, block=block, splits=2, interpret=True)  # a new trace
+    assert rel_err(bad, _oracle(x, q, s, kind, K, block))[0] > 0.1
 
 
 def test_verify_rows_lower_the_tensor_core_kernel_for_cuda_at_real_shapes():
-    """backend "auto" in a program lowered for cuda, int4 groups of 128, bf16 x: M 1 the FMA decode kernel, M 2,
-    4, 9 and 16 this kernel (its custom call, a tt.dot in its Triton IR, no dequantized [K, N] matrix), for the
-    27B matrices and the 35B-A3B expert shapes; f32 x at M 4 not this kernel; lowered for cpu, the reference."""
-    for name, (K, N) in REAL.items():
-        for M in (1, 2, 4, 9, 16):
-            args, block = _real_args("int4", M, K, N)
-            want = "quant_matmul_int4" + ("_mma" if M >= 2 else "")
-            assert (decode_kernel(*args, "int4", K, block) is quant_mma) == (M >= 2), (name, M)
-            fn = jax.jit(lambda x, q, s, K=K, block=block: quant_matmul(x, q, s, kind="int4", k=K, block=block))
-            exported = export_for(fn, *args)
-            assert kernel_calls(exported) == [want], (name, M)
-            assert f"tensor<{K}x{N}xbf16>" not in exported.mlir_module(), (name, M)
-            if M == 4 and name == "gate/up":
-                (kernel,) = triton_kernels(exported)
-                assert "tt.dot" in kernel.ir and kernel.grid[:2] == (mma.plan(M, K, N, block).col_tiles,
-                                                                     mma.plan(M, K, N, block).splits)
-                assert kernel_calls(export_for(fn, *args, platform="cpu")) == []
-    args, block = _real_args("int4", 4, 5120, 17408)
-    args = (args[0].update(dtype=jnp.float32),) + tuple(args[1:])
-    assert decode_kernel(*args, "int4", 5120, block) is not quant_mma
+    """backend "auto" in a program lowered for cuda, bf16 x: int4 (groups of 128) at M 2, 4, 9 and 16 and int8
+    per channel at M 4, 9 and 16 this kernel (its custom call, a tt.dot in its Triton IR, no dequantized [K, N]
+    matrix), below that the FMA decode kernel, for the 27B matrices and the 35B-A3B expert shapes; f32 x not this
+    kernel; lowered for cpu, the reference."""
+    for kind in ("int4", "int8"):
+        for name, (K, N) in REAL.items():
+            for M in (1, 2, 3, 4, 9, 16):
+                args, block = _real_args(kind, M, K, N)
+                tc = M >= mma.MIN_ROWS[kind]
+                assert (decode_kernel(*args, kind, K, block) is quant_mma) == tc, (kind, name, M)
+                if M == 3 and kind == "int4":
+                    continue
+                fn = jax.jit(lambda x, q, s, K=K, block=block, kind=kind: quant_matmul(x, q, s, kind=kind, k=K,
+                                                                                       block=block))
+                exported = export_for(fn, *args)
+                assert kernel_calls(exported) == [f"quant_matmul_{kind}" + "_mma" * tc], (kind, name, M)
+                assert f"tensor<{K}x{N}xbf16>" not in exported.mlir_module(), (kind, name, M)
+                if M == 4 and name == "gate/up":
+                    (kernel,) = triton_kernels(exported)
+                    p = mma.plan(M, K, N, block, kind=kind)
+                    assert "tt.dot" in kernel.ir and kernel.grid[:2] == (p.col_tiles, p.splits), (kind, kernel.grid)
+                    assert kernel_calls(export_for(fn, *args, platform="cpu")) == []
+        args, block = _real_args(kind, 4, 5120, 17408)
+        args = (args[0].update(dtype=jnp.float32),) + tuple(args[1:])
+        assert decode_kernel(*args, kind, 5120, block) is not quant_mma
 
 
-# (label, M, K, N): verify rows on the MLP, 16 rows on the lm_head
-SM90_CASES = [("gate/up M4", 4, 5120, 17408), ("lm_head M16", 16, 5120, 248320)]
-MAX_INSTRUCTIONS_PER_VALUE = 3.6  # the module's estimate (3.4) with a margin for ptxas' scheduling
+# (label, kind, M, K, N): verify rows on the MLP, 16 rows on the lm_head
+SM90_CASES = [("int4 gate/up M4", "int4", 4, 5120, 17408), ("int4 lm_head M16", "int4", 16, 5120, 248320),
+              ("int8 down M4", "int8", 4, 17408, 5120)]
+# the module's estimates (int4 3.4, int8 5.6 per value) with a margin for ptxas' scheduling; HBM's time allows
+# 3.5 (int4) and 7.0 (int8) at 4.8 TB/s
+MAX_INSTRUCTIONS_PER_VALUE = {"int4": 3.6, "int8": 6.0}
+VALUES_PER_WORD = {"int4": 8, "int8": 4}
 
 
 def test_tensor_core_kernel_compiles_for_sm90(report):
     """The kernel's Triton IR at real shapes (bf16 x) compiled to sm_90 machine code: shared memory within a
-    block's 227 KiB, no register spill, and the loop's instructions per stored int4 value (the warps' lane-
+    block's 227 KiB, no register spill, and the loop's instructions per stored value (the warps' lane-
     instructions over the values one iteration reads) within the budget the module's HBM estimate assumes."""
     import importlib.util
 
@@ -168,19 +187,19 @@ def test_tensor_core_kernel_compiles_for_sm90(report):
             pytest.fail(why)
         pytest.skip(why)
     kernels = []
-    for _, M, K, N in SM90_CASES:
-        args, block = _real_args("int4", M, K, N)
-        fn = jax.jit(lambda x, q, s, K=K, block=block: quant_mma(x, q, s, kind="int4", k=K, block=block))
+    for _, kind, M, K, N in SM90_CASES:
+        args, block = _real_args(kind, M, K, N)
+        fn = jax.jit(lambda x, q, s, K=K, block=block, kind=kind: quant_mma(x, q, s, kind=kind, k=K, block=block))
         (kernel,) = triton_kernels(export_for(fn, *args))
         kernels.append(kernel)
-    for (label, M, K, N), kernel, r in zip(SM90_CASES, kernels, compile_sm90(kernels, loops=True)):
+    for (label, kind, M, K, N), kernel, r in zip(SM90_CASES, kernels, compile_sm90(kernels, loops=True)):
         assert r["error"] is None, (label, r["error"])
         assert r["shared"] <= SM90_SHARED_LIMIT and r["stack"] == 0 and r["local"] == 0, (label, r)
-        p = mma.plan(M, K, N, (128, 1))
-        loop = r["loops"][0]  # the innermost: one group's 64 packed rows x 32 words
+        p = mma.plan(M, K, N, _real_args(kind, M, K, N)[1], kind=kind)
+        loop = r["loops"][0]  # the innermost: one step's 64 stored rows x 32 words
         assert loop["opcodes"].get("HMMA", 0) > 0 and loop["opcodes"].get("LDG", 0) > 0, loop  # the real loop
-        per_value = loop["instructions"] * 32 * kernel.num_warps / (p.rows * p.subs * mma.WORDS * 8)
-        assert per_value <= MAX_INSTRUCTIONS_PER_VALUE, (label, per_value, loop)
+        per_value = loop["instructions"] * 32 * kernel.num_warps / (p.rows * p.subs * mma.WORDS * VALUES_PER_WORD[kind])
+        assert per_value <= MAX_INSTRUCTIONS_PER_VALUE[kind], (label, per_value, loop)
         report(f"sm_90 compile, quant_mma {label}: grid {kernel.grid}, {r['registers']} registers, shared "
                f"{r['shared']} B, no spill; loop {loop['instructions']} instructions per warp = {per_value:.2f} "
-               f"per int4 value ({', '.join(f'{k} {v}' for k, v in list(loop['opcodes'].items())[:8])})")
+               f"per {kind} value ({', '.join(f'{k} {v}' for k, v in list(loop['opcodes'].items())[:8])})")

@@ -1,7 +1,7 @@
 """Item 5: the quantized-matmul kernels (int8 per channel, int4 groups, fp8 blocks and per channel) against their XLA
 reference at small shapes and at the real 27B matrices, timed beside XLA dequantize-then-dot, a bf16 dot and qwix,
 with whether backend "auto" picks the faster. At decode rows (M <= 16) each line times the decode kernels
-(kernels_pallas/quant_gemv.py on the FMA units; for int4 with bf16 / f16 x quant_mma.py on the tensor cores)
+(kernels_pallas/quant_gemv.py on the FMA units; for int4 and int8 quant_mma.py on the tensor cores)
 beside the tiled kernel (quant_matmul.py), and prints every path's GB/s and share of HBM for the bytes it reads,
 and the time 80% of HBM allows for the quantized bytes."""
 
@@ -26,7 +26,8 @@ QUANT_SMALL = QUANT_SMOKE + [("int8", "channel", 1, 200, 72, "float32"), ("int4"
                              ("fp8", (128, 128), 2, 300, 136, "float32"),
                              ("int4", 64, 64, 200, 72, "float32"), ("int4", 128, 300, 300, 136, "bfloat16"),
                              ("fp8", "channel", 9, 200, 40, "bfloat16"), ("int8", "channel", 512, 600, 200, "bfloat16"),
-                             ("fp8", (128, 128), 5, 17408, 5120, "float32"), ("int4", 128, 16, 17408, 5120, "bfloat16")]
+                             ("fp8", (128, 128), 5, 17408, 5120, "float32"), ("int4", 128, 16, 17408, 5120, "bfloat16"),
+                             ("int8", "channel", 9, 300, 136, "bfloat16"), ("int4", 256, 3, 1000, 516, "float16")]
 QUANT_SHAPES = {"gate/up": (5120, 17408), "down": (17408, 5120), "lm_head": (5120, 248320)}  # Qwen3.5-27B
 QUANT_FORMATS = (("int4", 128), ("fp8", (128, 128)), ("int8", "channel"))
 DECODE_M = (1, 4, 8, 16)  # decode, and the verify of k + 1 rows
@@ -38,7 +39,7 @@ QUANT_REAL += [(kind, fmt, 512, K, N, "bfloat16") for (K, N) in QUANT_SHAPES.val
 # 1, 5 and 512 only): int4 and fp8 blocks on gate / up and lm_head at 32 .. 256 rows
 QUANT_REAL += [(kind, fmt, M, K, N, "bfloat16") for (K, N) in (QUANT_SHAPES["gate/up"], QUANT_SHAPES["lm_head"])
                for M in (32, 64, 128, 256) for kind, fmt in (("int4", 128), ("fp8", (128, 128)))]
-QUANT_REAL += [("int4", 128, 2, K, N, "bfloat16") for (K, N) in QUANT_SHAPES.values()]  # the FMA kernel's weakest
+QUANT_REAL += [("int4", 128, 2, K, N, "bfloat16") for (K, N) in QUANT_SHAPES.values()]  # FMA vs tensor cores
 QUANT_REAL += [("fp8", "channel", 1, 5120, 17408, "bfloat16"), ("int4", 32, 1, 5120, 17408, "bfloat16"),
                ("int8", "channel", 5, 5120, 17408, "float32"), ("int4", 128, 5, 17408, 5120, "float32")]
 HBM_TARGET = 0.8  # issue 38: decode matmuls at >= 80% of HBM
@@ -134,7 +135,8 @@ def check_quant(cases, interpret, timings):
                 lambda x, q, s, kind=kind, K=K, block=block: gemv.quant_gemv_pallas(
                     x, q, s, kind=kind, k=K, block=block, interpret=interpret, rows=4 if interpret else None))
             tc = None if mma.unsupported_reason(x, q, scale, kind=kind, k=K, block=block) else jax.jit(
-                lambda x, q, s, K=K, block=block: mma.quant_mma_pallas(x, q, s, k=K, block=block, interpret=interpret))
+                lambda x, q, s, kind=kind, K=K, block=block: mma.quant_mma_pallas(x, q, s, kind=kind, k=K, block=block,
+                                                                                  interpret=interpret))
             want = np.asarray(ref(x, q, scale).astype(jnp.float32))
             got = np.asarray(kern(x, q, scale).astype(jnp.float32))
             got_g = None if gv is None else np.asarray(gv(x, q, scale).astype(jnp.float32))
@@ -158,7 +160,7 @@ def check_quant(cases, interpret, timings):
             line += (f"; decode kernel grid ({pg.col_tiles},{pg.splits}) {pg.cols} stored columns x {pg.rows} rows "
                      f"per load, max_rel {rel_g:.1e}")
         if got_t is not None:
-            pt = mma.plan(M, K, N, block)
+            pt = mma.plan(M, K, N, block, kind=kind)
             line += f"; tensor-core decode kernel grid ({pt.col_tiles},{pt.splits}), max_rel {rel_t:.1e}"
         line += " OK" if ok else " FAIL"
         if timings:
