@@ -7,9 +7,9 @@ dispatching functions (each: the kernel in a program lowered for cuda, quant_mat
 
 The rule, from the sm_90 machine code of each kernel's loop (instructions per stored value against the bytes'
 time; estimates until benchmarks/gpu_check --quant-only times them on a GPU): on the tensor cores int4 with
-bf16 / f16 x at 2 .. 16 rows and int8 per channel with bf16 x at 4 .. 16 (3.4 and 5.6 instructions per value at
-every M: estimated memory bound), else the FMA kernel up to its ROWS_FMA (int4 M 1: 93% of HBM; int8 memory
-bound up to M 3; fp8 up to M 8), else None: quant_matmul's tiled kernel / XLA rule.
+bf16 / f16 x at 2 .. 16 rows, int8 per channel with bf16 x and fp8 with bf16 / f16 x at 4 .. 16 (3.4, 5.6 and
+4.5 instructions per value at every M: estimated memory bound), else the FMA kernel up to its ROWS_FMA (int4
+M 1: 93% of HBM; int8 and fp8 memory bound up to M 3), else None: quant_matmul's tiled kernel / XLA rule.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import functools
 from kernels_pallas import dispatch
 from kernels_pallas import quant_gemv as gemv
 from kernels_pallas import quant_mma as mma
+from kernels_pallas import quant_mma_fp8 as mma_fp8
 from kernels_pallas.quant_reference import check_inputs, quant_matmul_reference
 
 
@@ -29,11 +30,10 @@ def gemv_rows(M: int, kind: str) -> bool:
 
 def decode_kernel(x, q, scale, kind: str, k: int, block):
     """backend "auto"'s decode kernel for these inputs (its dispatching function below): quant_mma (int4 with
-    bf16 / f16 x at M 2 .. 16, int8 per channel with bf16 x at M 4 .. 16), quant_gemv (M <= ROWS_FMA), or None
-    (quant_matmul's tiled kernel / XLA rule)."""
+    bf16 / f16 x at M 2 .. 16, int8 per channel with bf16 x and fp8 with bf16 / f16 x at M 4 .. 16), quant_gemv
+    (M <= ROWS_FMA), or None (quant_matmul's tiled kernel / XLA rule)."""
     M = x.shape[0]
-    if M >= mma.MIN_ROWS.get(kind, mma.ROWS + 1) and \
-            mma.unsupported_reason(x, q, scale, kind=kind, k=k, block=block) is None:
+    if M >= mma.MIN_ROWS[kind] and tensor_core_module(kind).unsupported_reason(x, q, scale, kind=kind, k=k, block=block) is None:
         return quant_mma
     if gemv_rows(M, kind) and gemv.unsupported_reason(x, q, scale, kind=kind, k=k, block=block) is None:
         return quant_gemv
@@ -56,8 +56,16 @@ def quant_gemv(x, q, scale, *, kind: str, k: int, block, backend: str = "auto", 
                 kind, k, block, backend, interpret)
 
 
+def tensor_core_module(kind: str):
+    """The tensor-core decode kernel's module for a format (unsupported_reason, plan, its kernel): quant_mma_fp8
+    for fp8, quant_mma for int4 / int8."""
+    return mma_fp8 if kind == "fp8" else mma
+
+
 def quant_mma(x, q, scale, *, kind: str, k: int, block, backend: str = "auto", interpret: bool = False):
-    """The tensor-core decode kernel (quant_mma.py) on cuda, the reference elsewhere; inputs it does not take
-    (not int4, f32 x, more than 16 rows, ...) fall back to the reference with a warning."""
-    return _run("quantized matmul (tensor-core decode kernel)", mma.quant_mma_pallas, mma.unsupported_reason, x, q,
-                scale, kind, k, block, backend, interpret)
+    """The tensor-core decode kernel (quant_mma.py; fp8: quant_mma_fp8.py) on cuda, the reference elsewhere;
+    inputs it does not take (f32 x, more than 16 rows, ...) fall back to the reference with a warning."""
+    module = tensor_core_module(kind)
+    kernel = module.quant_mma_fp8_pallas if kind == "fp8" else module.quant_mma_pallas
+    return _run("quantized matmul (tensor-core decode kernel)", kernel, module.unsupported_reason, x, q, scale, kind,
+                k, block, backend, interpret)

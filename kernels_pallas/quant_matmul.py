@@ -44,9 +44,9 @@ The real Qwen3.5-27B shapes in bf16 (grid rows x columns x K parts):
 tests/test_export_cuda.py lowers the kernel for cuda at these shapes and compiles its Triton IR for sm_90
 (shared memory, registers, spills); benchmarks/gpu_check times it on a GPU.
 
-Decode rows: backend "auto" first asks quant_decode.decode_kernel: quant_mma.py's tensor-core kernel for int4
-with bf16 / f16 x at M 2 .. 16, else quant_gemv.py's FMA kernel at M <= its ROWS_FMA (int4 / int8: 4, fp8: 8),
-where they take the shape; "pallas" always means the tiled kernel of this module. The reference and the input
+Decode rows: backend "auto" first asks quant_decode.decode_kernel: a tensor-core decode kernel (quant_mma.py,
+quant_mma_fp8.py: int4 from 2 rows, int8 and fp8 from 4, up to 16, bf16 / f16 x), else quant_gemv.py's FMA
+kernel at M <= its ROWS_FMA, where they take the shape; "pallas" always means the tiled kernel of this module. The reference and the input
 check live in quant_reference.py (imported here).
 
 Backend choice is kernels_pallas/dispatch.py's rule: the kernel in a program lowered for cuda, the reference

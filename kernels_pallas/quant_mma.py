@@ -53,9 +53,9 @@ from jax.experimental.pallas import triton as plt
 from kernels_pallas.quant_layout import cdiv
 
 ROWS = 16  # one tensor-core tile of rows: M = 1 .. 16
-# backend "auto" runs it from these rows (below: the FMA decode kernel, int4 M 1 estimated at 93% of HBM, int8
-# memory bound up to M 3 and 89% at M 4, against this kernel's 100%)
-MIN_ROWS = {"int4": 2, "int8": 4}
+# backend "auto" runs it (fp8: quant_mma_fp8.py) from these rows; below, the FMA decode kernel (estimated: int4
+# M 1 93% of HBM; int8 memory bound up to M 3, 89% at M 4; fp8 memory bound up to M 4 with less margin)
+MIN_ROWS = {"int4": 2, "int8": 4, "fp8": 4}
 # x's dtype -> the 32-bit LOP3 constants that put two nibbles under the exponent of 128 (bf16) / 1024 (f16),
 # bit 3 flipped (the signed nibble to unsigned) or not, and the value each such nibble stands for beside v
 FLIP = {jnp.dtype(jnp.bfloat16): (0x43084308, 136.0), jnp.dtype(jnp.float16): (0x64086408, 1032.0)}

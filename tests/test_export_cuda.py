@@ -390,11 +390,11 @@ def test_quant_kernel_lowers_for_cuda_at_real_shapes(kind):
     args, block = _quant_args(kind, 5, 5120, 17408, jnp.bfloat16)
     on_cpu = export_for(_quant_fn(kind, 5120, block), *args, platform="cpu")
     assert kernel_calls(on_cpu) == [] and "tensor<5120x17408xbf16>" in on_cpu.mlir_module()
-    if kind == "fp8":  # compressed-tensors' per-channel fp8 too: the kernel takes it; at 5 rows the decode kernel
+    if kind == "fp8":  # compressed-tensors' per-channel fp8 too: the kernel takes it; at 5 rows the tensor-core one
         args, block = _quant_args(kind, 5, 5120, 17408, jnp.bfloat16, fmt="channel")
         assert kernel_calls(export_for(_quant_fn(kind, 5120, block, backend="pallas"), *args)) == ["quant_matmul_fp8"]
         auto = kernel_calls(export_for(_quant_fn(kind, 5120, block), *args))
-        assert auto == (["quant_matmul_fp8"] if qmm.gemv_rows(5, kind) else []), auto
+        assert qmm.decode_kernel(*args, kind, 5120, block) is qmm.quant_mma and auto == ["quant_matmul_fp8_mma"], auto
 
 
 def test_quant_speed_rule_warns_nothing(monkeypatch):

@@ -1,4 +1,5 @@
-"""The tensor-core decode kernel for int4 and int8 (kernels_pallas/quant_mma.py, interpret mode on CPU) against its XLA
+"""The tensor-core decode kernels (kernels_pallas/quant_mma.py for int4 and int8, quant_mma_fp8.py for fp8; interpret
+mode on CPU) against their XLA
 reference (quant_matmul_reference) and the float64 oracle of test_kernel_quant_matmul.py; its cuda lowering at
 real shapes; its sm_90 machine code (registers, spills, and the instruction count per stored value that the
 module's estimate rests on).
@@ -6,8 +7,11 @@ module's estimate rests on).
 Cases: groups of 32 (one 16-row load per half group), 128 (64 rows) and 256 (two loads per half group: the
 prefetch crosses a sub-step), K padded to whole groups (the padded nibbles garbage, x zero there), columns
 ragged inside a tile and across two tiles, K in parts with a shorter last part, M 2 .. 16, x in bf16 and f16;
-int8 per channel (bf16 x) with K a whole number of loads and not (rows past K masked), in parts. Every nibble
-and byte value occurs (random over the format's range): the kernel builds each value from its bits.
+int8 per channel (bf16 x) with K a whole number of loads and not (rows past K masked), in parts; fp8 with K
+blocks of 64, 128 and 256 rows (one to four loads; K ending inside a block, or loads past K though K is a
+whole number of loads), column blocks of 32 and 128 cut at N, per channel and per tensor, in bf16 and f16, and
+rows of x far outside f16's range. Every nibble and byte value occurs (random over the format's range, fp8
+subnormals included): the kernels build each value from its bits.
 """
 
 import dataclasses
@@ -18,14 +22,21 @@ import jax.numpy as jnp
 import pytest
 
 from kernels_pallas import quant_mma as mma
-from kernels_pallas.quant_matmul import decode_kernel, quant_matmul, quant_matmul_reference, quant_mma
+from kernels_pallas import quant_mma_fp8 as mma_fp8
+from kernels_pallas.quant_decode import tensor_core_module
+from kernels_pallas.quant_matmul import (
+    decode_kernel,
+    quant_matmul,
+    quant_matmul_reference,
+    quant_mma,
+)
 from qwen_mtp.tools.lowering import export_for, kernel_calls, triton_kernels
 from tests.hf_tiny import rel_err
 from tests.test_kernel_quant_gemv import REAL, _real_args
-from tests.test_kernel_quant_matmul import _inputs, _oracle
+from tests.test_kernel_quant_matmul import _block, _inputs, _oracle
 
 pytest.register_assert_rewrite("kernel_contract")
-from kernel_contract import KernelContract  # noqa: E402
+from kernel_contract import KernelContract
 
 # (kind, int4 group | "channel", M, K, N, x dtype, splits)
 CASES = [
@@ -35,7 +46,23 @@ CASES = [
     ("int4", 64, 3, 192, 128, "f16", 3),
     ("int8", "channel", 4, 300, 136, "bf16", 2),   # 5 loads of 64 rows, the last past K; parts of 3 and 2
     ("int8", "channel", 16, 256, 40, "bf16", None),
+    ("fp8", (128, 128), 4, 300, 200, "bf16", 2),   # K ends inside the third block; two column tiles
+    ("fp8", (64, 32), 5, 320, 136, "bf16", None),  # four scale columns per tile, the last cut at N
+    ("fp8", (256, 128), 3, 320, 40, "f16", None),  # four loads a block; the second block's last loads past K
+    ("fp8", "channel", 16, 256, 136, "bf16", None),
+    ("fp8", "tensor", 6, 200, 24, "f16", 2),
 ]
+
+
+_module = tensor_core_module
+
+
+def _kernel(kind):
+    return mma_fp8.quant_mma_fp8_pallas if kind == "fp8" else mma.quant_mma_pallas
+
+
+def _plan(kind, M, K, N, block, splits=None):
+    return tensor_core_module(kind).plan(M, K, N, block, kind=kind, splits=splits)
 BOUND = {"bf16": 2.0 ** -8, "f16": 2.0 ** -11}  # the output's rounding
 
 
@@ -45,8 +72,8 @@ class Run:
 
     @property
     def block(self):
-        kind, fmt, _, K = self.case[:4]
-        return (K, 1) if fmt == "channel" else (fmt, 1)
+        kind, fmt, _, K, N = self.case[:5]
+        return _block(kind, fmt, K, N)
 
 
 class TestQuantMmaContract(KernelContract):
@@ -68,7 +95,7 @@ class TestQuantMmaContract(KernelContract):
 
     def kernel(self, run, x, q, scale):
         kind, _, _, K, _, _, splits = run.case
-        return mma.quant_mma_pallas(x, q, scale, kind=kind, k=K, block=run.block, splits=splits, interpret=True)
+        return _kernel(kind)(x, q, scale, kind=kind, k=K, block=run.block, splits=splits, interpret=True)
 
     def reference(self, run, x, q, scale):
         return quant_matmul_reference(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block)
@@ -77,7 +104,7 @@ class TestQuantMmaContract(KernelContract):
         return quant_mma(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block, **kw)
 
     def reason(self, run, x, q, scale):
-        return mma.unsupported_reason(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block)
+        return _module(run.case[0]).unsupported_reason(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block)
 
     def error(self, got, want):
         return rel_err(got, want)[:1]
@@ -87,7 +114,7 @@ class TestQuantMmaContract(KernelContract):
 
     def check_more(self, run, args, got, ref, report):
         kind, fmt, M, K, N, dt, splits = run.case
-        p = mma.plan(M, K, N, run.block, kind=kind, splits=splits)
+        p = _plan(kind, M, K, N, run.block, splits)
         if splits is not None:
             assert p.splits == splits, p
         vs_oracle = rel_err(got, _oracle(*args, kind, K, run.block))[0]
@@ -102,10 +129,13 @@ class TestQuantMmaContract(KernelContract):
         out = []
         for kind, fmt, M, dt, fragment in (("fp8", (16, 16), 2, "bf16", "int4 and int8"),
                                            ("int8", "channel", 4, "f16", "int8: bfloat16 only"),
+                                           ("fp8", (24, 16), 4, "bf16", "K blocks of 24"),
+                                           ("fp8", "channel", 4, "f32", "bfloat16 / float16"),
                                            ("int8", "tensor", 4, "bf16", "one scale per column"),
                                            ("int4", 32, 17, "bf16", "17 rows"), ("int4", 16, 2, "bf16", "group of 16")):
             x, q, s, block = _inputs(kind, fmt, M, 64, 24, dt, seed=1)
-            out.append((mma.unsupported_reason(x, q, s, kind=kind, k=64, block=block), fragment))
+            module = mma_fp8 if kind == "fp8" and fragment != "int4 and int8" else mma
+            out.append((module.unsupported_reason(x, q, s, kind=kind, k=64, block=block), fragment))
         x, q, s, block = _inputs("int4", 32, 2, 64, 22, "bf16", seed=1)
         out.append((mma.unsupported_reason(x, q, s, kind="int4", k=64, block=block), "multiple of 4"))
         return out
@@ -136,12 +166,31 @@ def test_the_offset_correction_is_what_makes_it_right(monkeypatch, kind, fmt, ta
     assert rel_err(bad, _oracle(x, q, s, kind, K, block))[0] > 0.1
 
 
+def test_fp8_rows_of_x_outside_f16s_range(monkeypatch):
+    """The fp8 kernel multiplies in f16: rows of x at 1e6 (past f16's 65504), at 1e-6 (f16 subnormals) and of
+    zeros match the float64 oracle at bf16's rounding, each row scaled by its own power of two. Control: with
+    the scaling off (every row's exponent taken as 14) the 1e6 row overflows f16 and fails."""
+    M, K, N, block = 4, 256, 136, (128, 128)
+    x, q, s, _ = _inputs("fp8", block, M, K, N, "bf16", seed=3)
+    x = x * jnp.asarray([[1e6], [1e-6], [0.0], [1.0]], jnp.bfloat16)
+    want = _oracle(x, q, s, "fp8", K, block)
+    for m in range(M):  # the zero row exactly; every other row at bf16's rounding of its own scale
+        got = mma_fp8.quant_mma_fp8_pallas(x, q, s, k=K, block=block, interpret=True)
+        if m == 2:
+            assert float(jnp.abs(got[m].astype(jnp.float32)).max()) == 0.0
+        else:
+            assert rel_err(got[m:m + 1], want[m:m + 1])[0] < BOUND["bf16"], m
+    monkeypatch.setattr(mma_fp8.jnp, "frexp", lambda a: (a, jnp.zeros(a.shape, jnp.int32)))
+    bad = mma_fp8.quant_mma_fp8_pallas(x, q, s, k=K, block=block, splits=2, interpret=True)  # a new trace
+    assert not bool(jnp.isfinite(bad[0].astype(jnp.float32)).all()) or rel_err(bad[:1], want[:1])[0] > 0.1
+
+
 def test_verify_rows_lower_the_tensor_core_kernel_for_cuda_at_real_shapes():
-    """backend "auto" in a program lowered for cuda, bf16 x: int4 (groups of 128) at M 2, 4, 9 and 16 and int8
-    per channel at M 4, 9 and 16 this kernel (its custom call, a tt.dot in its Triton IR, no dequantized [K, N]
-    matrix), below that the FMA decode kernel, for the 27B matrices and the 35B-A3B expert shapes; f32 x not this
-    kernel; lowered for cpu, the reference."""
-    for kind in ("int4", "int8"):
+    """backend "auto" in a program lowered for cuda, bf16 x: int4 (groups of 128) at M 2, 4, 9 and 16, int8 per
+    channel and fp8 (128, 128) blocks at M 4, 9 and 16 a tensor-core kernel (its custom call, a tt.dot in its
+    Triton IR, no dequantized [K, N] matrix), below that the FMA decode kernel, for the 27B matrices and the
+    35B-A3B expert shapes; f32 x not these kernels; lowered for cpu, the reference."""
+    for kind in ("int4", "int8", "fp8"):
         for name, (K, N) in REAL.items():
             for M in (1, 2, 3, 4, 9, 16):
                 args, block = _real_args(kind, M, K, N)
@@ -156,7 +205,7 @@ def test_verify_rows_lower_the_tensor_core_kernel_for_cuda_at_real_shapes():
                 assert f"tensor<{K}x{N}xbf16>" not in exported.mlir_module(), (kind, name, M)
                 if M == 4 and name == "gate/up":
                     (kernel,) = triton_kernels(exported)
-                    p = mma.plan(M, K, N, block, kind=kind)
+                    p = _plan(kind, M, K, N, block)
                     assert "tt.dot" in kernel.ir and kernel.grid[:2] == (p.col_tiles, p.splits), (kind, kernel.grid)
                     assert kernel_calls(export_for(fn, *args, platform="cpu")) == []
         args, block = _real_args(kind, 4, 5120, 17408)
@@ -166,11 +215,11 @@ def test_verify_rows_lower_the_tensor_core_kernel_for_cuda_at_real_shapes():
 
 # (label, kind, M, K, N): verify rows on the MLP, 16 rows on the lm_head
 SM90_CASES = [("int4 gate/up M4", "int4", 4, 5120, 17408), ("int4 lm_head M16", "int4", 16, 5120, 248320),
-              ("int8 down M4", "int8", 4, 17408, 5120)]
+              ("int8 down M4", "int8", 4, 17408, 5120), ("fp8 gate/up M4", "fp8", 4, 5120, 17408)]
 # the module's estimates (int4 3.4, int8 5.6 per value) with a margin for ptxas' scheduling; HBM's time allows
 # 3.5 (int4) and 7.0 (int8) at 4.8 TB/s
-MAX_INSTRUCTIONS_PER_VALUE = {"int4": 3.6, "int8": 6.0}
-VALUES_PER_WORD = {"int4": 8, "int8": 4}
+MAX_INSTRUCTIONS_PER_VALUE = {"int4": 3.6, "int8": 6.0, "fp8": 5.0}
+VALUES_PER_COLUMN = {"int4": 8, "int8": 4, "fp8": 1}  # a stored column of the tile: an int32 word, or an fp8 byte
 
 
 def test_tensor_core_kernel_compiles_for_sm90(report):
@@ -195,10 +244,11 @@ def test_tensor_core_kernel_compiles_for_sm90(report):
     for (label, kind, M, K, N), kernel, r in zip(SM90_CASES, kernels, compile_sm90(kernels, loops=True)):
         assert r["error"] is None, (label, r["error"])
         assert r["shared"] <= SM90_SHARED_LIMIT and r["stack"] == 0 and r["local"] == 0, (label, r)
-        p = mma.plan(M, K, N, _real_args(kind, M, K, N)[1], kind=kind)
-        loop = r["loops"][0]  # the innermost: one step's 64 stored rows x 32 words
+        p = _plan(kind, M, K, N, _real_args(kind, M, K, N)[1])
+        loop = r["loops"][0]  # the innermost: one step's stored rows x 32 words (fp8: 128 bytes)
         assert loop["opcodes"].get("HMMA", 0) > 0 and loop["opcodes"].get("LDG", 0) > 0, loop  # the real loop
-        per_value = loop["instructions"] * 32 * kernel.num_warps / (p.rows * p.subs * mma.WORDS * VALUES_PER_WORD[kind])
+        columns = mma_fp8.COLUMNS if kind == "fp8" else mma.WORDS
+        per_value = loop["instructions"] * 32 * kernel.num_warps / (p.rows * p.subs * columns * VALUES_PER_COLUMN[kind])
         assert per_value <= MAX_INSTRUCTIONS_PER_VALUE[kind], (label, per_value, loop)
         report(f"sm_90 compile, quant_mma {label}: grid {kernel.grid}, {r['registers']} registers, shared "
                f"{r['shared']} B, no spill; loop {loop['instructions']} instructions per warp = {per_value:.2f} "

@@ -1,7 +1,7 @@
 """Item 5: the quantized-matmul kernels (int8 per channel, int4 groups, fp8 blocks and per channel) against their XLA
 reference at small shapes and at the real 27B matrices, timed beside XLA dequantize-then-dot, a bf16 dot and qwix,
 with whether backend "auto" picks the faster. At decode rows (M <= 16) each line times the decode kernels
-(kernels_pallas/quant_gemv.py on the FMA units; for int4 and int8 quant_mma.py on the tensor cores)
+(kernels_pallas/quant_gemv.py on the FMA units; quant_mma.py / quant_mma_fp8.py on the tensor cores)
 beside the tiled kernel (quant_matmul.py), and prints every path's GB/s and share of HBM for the bytes it reads,
 and the time 80% of HBM allows for the quantized bytes."""
 
@@ -11,7 +11,7 @@ import numpy as np
 
 from kernels_pallas import quant_gemv as gemv
 from kernels_pallas import quant_matmul as qmm
-from kernels_pallas import quant_mma as mma
+from kernels_pallas.quant_decode import tensor_core_module
 from kernels_pallas.quant_layout import cdiv, padded_k
 
 from .budget import out_of_time
@@ -134,9 +134,9 @@ def check_quant(cases, interpret, timings):
             gv = None if gemv.unsupported_reason(x, q, scale, kind=kind, k=K, block=block) else jax.jit(
                 lambda x, q, s, kind=kind, K=K, block=block: gemv.quant_gemv_pallas(
                     x, q, s, kind=kind, k=K, block=block, interpret=interpret, rows=4 if interpret else None))
-            tc = None if mma.unsupported_reason(x, q, scale, kind=kind, k=K, block=block) else jax.jit(
-                lambda x, q, s, kind=kind, K=K, block=block: mma.quant_mma_pallas(x, q, s, kind=kind, k=K, block=block,
-                                                                                  interpret=interpret))
+            tc = None if tensor_core_module(kind).unsupported_reason(x, q, scale, kind=kind, k=K, block=block) else \
+                jax.jit(lambda x, q, s, kind=kind, K=K, block=block: qmm.quant_mma(
+                    x, q, s, kind=kind, k=K, block=block, backend="pallas", interpret=interpret))
             want = np.asarray(ref(x, q, scale).astype(jnp.float32))
             got = np.asarray(kern(x, q, scale).astype(jnp.float32))
             got_g = None if gv is None else np.asarray(gv(x, q, scale).astype(jnp.float32))
@@ -160,7 +160,7 @@ def check_quant(cases, interpret, timings):
             line += (f"; decode kernel grid ({pg.col_tiles},{pg.splits}) {pg.cols} stored columns x {pg.rows} rows "
                      f"per load, max_rel {rel_g:.1e}")
         if got_t is not None:
-            pt = mma.plan(M, K, N, block, kind=kind)
+            pt = tensor_core_module(kind).plan(M, K, N, block, kind=kind)
             line += f"; tensor-core decode kernel grid ({pt.col_tiles},{pt.splits}), max_rel {rel_t:.1e}"
         line += " OK" if ok else " FAIL"
         if timings:

@@ -1,0 +1,183 @@
+"""fp8 (e4m3) matmul at decode and verify rows (M 4 .. 16) on the tensor cores: x [M, K] (bf16 / f16) @ an fp8
+weight in quant_layout's format (K blocks with column blocks, as Qwen's (128, 128) checkpoints; or one scale per
+column) -> [M, N]. quant_mma.py's sibling for fp8: the same launch (one 16-row tile, 4 warps, the next step's
+tile loaded before the arithmetic on this one, K in parts), another conversion.
+
+    quant_mma_fp8_pallas(x, q, scale, *, k, block) -> [M, N]   (reference: quant_matmul_reference)
+
+The tensor cores take no fp8 x bf16 product, and converting e4m3 to bf16 costs several instructions per value
+(no paired instruction does it). e4m3 to f16 has one, exact, for two values (F2FP: every e4m3 value, subnormals
+included, is an f16 normal), so the dot runs in f16: x is brought to f16 in XLA, each row scaled by a power of
+two, 2^(14 - e) with e the exponent of the row's largest |x| (frexp), so that its largest entry lies in
+[2^13, 2^14): no entry overflows, and bf16's 8 significant bits are exact in f16's 11 for every entry down to
+2^-24 of the row's largest (2^-38 of it as f16 subnormals); smaller ones change the row's dot product by less
+than 2^-24 of the largest term. The f16 x f16 products are exact in the f32 accumulator; each K block's sum
+is scaled by its f32 scales (per column: once at the end), and the row's power of two comes off at the end
+(exact).
+
+sm_90 machine code of the loop (tests/test_kernel_quant_mma.py), 27B gate/up, (128, 128) blocks, bf16 x, M 4:
+4.5 lane-instructions per value (F2FP 0.5, the operand's staging and byte shuffles PRMT 0.73, LDS 0.6, IMAD
+1.0, HMMA 0.25), 195 registers, no spill, 18 KB shared. HBM's time allows 7.0 per value at 4.8 TB/s (one byte a
+value): estimated memory bound, not measured (the FMA decode kernel: 6.1 at M 4, 13.8 at M 8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kernels_pallas.quant_layout import cdiv
+from kernels_pallas.quant_mma import (
+    MAX_ELEMENTS,
+    MAX_GRID,
+    MAX_PARTIAL_TRAFFIC,
+    MAX_STEP_ROWS,
+    MIN_STEPS_PER_SPLIT,
+    NUM_WARPS,
+    PROGRAMS_PER_SM,
+    ROWS,
+    SMS,
+)
+
+COLUMNS = 128  # fp8 bytes (columns) per CTA: one 128-byte line per row
+MAX_K_BLOCK = 256
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+F16_TOP = 14  # each row of x scaled so that its largest |entry| lies in [2^13, 2^14)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """grid (col_tiles, splits); a program covers COLUMNS columns of `per` steps (a K block, scaled at its end;
+    per channel: 64 rows, scaled once at the end), each `subs` loads of `rows` rows."""
+    col_tiles: int
+    rows: int
+    subs: int
+    steps: int
+    per: int
+    splits: int
+    channel: bool
+
+
+def plan(M, K, N, block, *, kind="fp8", splits=None) -> Plan:  # (quant_mma.plan's signature)
+    channel = block[0] >= K
+    step = MAX_STEP_ROWS if channel else block[0]
+    rows = min(step, MAX_STEP_ROWS)
+    col_tiles = cdiv(N, COLUMNS)
+    steps = cdiv(K, step)
+    if splits is None:
+        want = cdiv(SMS * PROGRAMS_PER_SM, col_tiles)
+        traffic = int(MAX_PARTIAL_TRAFFIC * K * N // (2 * 4 * M * N))
+        splits = max(1, min(want, steps // MIN_STEPS_PER_SPLIT, traffic))
+    splits = max(1, min(int(splits), steps))
+    per = cdiv(steps, splits)
+    return Plan(col_tiles, rows, step // rows, steps, per, cdiv(steps, per), channel)
+
+
+def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
+    """None if this kernel takes these inputs (the layout already checked), else why not."""
+    M, N = x.shape[0], q.shape[1]
+    bk, bn = block
+    if kind != "fp8":
+        return f"{kind}: the fp8 tensor-core decode kernel takes fp8 only"
+    if jnp.dtype(x.dtype) not in DTYPES:
+        return f"x of dtype {jnp.dtype(x.dtype)}: the fp8 tensor-core decode kernel takes bfloat16 / float16"
+    if not 1 <= M <= ROWS:
+        return f"{M} rows: the fp8 tensor-core decode kernel takes 1 .. {ROWS}"
+    if N == 0 or k == 0:
+        return f"an empty matmul ({M} x {k} @ {k} x {N})"
+    if bk < k and (bk & (bk - 1) or not 16 <= bk <= MAX_K_BLOCK):
+        return f"K blocks of {bk} rows: the kernel takes a power of two in [16, {MAX_K_BLOCK}], or one block"
+    if bk >= k and bn != 1 and bn < N:
+        return f"one K block with column blocks of {bn}: the kernel takes per-column or per-tensor scales there"
+    p = plan(M, k, N, block)
+    if max(q.size, ROWS * p.steps * p.subs * p.rows, p.splits * M * N) >= MAX_ELEMENTS:
+        return f"x [{M}, {k}] @ [{k}, {N}]: more than 2^31 elements in one array (the kernel's offsets are int32)"
+    if max(p.col_tiles, p.splits) > MAX_GRID:
+        return f"{p.col_tiles} column tiles x {p.splits} K parts: a CUDA grid's y and z stop at {MAX_GRID}"
+    return None
+
+
+def _kernel(x_ref, xe_ref, q_ref, s_ref, o_ref, *, M, K, N, bn, p):
+    j, part = pl.program_id(0), pl.program_id(1)
+    R, step = p.rows, p.rows * p.subs
+    c0 = j * COLUMNS
+    cidx = c0 + jnp.arange(COLUMNS, dtype=jnp.int32)
+    col_ok = cidx < N
+    last = p.steps * step - R  # the last load's first row (the prefetch past a part's end reads rows it skips)
+    ragged = p.steps * step != K or N % COLUMNS != 0  # loads past K's last row, or a tile past N
+
+    def load(r0):  # [R, COLUMNS] fp8; rows past K and columns past N read as 0
+        r0 = jnp.minimum(r0, last)
+        if not ragged:
+            return q_ref[pl.ds(r0, R), pl.ds(c0, COLUMNS)]
+        ok = ((r0 + jnp.arange(R, dtype=jnp.int32)) < K)[:, None] & col_ok[None, :]
+        return plt.load(q_ref.at[pl.ds(r0, R), pl.ds(c0, COLUMNS)], mask=ok, other=0.0)
+
+    def scales(t):  # [1, COLUMNS] f32: K block t's scales of these columns
+        if bn >= N:
+            return jnp.full((1, COLUMNS), s_ref[t, 0], jnp.float32)
+        gv = jnp.full((COLUMNS,), t, jnp.int32)
+        return plt.load(s_ref.at[gv, cidx // bn], mask=col_ok, other=0)[None, :]
+
+    def one_step(t, carry):
+        out, wn = carry
+        acc = out if p.channel else jnp.zeros((ROWS, COLUMNS), jnp.float32)
+        for s in range(p.subs):
+            r0 = t * step + s * R
+            w, wn = wn, load(r0 + R)
+            acc = acc + jnp.dot(x_ref[:, pl.ds(r0, R)], w.astype(jnp.float16), preferred_element_type=jnp.float32)
+        return (acc, wn) if p.channel else (out + acc * scales(t), wn)
+
+    first = part * p.per
+    n = jnp.minimum(p.per, p.steps - first)
+    out, _ = jax.lax.fori_loop(first, first + n, one_step,
+                               (jnp.zeros((ROWS, COLUMNS), jnp.float32), load(first * step)))
+    if p.channel:
+        out = out * scales(jnp.int32(0))
+    out = out * xe_ref[...]  # [16, 1]: each row's power of two back
+    ok = (jnp.arange(ROWS, dtype=jnp.int32) < M)[:, None] & col_ok[None, :]
+    if p.splits > 1:
+        plt.store(o_ref.at[part, pl.ds(0, ROWS), pl.ds(c0, COLUMNS)], out, mask=ok)
+    else:
+        plt.store(o_ref.at[pl.ds(0, ROWS), pl.ds(c0, COLUMNS)], out.astype(o_ref.dtype), mask=ok)
+
+
+def rows_of_x(x, p):
+    """x [M, K] -> f16 [16, K'] (each row times 2^(14 - e), e the exponent of its largest |entry|; rows past M
+    and columns past K zero) and f32 [16, 1]: 2^(e - 14) per row, what the kernel multiplies its sums by."""
+    M, k = x.shape
+    xf = x.astype(jnp.float32)
+    _, e = jnp.frexp(jnp.max(jnp.abs(xf), axis=1, keepdims=True))
+    xs = jnp.ldexp(xf, F16_TOP - e)
+    xr = jnp.pad(xs, ((0, ROWS - M), (0, p.steps * p.subs * p.rows - k))).astype(jnp.float16)
+    back = jnp.pad(jnp.ldexp(jnp.ones((M, 1), jnp.float32), e - F16_TOP), ((0, ROWS - M), (0, 0)))
+    return xr, back
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "interpret"))
+def quant_mma_fp8_pallas(x, q, scale, *, kind: str = "fp8", k: int, block, splits: int | None = None,
+                         interpret: bool = False):
+    """The kernel. Inputs must pass quant_matmul.check_inputs and unsupported_reason here."""
+    block = tuple(block)
+    M, N = x.shape[0], q.shape[1]
+    p = plan(M, k, N, block, splits=splits)
+    xr, back = rows_of_x(x, p)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, s: (0,) * a.ndim)
+    out_shape = jax.ShapeDtypeStruct((p.splits, M, N) if p.splits > 1 else (M, N),
+                                     jnp.float32 if p.splits > 1 else x.dtype)
+    out = pl.pallas_call(
+        functools.partial(_kernel, M=M, K=k, N=N, bn=block[1], p=p),
+        grid=(p.col_tiles, p.splits),
+        in_specs=[whole(xr), whole(back), whole(q), whole(scale)],
+        out_specs=whole(out_shape),
+        out_shape=out_shape,
+        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        interpret=interpret,
+        name="quant_matmul_fp8_mma",
+    )(xr, back, q, scale.astype(jnp.float32))
+    return out.sum(axis=0).astype(x.dtype) if p.splits > 1 else out
