@@ -185,18 +185,26 @@ def test_fp8_rows_of_x_outside_f16s_range(monkeypatch):
     assert not bool(jnp.isfinite(bad[0].astype(jnp.float32)).all()) or rel_err(bad[:1], want[:1])[0] > 0.1
 
 
+# beside the 27B matrices and 35B-A3B's experts: 122B-A10B's and 397B-A17B's shared experts (hidden 3072 / 4096,
+# intermediate 1024), dense matrices of their verify
+REAL_MMA = {**REAL, "122B shared gate/up": (3072, 1024), "122B shared down": (1024, 3072),
+            "397B shared gate/up": (4096, 1024), "397B shared down": (1024, 4096)}
+
+
 def test_verify_rows_lower_the_tensor_core_kernel_for_cuda_at_real_shapes():
-    """backend "auto" in a program lowered for cuda, bf16 x: int4 (groups of 128) at M 2, 4, 9 and 16, int8 per
-    channel and fp8 (128, 128) blocks at M 4, 9 and 16 a tensor-core kernel (its custom call, a tt.dot in its
-    Triton IR, no dequantized [K, N] matrix), below that the FMA decode kernel, for the 27B matrices and the
-    35B-A3B expert shapes; f32 x not these kernels; lowered for cpu, the reference."""
+    """backend "auto", bf16 x: int4 (groups of 128) from 2 rows, int8 per channel and fp8 (128, 128) blocks from
+    4, up to 16, a tensor-core kernel (decode_kernel at M 1, 2, 3, 4, 9, 16; lowered for cuda at M 1 and 16, and
+    4 on gate / up: its custom call, a tt.dot in its Triton IR, no dequantized [K, N] matrix), below that the FMA
+    decode kernel, for the 27B matrices, the
+    35B-A3B expert shapes and the 122B-A10B / 397B-A17B shared experts; f32 x not these kernels; lowered for
+    cpu, the reference."""
     for kind in ("int4", "int8", "fp8"):
-        for name, (K, N) in REAL.items():
+        for name, (K, N) in REAL_MMA.items():
             for M in (1, 2, 3, 4, 9, 16):
                 args, block = _real_args(kind, M, K, N)
                 tc = M >= mma.MIN_ROWS[kind]
                 assert (decode_kernel(*args, kind, K, block) is quant_mma) == tc, (kind, name, M)
-                if M == 3 and kind == "int4":
+                if M not in (1, 16) and not (M == 4 and name == "gate/up"):  # the rule alone (compiles cost)
                     continue
                 fn = jax.jit(lambda x, q, s, K=K, block=block, kind=kind: quant_matmul(x, q, s, kind=kind, k=K,
                                                                                        block=block))
