@@ -33,7 +33,8 @@ def decode_kernel(x, q, scale, kind: str, k: int, block):
     bf16 / f16 x at M 2 .. 16, int8 per channel with bf16 x and fp8 with bf16 / f16 x at M 4 .. 16), quant_gemv
     (M <= ROWS_FMA), or None (quant_matmul's tiled kernel / XLA rule)."""
     M = x.shape[0]
-    if M >= mma.MIN_ROWS[kind] and tensor_core_module(kind).unsupported_reason(x, q, scale, kind=kind, k=k, block=block) is None:
+    tensor_cores = tensor_core_module(kind).unsupported_reason(x, q, scale, kind=kind, k=k, block=block) is None
+    if M >= mma.MIN_ROWS[kind] and tensor_cores:
         return quant_mma
     if gemv_rows(M, kind) and gemv.unsupported_reason(x, q, scale, kind=kind, k=k, block=block) is None:
         return quant_gemv

@@ -1,5 +1,6 @@
-"""int4 and int8 matmuls at decode and verify rows (M 2 .. 16) on the tensor cores: x [M, K] (bf16; int4 also
-f16) @ a weight in quant_layout's format (int4 groups of g >= 32 rows, int8 one scale per column) -> [M, N].
+"""int4 and int8 matmuls at decode and verify rows (M <= 16; backend "auto" from MIN_ROWS) on the tensor cores:
+x [M, K] (bf16; int4 also f16) @ a weight in quant_layout's format (int4 groups of g >= 32 rows, int8 one scale
+per column) -> [M, N].
 
     quant_mma_pallas(x, q, scale, *, kind, k, block) -> [M, N]   (reference: quant_matmul_reference)
 
@@ -35,8 +36,9 @@ the per-group epilogue 0.5), int8 5.6 (the same per word, 4 values a word); 164-
 shared. Against the bytes' time at 4.8 TB/s (int4 9.6e12, int8 4.8e12 values/s; an SM issues 4 warp
 instructions per clock: 33.5e12 lane-instructions/s on 132 SMs at 1.98 GHz) both are estimated memory bound
 (int4 with 1.03x headroom, int8 1.25x): estimates, not measurements. benchmarks/gpu_check --quant-only times it
-beside the FMA and tiled kernels, XLA and qwix. The tensor cores then run at about a third of their mma.sync
-rate (16 padded rows x 9.6e12 int4 values/s = 307 TFLOP/s of bf16).
+beside the FMA and tiled kernels, XLA and qwix. The tensor cores then run 16 padded rows x 9.6e12 int4 values/s
+= 307 TFLOP/s of bf16: under a third of an H200's dense bf16 peak (989 TFLOP/s, reached through wgmma; the
+mma.sync that Triton emits for a 16-row tile reaches less, how much less is for the GPU run to show).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The quantized matmul's XLA reference and its input check, shared by the three kernels (quant_matmul.py's tiled
-kernel, quant_gemv.py's FMA decode kernel, quant_mma.py's tensor-core decode kernel) and their dispatchers.
+"""The quantized matmul's XLA reference and its input check, shared by its kernels (quant_matmul.py's tiled kernel,
+quant_gemv.py's FMA decode kernel, quant_mma.py's and quant_mma_fp8.py's tensor-core decode kernels) and their
+dispatchers.
 
     quant_matmul_reference(x, q, scale, *, kind, k, block) -> [M, N] in x's dtype
     check_inputs(x, q, scale, kind, k, block)               ValueError naming what is wrong

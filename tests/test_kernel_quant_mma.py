@@ -261,3 +261,20 @@ def test_tensor_core_kernel_compiles_for_sm90(report):
         report(f"sm_90 compile, quant_mma {label}: grid {kernel.grid}, {r['registers']} registers, shared "
                f"{r['shared']} B, no spill; loop {loop['instructions']} instructions per warp = {per_value:.2f} "
                f"per {kind} value ({', '.join(f'{k} {v}' for k, v in list(loop['opcodes'].items())[:8])})")
+
+
+def test_sm90_loop_count_reads_the_backward_branch():
+    """The loop counter under the estimate (qwen_mtp/tools/sm90_compile.loops) on a made-up disassembly: the body
+    from the branch target to the backward branch, predicates and modifiers dropped; a forward branch is no loop."""
+    from qwen_mtp.tools.sm90_compile import loops
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/              @P0  BRA 0x60 ;
+        /*0020*/                   LDG.E.128 R4, desc[UR6][R2.64] ;
+        /*0030*/                   LOP3.LUT R5, R4, 0xf000f, RZ, 0xc0, !PT ;
+        /*0040*/                   HMMA.16816.F32.BF16 R8, R12, R14, R8 ;
+        /*0050*/              @!P1 BRA 0x20 ;
+        /*0060*/                   EXIT ;
+    """
+    assert loops(sass) == [{"instructions": 4, "opcodes": {"LDG": 1, "LOP3": 1, "HMMA": 1, "BRA": 1}}]

@@ -250,7 +250,7 @@ def triton_kernels(exported) -> list:
 def compile_sm90(kernels, timeout: float = 900, loops: bool = False) -> list:
     """Compile TritonKernels to sm_90 machine code with the `triton` package, in a subprocess
     (qwen_mtp/tools/sm90_compile.py). Returns per kernel {"name", "shared", "registers", "local", "stack", "error"}
-    and, with loops=True, "loops": each loop's instruction count and opcode mix (innermost first)."""
+    and, with loops=True, "loops": each loop's instruction count and opcode mix (the smallest first)."""
     payload = json.dumps([dict(name=k.name, ir=k.ir, num_warps=k.num_warps, num_stages=k.num_stages, loops=loops)
                           for k in kernels])
     worker = Path(__file__).with_name("sm90_compile.py")

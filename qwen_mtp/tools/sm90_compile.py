@@ -6,10 +6,10 @@ Run as a script, in its own process (`triton`'s LLVM must not share a process wi
 
 Input: a JSON list of {"name", "ir" (Triton IR text), "num_warps", "num_stages"}; output: per kernel
 {"name", "shared" (bytes of shared memory per block), "registers" (per thread), "local" (bytes of local
-memory per thread: register spills), "loops", "error"}; "loops" (when the input has "loops": true) lists each loop
-of the machine code (a backward branch) as {"instructions": n, "opcodes": {opcode: count}}, innermost first:
-the instruction mix per iteration that the kernels' modules quote. It uses the `triton` package's compiler and the cuobjdump it
-ships; XLA compiles the same IR with its own copy of Triton on the GPU, so this is a close proxy, not XLA's
+memory per thread: register spills), "loops", "error"}; "loops" (when the input has "loops": true) lists each
+loop of the machine code (a backward branch) as {"instructions": n, "opcodes": {opcode: count}}, the smallest
+first (where loops nest, the innermost): the instruction mix per iteration that the kernels' modules quote. It
+uses the `triton` package's compiler and the cuobjdump it ships; XLA compiles the same IR with its own copy of Triton on the GPU, so this is a close proxy, not XLA's
 exact pipeline. qwen_mtp.tools.lowering.compile_sm90 is the caller.
 """
 
