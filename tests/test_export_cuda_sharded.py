@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from subprocess_json import run_json
 
 if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -112,11 +113,7 @@ def check() -> dict:
 
 
 def test_spec_loop_exports_sharded_for_cuda(report):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600,
-                       check=False, cwd=Path(__file__).resolve().parents[1])
-    assert r.returncode == 0, r.stderr[-6000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = run_json(__file__)
     report(f"sharded cuda export, int4 27B 2 layers on (data=2, model=4): {out}")
 
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from subprocess_json import run_json
 
 if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
@@ -127,11 +128,7 @@ def check() -> dict:
 
 
 def test_sharded_moe_decode_equals_unsharded(report):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600,
-                       check=False, cwd=Path(__file__).resolve().parents[1])
-    assert r.returncode == 0, r.stderr[-6000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = run_json(__file__)
     report(f"routed MoE block on (data=2, model=2) == one device, per-format max_rel and the cuda export: {out}")
 
 

@@ -11,22 +11,18 @@ is imported; tests/sharded_load_worker.py), for the shipped bf16 model and a tin
     the numerics those of tests/test_sharding.py, which runs sharded models end to end.)
 """
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from subprocess_json import run_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_sharded_load_reads_slices_into_the_shardings(ckpt, tmp_path, report):
     moe = ckpt("moe_mtp")[1]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "sharded_load_worker.py"),
-                          str(ROOT / "checkpoints" / "qwen3_5_small"), str(moe), str(tmp_path)],
-                         capture_output=True, text=True, env=env, timeout=600, check=False)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
-    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    figures = run_json(ROOT / "tests" / "sharded_load_worker.py", ROOT / "checkpoints" / "qwen3_5_small", moe, tmp_path,
+                       env=env)
     report("sharded load (8 virtual CPU devices): " + ", ".join(f"{k} {v}" for k, v in figures.items()))
