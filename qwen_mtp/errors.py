@@ -86,3 +86,11 @@ class EngineStoppedError(QwenMTPError, RuntimeError):
 def is_python_int(x) -> bool:
     """A Python int and not a bool: what a static (hashable, compile-time) integer argument must be."""
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_integer(x) -> bool:
+    """A Python or numpy integer and not a bool: what a run-time integer value (a seed, a token id, a size read
+    from an array) may be."""
+    import numpy as np
+
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)

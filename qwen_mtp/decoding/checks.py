@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from qwen_mtp.errors import ArgumentError
+from qwen_mtp.errors import ArgumentError, is_integer
 from qwen_mtp.trunk.config import ModelConfig
 
 
@@ -63,12 +63,8 @@ def single_prompt(ids, cfg):
     return rows
 
 
-def is_int(x):
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 def check_positive_int(name, value):
-    if not is_int(value) or value < 1:
+    if not is_integer(value) or value < 1:
         raise ArgumentError(name, "an integer >= 1", repr(value))
     return int(value)
 
@@ -80,7 +76,7 @@ def check_chunk(prefill_chunk):
 def eos_ids(cfg: ModelConfig, eos_token_id):
     if eos_token_id is None:
         return cfg.eos_token_ids
-    if is_int(eos_token_id):
+    if is_integer(eos_token_id):
         ids = (eos_token_id,)
     elif isinstance(eos_token_id, (list, tuple, np.ndarray)):
         ids = tuple(eos_token_id)
@@ -88,6 +84,6 @@ def eos_ids(cfg: ModelConfig, eos_token_id):
         raise ArgumentError("eos_token_id", f"a token id in [0, {cfg.vocab_size}) or a list of such ids",
                             repr(eos_token_id))
     for e in ids:
-        if not is_int(e) or not 0 <= e < cfg.vocab_size:
+        if not is_integer(e) or not 0 <= e < cfg.vocab_size:
             raise ArgumentError("eos_token_id", f"token ids in [0, {cfg.vocab_size})", repr(e))
     return tuple(int(e) for e in ids)

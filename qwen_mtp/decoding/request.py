@@ -9,10 +9,10 @@ import dataclasses
 import numpy as np
 
 from qwen_mtp.decoding import memory, penalty
-from qwen_mtp.decoding.checks import as_rows, check_chunk, check_ids, check_positive_int, eos_ids, is_int
+from qwen_mtp.decoding.checks import as_rows, check_chunk, check_ids, check_positive_int, eos_ids
 from qwen_mtp.decoding.sampling import Sampling
 from qwen_mtp.decoding.speculative import SpecConfig
-from qwen_mtp.errors import ArgumentError
+from qwen_mtp.errors import ArgumentError, is_integer
 from qwen_mtp.head.mtp import require_mtp
 from qwen_mtp.trunk.state import resolve_kv_dtype
 
@@ -58,7 +58,7 @@ def make_request(model, prompt_ids, max_new_tokens, spec, temperature, top_k, to
     prefill_chunk = check_chunk(prefill_chunk)
     kv_dtype = resolve_kv_dtype(kv_dtype, model.weights.embed.dtype)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
-    if not is_int(seed):
+    if not is_integer(seed):
         raise ArgumentError("seed", "an integer", repr(seed))
     if spec is not None:
         if not isinstance(spec, SpecConfig):

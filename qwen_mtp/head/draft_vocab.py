@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from qwen_mtp.errors import ArgumentError
+from qwen_mtp.errors import ArgumentError, is_integer
 from qwen_mtp.trunk.ops import logits
 from qwen_mtp.trunk.quant import QuantArray
 
@@ -51,10 +51,6 @@ class DraftVocab:
 
 
 # ------------------------------------------------------------------------------------------------ token counts
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 def token_counts(corpus_ids, vocab_size: int) -> np.ndarray:
     """int64 [vocab_size]: how often each id occurs in `corpus_ids` (a 1-D array of ids, or a list of such
     sequences, e.g. one per file). Ids outside [0, vocab_size) are an ArgumentError."""
@@ -93,7 +89,7 @@ def load_counts(folder, vocab_size: int) -> np.ndarray:
 def select_ids(counts, size: int, vocab_size: int, eos_ids=()) -> np.ndarray:
     """int32 [size], sorted: every id of `eos_ids`, then the most frequent other ids of `counts` [vocab_size]
     (ties: the lower id first) until `size` ids are taken."""
-    if not _is_int(size) or not 1 <= size <= vocab_size:
+    if not is_integer(size) or not 1 <= size <= vocab_size:
         raise ArgumentError("size", f"an integer in [1, {vocab_size}] (the vocabulary size)", repr(size))
     c = _check_counts(counts, vocab_size)
     eos = np.unique(np.asarray(list(eos_ids), np.int64))
@@ -181,7 +177,7 @@ def build_draft_vocab(model, counts, size: int):
 
 def check_size(size, vocab_size: int) -> None:
     """ArgumentError unless `size` (load's / with_draft_vocab's draft_vocab) is an integer in [1, vocab_size]."""
-    if not _is_int(size) or not 1 <= size <= vocab_size:
+    if not is_integer(size) or not 1 <= size <= vocab_size:
         raise ArgumentError("draft_vocab", f"None or an integer in [1, {vocab_size}] (the vocabulary size)",
                             repr(size))
 
