@@ -7,9 +7,9 @@ dispatching functions (each: the kernel in a program lowered for cuda, quant_mat
 
 The rule, from the sm_90 machine code of each kernel's loop (instructions per stored value against the bytes'
 time; estimates until benchmarks/gpu_check --quant-only times them on a GPU): on the tensor cores int4 with
-bf16 / f16 x at 2 .. 16 rows, int8 per channel with bf16 x and fp8 with bf16 / f16 x at 4 .. 16 (3.4, 5.6 and
-4.5 instructions per value at every M: estimated memory bound), else the FMA kernel up to its ROWS_FMA (int4
-M 1: 93% of HBM; int8 and fp8 memory bound up to M 3), else None: quant_matmul's tiled kernel / XLA rule.
+bf16 / f16 x at 2 .. 16 rows, int8 per channel with bf16 x and fp8 with bf16 / f16 x at 4 .. 16 (3.1, 5.3 and
+4.1 instructions per value at every M: estimated memory bound), else the FMA kernel up to its ROWS_FMA (int4
+M 1: 94% of HBM; int8 and fp8 memory bound up to M 3), else None: quant_matmul's tiled kernel / XLA rule.
 """
 
 from __future__ import annotations

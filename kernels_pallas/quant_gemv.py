@@ -31,7 +31,7 @@ at 26% (int4), 43% (fp8 blocks) and 55% (int8 per channel) of HBM on the 27B lm_
 
 sm_90 machine code of the inner loop (tests/test_kernel_quant_gemv.py compiles it; per stored value, bf16 x):
 int4 M 1: 3.7 instructions (LOP3 1.1, FADD 1, FFMA 1, SHF 0.4), 151 registers, no spill; int8 M 1: 3.9;
-fp8 M 1: 3.2 (F2FP 0.5, HADD2 1, FFMA 1). Not yet timed on a GPU: benchmarks/gpu_check --quant-only times it.
+fp8 M 1: 2.9 (F2FP 0.5, HADD2 1, FFMA 1). Not yet timed on a GPU: benchmarks/gpu_check --quant-only times it.
 
 The FMA path costs M multiply-adds per weight on top of the conversion, so it stays under the bytes' time up
 to a few rows only (ROWS_FMA: an issue-slot budget, module `rows_fma`); quant_matmul dispatches M <= ROWS_FMA to
@@ -60,10 +60,12 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_ROWS = 16  # decode rows: the kernel takes M <= 16
 # backend "auto" (quant_matmul.gemv_rows) runs this kernel up to these rows; above, the tiled kernel / XLA. From
 # the sm_90 machine code of the inner loop (instructions issued per stored value, an SM issuing 4 warp
-# instructions per clock: 33.5e12 lane-instructions/s on 132 SMs at 1.98 GHz) against the bytes' time at 4.8 TB/s:
-#   int4 M 1: 3.8 / value -> 93% of HBM, M 2: 4.9 -> 72%, M 4: 8.3 -> 42% (tiled kernel measured 26%)
-#   int8 M 1: 4.1 -> memory bound, M 4: 7.9 -> 89%, M 8: 16.8 -> 42% (tiled kernel / XLA measured 55%)
-#   fp8  M 1: 3.1 -> memory bound, M 4: 6.1 -> memory bound, M 8: 13.8 -> 51% (tiled kernel measured 43%)
+# instructions per clock: 33.5e12 lane-instructions/s on 132 SMs at 1.98 GHz) against the bytes' time at 4.8 TB/s
+# (27B gate/up, tools/sm90_compile.py with Triton's TTIR passes, 2026-12-05):
+#   int4 M 1: 3.7 / value -> 94% of HBM, M 2: 4.8 -> 73%, M 4: 7.3 -> 48% (tiled kernel measured 26%)
+#   int8 M 1: 3.9 -> memory bound, M 2: 5.1 -> memory bound, M 4: 7.9 -> 89% (tiled kernel / XLA measured 55%)
+#   fp8  M 1: 2.9 -> memory bound, M 4: 6.6 -> memory bound, M 8: 12.6 -> 55% (tiled kernel measured 43%)
+# quant_decode.decode_kernel takes the tensor-core kernels (quant_mma*.py) first from their MIN_ROWS
 ROWS_FMA = {"int4": 4, "int8": 4, "fp8": 8}
 SUB_ROWS = 16  # stored rows per load (per thread: 16 x 16 bytes in flight)
 STEP_ROWS = 16  # per-channel formats: rows per loop step (one load)

@@ -5,8 +5,8 @@ per column) -> [M, N].
     quant_mma_pallas(x, q, scale, *, kind, k, block) -> [M, N]   (reference: quant_matmul_reference)
 
 Why a third kernel. The FMA decode kernel (quant_gemv.py) multiplies on the FMA units: M multiply-adds per weight
-on top of its conversion, so its estimated share of HBM falls with the rows (int4: 93% at M 1, 72% at M 2, 42% at
-M 4; int8: 89% at M 4, 42% at M 8), and a k = 3 verify at batch 1 has 4 rows. The tiled kernel (quant_matmul.py)
+on top of its conversion, so its estimated share of HBM falls with the rows (int4: 94% at M 1, 73% at M 2, 48% at
+M 4; int8: 89% at M 4), and a k = 3 verify at batch 1 has 4 rows. The tiled kernel (quant_matmul.py)
 uses the tensor cores, whose cost does not depend on M up to 16, but converts each value with I2F (an eighth of
 the FMA rate): 26% of HBM for int4 on an H200. This kernel feeds the tensor cores without a conversion:
 
@@ -29,13 +29,14 @@ the FMA rate): 26% of HBM for int4 on an H200. This kernel feeds the tensor core
   parts (f32 partial products summed in XLA) until the grid gives the SMs about PROGRAMS_PER_SM CTAs each, while
   the partial products stay under MAX_PARTIAL_TRAFFIC of the bytes.
 
-sm_90 machine code of the loop (tests/test_kernel_quant_mma.py compiles it and counts), 27B gate/up, bf16 x, the
-same code at every M <= 16: per stored value, int4 3.4 lane-instructions (LOP3 0.53, PRMT 0.5 (the pairs of rows
-the tensor-core operand wants), SHF 0.38, the operand's staging in shared memory STS 0.27 + LDSM 0.19, HMMA 0.25,
-the per-group epilogue 0.5), int8 5.6 (the same per word, 4 values a word); 164-178 registers, no spill, 12 KB
-shared. Against the bytes' time at 4.8 TB/s (int4 9.6e12, int8 4.8e12 values/s; an SM issues 4 warp
-instructions per clock: 33.5e12 lane-instructions/s on 132 SMs at 1.98 GHz) both are estimated memory bound
-(int4 with 1.03x headroom, int8 1.25x): estimates, not measurements. benchmarks/gpu_check --quant-only times it
+sm_90 machine code of the loop (tests/test_kernel_quant_mma.py compiles it, Triton's TTIR passes first, and
+counts), 27B gate/up, bf16 x, the same code at every M <= 16: per stored value, int4 3.1 lane-instructions (LOP3
+0.53, PRMT 0.5 (the pairs of rows the tensor-core operand wants), SHF 0.38, the operand's staging in shared
+memory STS 0.27 + LDSM 0.19, HMMA 0.25 (each dot accumulating into the last), the per-group epilogue 0.25),
+int8 5.3 (the same per word, 4 values a word); 128-174 registers, no spill, 12 KB shared. Against the bytes' time
+at 4.8 TB/s (int4 9.6e12, int8 4.8e12 values/s; an SM issues 4 warp instructions per clock: 33.5e12
+lane-instructions/s on 132 SMs at 1.98 GHz) both are estimated memory bound (int4 with 1.11x headroom, int8
+1.32x): estimates, not measurements. benchmarks/gpu_check --quant-only times it
 beside the FMA and tiled kernels, XLA and qwix. The tensor cores then run 16 padded rows x 9.6e12 int4 values/s
 = 307 TFLOP/s of bf16: under a third of an H200's dense bf16 peak (989 TFLOP/s, reached through wgmma; the
 mma.sync that Triton emits for a 16-row tile reaches less, how much less is for the GPU run to show).
@@ -56,7 +57,8 @@ from kernels_pallas.quant_layout import cdiv
 
 ROWS = 16  # one tensor-core tile of rows: M = 1 .. 16
 # backend "auto" runs it (fp8: quant_mma_fp8.py) from these rows; below, the FMA decode kernel (estimated: int4
-# M 1 93% of HBM; int8 memory bound up to M 3, 89% at M 4; fp8 memory bound up to M 4 with less margin)
+# M 1 94% of HBM, this kernel at M 1 is estimated at 100% too: the GPU run is to choose; int8 memory bound up to
+# M 3, 89% at M 4; fp8 memory bound up to M 4 with less margin)
 MIN_ROWS = {"int4": 2, "int8": 4, "fp8": 4}
 # x's dtype -> the 32-bit LOP3 constants that put two nibbles under the exponent of 128 (bf16) / 1024 (f16),
 # bit 3 flipped (the signed nibble to unsigned) or not, and the value each such nibble stands for beside v

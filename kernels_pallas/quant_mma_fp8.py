@@ -16,9 +16,9 @@ is scaled by its f32 scales (per column: once at the end), and the row's power o
 (exact).
 
 sm_90 machine code of the loop (tests/test_kernel_quant_mma.py), 27B gate/up, (128, 128) blocks, bf16 x, M 4:
-4.5 lane-instructions per value (F2FP 0.5, the operand's staging and byte shuffles PRMT 0.73, LDS 0.6, IMAD
-1.0, HMMA 0.25), 195 registers, no spill, 18 KB shared. HBM's time allows 7.0 per value at 4.8 TB/s (one byte a
-value): estimated memory bound, not measured (the FMA decode kernel: 6.1 at M 4, 13.8 at M 8).
+4.1 lane-instructions per value (F2FP 0.5, the operand's staging and byte shuffles PRMT 0.77, LDS 0.6, IMAD
+0.9, HMMA 0.25), 195 registers, no spill, 18 KB shared. HBM's time allows 7.0 per value at 4.8 TB/s (one byte a
+value): estimated memory bound, not measured (the FMA decode kernel: 6.6 at M 4, 12.6 at M 8).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ def _compile(kernel, workdir):
     path = os.path.join(workdir, re.sub(r"[^\w]", "_", kernel["name"]) + ".ttir")
     with open(path, "w") as f:
         f.write(kernel["ir"])
+    _make_ttir(path)
     compiled = triton.compile(path, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": kernel["num_warps"], "num_stages": kernel["num_stages"]})
     cubin = path[:-5] + ".cubin"
@@ -42,6 +43,25 @@ def _compile(kernel, workdir):
         sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
         out["loops"] = loops(sass)
     return out
+
+
+def _make_ttir(path):
+    """Run Triton's own TTIR passes (make_ttir: canonicalize, combine, CSE, ...) on the IR file in place, as
+    XLA's Triton pipeline does before lowering it: triton.compile takes an IR file as that stage's output and
+    starts after it, so without this a dot's accumulation (dot(a, b, 0) + acc -> dot(a, b, acc)) stays apart."""
+    import triton
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    context = ir.context()
+    ir.load_dialects(context)
+    triton.compiler.compiler.make_backend(GPUTarget("cuda", 90, 32)).load_dialects(context)
+    module = ir.parse_mlir_module(path, context)
+    module.context = context
+    CUDABackend.make_ttir(module, {}, None, 90)
+    with open(path, "w") as f:
+        f.write(str(module))
 
 
 def loops(sass: str) -> list:
