@@ -1,0 +1,108 @@
+"""Where the quantized decode kernels stand by their sm_90 machine code, on a machine without a GPU: each kernel's
+Triton IR at a real shape compiled for sm_90 (qwen_mtp/tools/sm90_compile.py, Triton's TTIR passes first, as
+XLA's pipeline runs them), its loop's instructions per stored value, and the share of HBM that count allows.
+
+    python benchmarks/sm90_estimates.py [--shape 5120x17408] [--rows 1,2,4,8,16] [--formats int4,int8,fp8]
+                                        [--bandwidth 4.8e12]
+
+The model: an SM issues 4 warp instructions per clock (132 SMs at 1.98 GHz on an H100 / H200: 33.5e12 lane-
+instructions/s); a kernel whose loop needs n lane-instructions per stored value is bound by its instructions
+when n exceeds the bytes' time, 33.5e12 / (values per second at the bandwidth), and reads at min(1, budget / n)
+of HBM otherwise. It leaves out latency (bytes in flight), tail waves, the tensor cores' own rate and the
+conversions' lower issue rates (I2F), so it is an upper bound to compare kernels, not a speed: benchmarks/gpu_check
+--quant-only measures them on a GPU, and its lines are what backend "auto" is to follow. The last column is the
+kernel quant_decode.decode_kernel picks at those rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LANE_INSTRUCTIONS_PER_S = 132 * 1.98e9 * 4 * 32
+BYTES_PER_VALUE = {"int4": 0.5, "int8": 1.0, "fp8": 1.0}
+VALUES_PER_COLUMN = {"int4": 8, "int8": 4, "fp8": 1}  # a stored column: an int32 word, or an fp8 byte
+BLOCK = {"int4": (128, 1), "int8": None, "fp8": (128, 128)}
+
+
+def _args(kind, M, K, N):
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_pallas.quant_layout import cdiv, padded_k
+
+    block = BLOCK[kind] or (K, 1)
+    storage = {"int4": jnp.uint8, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kind]
+    kq = padded_k(kind, K, block[0]) // (2 if kind == "int4" else 1)
+    sds = jax.ShapeDtypeStruct
+    return (sds((M, K), jnp.bfloat16), sds((kq, N), storage),
+            sds((cdiv(K, block[0]), cdiv(N, block[1])), jnp.float32)), block
+
+
+def kernels(kind, M, K, N):
+    """[(name, jitted fn, per-iteration stored values of its innermost loop, num_warps-independent)]: the FMA
+    decode kernel and the tensor-core one, where each takes the shape."""
+    import jax
+
+    from kernels_pallas import quant_gemv as gemv
+    from kernels_pallas.quant_decode import tensor_core_module
+
+    args, block = _args(kind, M, K, N)
+    out = []
+    if gemv.unsupported_reason(*args, kind=kind, k=K, block=block) is None:
+        p = gemv.plan(M, K, N, kind, block)
+        fn = jax.jit(lambda x, q, s: gemv.quant_gemv_pallas(x, q, s, kind=kind, k=K, block=block))
+        out.append(("FMA decode kernel", fn, p.rows * p.cols * VALUES_PER_COLUMN[kind]))
+    module = tensor_core_module(kind)
+    if module.unsupported_reason(*args, kind=kind, k=K, block=block) is None:
+        p = module.plan(M, K, N, block, kind=kind)
+        columns = module.COLUMNS if kind == "fp8" else module.WORDS
+        kernel = module.quant_mma_fp8_pallas if kind == "fp8" else module.quant_mma_pallas
+        fn = jax.jit(lambda x, q, s: kernel(x, q, s, kind=kind, k=K, block=block))
+        out.append(("tensor-core decode kernel", fn, p.rows * p.subs * columns * VALUES_PER_COLUMN[kind]))
+    return args, block, out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="5120x17408", help="K x N of the matrix (default: Qwen3.5-27B gate / up)")
+    ap.add_argument("--rows", default="1,2,4,8,16", help="rows of x (decode, verify rows) (default: 1,2,4,8,16)")
+    ap.add_argument("--formats", default="int4,int8,fp8", help="weight formats (default: int4,int8,fp8)")
+    ap.add_argument("--bandwidth", type=float, default=4.8e12, help="HBM bytes/s (default: an H200's 4.8e12)")
+    a = ap.parse_args(argv)
+    from kernels_pallas.quant_decode import decode_kernel, quant_mma
+    from qwen_mtp.tools.lowering import compile_sm90, export_for, triton_kernels
+
+    K, N = (int(v) for v in a.shape.lower().split("x"))
+    rows = [int(r) for r in a.rows.split(",")]
+    cases, triton = [], []
+    for kind in a.formats.split(","):
+        for M in rows:
+            args, block, found = kernels(kind, M, K, N)
+            picks = decode_kernel(*args, kind, K, block)
+            pick = {quant_mma: "tensor-core decode kernel"}.get(picks, "FMA decode kernel" if picks else "tiled / XLA")
+            for name, fn, values in found:
+                (kernel,) = triton_kernels(export_for(fn, *args))
+                cases.append((kind, M, name, values, kernel.num_warps, pick))
+                triton.append(kernel)
+    print(f"K x N {K} x {N}, bf16 x; HBM {a.bandwidth / 1e12:.2f} TB/s; {LANE_INSTRUCTIONS_PER_S:.3g} "
+          "lane-instructions/s")
+    print("| format | rows | kernel | registers | instructions / value | budget | est. share of HBM | auto picks |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (kind, M, name, values, warps, pick), r in zip(cases, compile_sm90(triton, loops=True)):
+        if r["error"]:
+            print(f"| {kind} | {M} | {name} | compile error: {r['error'][-200:]} | | | | |")
+            continue
+        per_value = r["loops"][0]["instructions"] * 32 * warps / values
+        budget = LANE_INSTRUCTIONS_PER_S * BYTES_PER_VALUE[kind] / a.bandwidth
+        spill = "" if r["local"] == 0 else f" ({r['local']} B spilled)"
+        print(f"| {kind} | {M} | {name} | {r['registers']}{spill} | {per_value:.2f} | {budget:.2f} | "
+              f"{min(1.0, budget / per_value):.0%} | {'**' if pick == name else ''}{pick}{'**' if pick == name else ''} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
