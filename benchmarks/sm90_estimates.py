@@ -2,7 +2,7 @@
 Triton IR at a real shape compiled for sm_90 (qwen_mtp/tools/sm90_compile.py, Triton's TTIR passes first, as
 XLA's pipeline runs them), its loop's instructions per stored value, and the share of HBM that count allows.
 
-    python benchmarks/sm90_estimates.py [--shape 5120x17408] [--rows 1,2,4,8,16] [--formats int4,int8,fp8]
+    python benchmarks/sm90_estimates.py [--shape 5120x17408] [--rows 1,2,4,8,16,64] [--formats int4,int8,fp8]
                                         [--bandwidth 4.8e12]
 
 The model: an SM issues 4 warp instructions per clock (132 SMs at 1.98 GHz on an H100 / H200: 33.5e12 lane-
@@ -59,7 +59,7 @@ def kernels(kind, M, K, N):
     module = tensor_core_module(kind)
     if module.unsupported_reason(*args, kind=kind, k=K, block=block) is None:
         p = module.plan(M, K, N, block, kind=kind)
-        columns = module.COLUMNS if kind == "fp8" else module.WORDS
+        columns = module.COLUMNS if kind == "fp8" else p.words
         kernel = module.quant_mma_fp8_pallas if kind == "fp8" else module.quant_mma_pallas
         fn = jax.jit(lambda x, q, s: kernel(x, q, s, kind=kind, k=K, block=block))
         out.append(("tensor-core decode kernel", fn, p.rows * p.subs * columns * VALUES_PER_COLUMN[kind]))
@@ -69,7 +69,8 @@ def kernels(kind, M, K, N):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="5120x17408", help="K x N of the matrix (default: Qwen3.5-27B gate / up)")
-    ap.add_argument("--rows", default="1,2,4,8,16", help="rows of x (decode, verify rows) (default: 1,2,4,8,16)")
+    ap.add_argument("--rows", default="1,2,4,8,16,64",
+                    help="rows of x (decode, verify rows, a batch's verifies) (default: 1,2,4,8,16,64)")
     ap.add_argument("--formats", default="int4,int8,fp8", help="weight formats (default: int4,int8,fp8)")
     ap.add_argument("--bandwidth", type=float, default=4.8e12, help="HBM bytes/s (default: an H200's 4.8e12)")
     a = ap.parse_args(argv)

@@ -8,8 +8,10 @@ dispatching functions (each: the kernel in a program lowered for cuda, quant_mat
 The rule, from the sm_90 machine code of each kernel's loop (instructions per stored value against the bytes'
 time; estimates until benchmarks/gpu_check --quant-only times them on a GPU): on the tensor cores int4 with
 bf16 / f16 x at 2 .. 16 rows, int8 per channel with bf16 x and fp8 with bf16 / f16 x at 4 .. 16 (3.1, 5.3 and
-4.1 instructions per value at every M: estimated memory bound), else the FMA kernel up to its ROWS_FMA (int4
-M 1: 94% of HBM; int8 and fp8 memory bound up to M 3), else None: quant_matmul's tiled kernel / XLA rule.
+4.1 instructions per value at every M: estimated memory bound), and int4 / int8 on to 64 rows (a batch's
+verifies; 5.5 and 6.1: 63% and memory bound, where XLA's dequantize-then-dot measured 4% of HBM for int4 at
+decode rows), else the FMA kernel up to its ROWS_FMA (int4 M 1: 94% of HBM; int8 and fp8 memory bound up to
+M 3), else None: quant_matmul's tiled kernel / XLA rule.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ def gemv_rows(M: int, kind: str) -> bool:
 
 def decode_kernel(x, q, scale, kind: str, k: int, block):
     """backend "auto"'s decode kernel for these inputs (its dispatching function below): quant_mma (int4 with
-    bf16 / f16 x at M 2 .. 16, int8 per channel with bf16 x and fp8 with bf16 / f16 x at M 4 .. 16), quant_gemv
-    (M <= ROWS_FMA), or None (quant_matmul's tiled kernel / XLA rule)."""
+    bf16 / f16 x at M 2 .. 64, int8 per channel with bf16 x at M 4 .. 64, fp8 with bf16 / f16 x at M 4 .. 16),
+    quant_gemv (M <= ROWS_FMA), or None (quant_matmul's tiled kernel / XLA rule)."""
     M = x.shape[0]
     tensor_cores = tensor_core_module(kind).unsupported_reason(x, q, scale, kind=kind, k=k, block=block) is None
     if M >= mma.MIN_ROWS[kind] and tensor_cores:

@@ -1,6 +1,7 @@
-"""int4 and int8 matmuls at decode and verify rows (M <= 16; backend "auto" from MIN_ROWS) on the tensor cores:
+"""int4 and int8 matmuls at decode and verify rows (M <= 64; backend "auto" from MIN_ROWS) on the tensor cores:
 x [M, K] (bf16; int4 also f16) @ a weight in quant_layout's format (int4 groups of g >= 32 rows, int8 one scale
-per column) -> [M, N].
+per column) -> [M, N]. Up to 16 rows one 16-row tile (mma.sync); 17 .. 64 rows (a batch's verifies) one of 64
+(Triton emits warp-group MMA there).
 
     quant_mma_pallas(x, q, scale, *, kind, k, block) -> [M, N]   (reference: quant_matmul_reference)
 
@@ -36,7 +37,9 @@ memory STS 0.27 + LDSM 0.19, HMMA 0.25 (each dot accumulating into the last), th
 int8 5.3 (the same per word, 4 values a word); 128-174 registers, no spill, 12 KB shared. Against the bytes' time
 at 4.8 TB/s (int4 9.6e12, int8 4.8e12 values/s; an SM issues 4 warp instructions per clock: 33.5e12
 lane-instructions/s on 132 SMs at 1.98 GHz) both are estimated memory bound (int4 with 1.11x headroom, int8
-1.32x): estimates, not measurements. benchmarks/gpu_check --quant-only times it
+1.32x): estimates, not measurements. A 64-row tile costs int4 5.5 (63% of HBM) and int8 6.1 (memory bound) per
+value; a 32-row one (mma.sync, 16 words a CTA to stay within the registers) int4 6.6, int8 8.5, so 17 .. 64 rows
+take the 64-row tile. benchmarks/gpu_check --quant-only times it
 beside the FMA and tiled kernels, XLA and qwix. The tensor cores then run 16 padded rows x 9.6e12 int4 values/s
 = 307 TFLOP/s of bf16: under a third of an H200's dense bf16 peak (989 TFLOP/s, reached through wgmma; the
 mma.sync that Triton emits for a 16-row tile reaches less, how much less is for the GPU run to show).
@@ -66,6 +69,7 @@ FLIP = {jnp.dtype(jnp.bfloat16): (0x43084308, 136.0), jnp.dtype(jnp.float16): (0
 KEEP = {jnp.dtype(jnp.bfloat16): (0x43004300, 128.0), jnp.dtype(jnp.float16): (0x64006400, 1024.0)}
 NIBBLES = 0x000F000F
 MIN_GROUP = 32  # half a group is one dot's K: >= 16
+MAX_ROWS = 64  # rows of x: one tile of 16, or (batched verifies, 17 .. 64 rows) one of 64
 WORDS = 32  # words (4 columns each) per CTA
 MAX_STEP_ROWS = 64  # packed rows per load (a larger half group is loaded in parts; int8: K in steps of 64)
 NUM_WARPS = 4
@@ -96,16 +100,20 @@ class Plan:
     steps: int
     per: int
     splits: int
+    tile_m: int = ROWS
+    words: int = WORDS
 
     @property
     def programs(self) -> int:
         return self.col_tiles * self.splits
 
 
-def plan(M, K, N, block, *, kind="int4", splits=None) -> Plan:
+def plan(M, K, N, block, *, kind="int4", splits=None, words=None) -> Plan:
     step = block[0] // 2 if kind == "int4" else MAX_STEP_ROWS
     rows = min(step, MAX_STEP_ROWS)
-    col_tiles = cdiv(N // 4, WORDS)
+    tile_m = ROWS if M <= ROWS else MAX_ROWS  # (module doc: a tile of 64 beats one of 32 in sm_90 code)
+    words = words or WORDS
+    col_tiles = cdiv(N // 4, words)
     steps = cdiv(K, block[0]) if kind == "int4" else cdiv(K, step)
     if splits is None:
         want = cdiv(SMS * PROGRAMS_PER_SM, col_tiles)
@@ -114,7 +122,7 @@ def plan(M, K, N, block, *, kind="int4", splits=None) -> Plan:
         splits = max(1, min(want, steps // MIN_STEPS_PER_SPLIT, traffic))
     splits = max(1, min(int(splits), steps))
     per = cdiv(steps, splits)
-    return Plan(col_tiles, rows, step // rows, steps, per, cdiv(steps, per))
+    return Plan(col_tiles, rows, step // rows, steps, per, cdiv(steps, per), tile_m, words)
 
 
 def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
@@ -129,8 +137,8 @@ def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
                 "its high nibbles multiply 16 x, which float16 could overflow)")
     if kind == "int8" and tuple(block) != (k, 1):
         return f"int8 block {tuple(block)}: the tensor-core decode kernel takes one scale per column, ({k}, 1)"
-    if not 1 <= M <= ROWS:
-        return f"{M} rows: the tensor-core decode kernel takes 1 .. {ROWS}"
+    if not 1 <= M <= MAX_ROWS:
+        return f"{M} rows: the tensor-core decode kernel takes 1 .. {MAX_ROWS}"
     if N == 0 or k == 0:
         return f"an empty matmul ({M} x {k} @ {k} x {N})"
     if N % 4:
@@ -138,7 +146,7 @@ def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
     if kind == "int4" and (g < MIN_GROUP or g & (g - 1)):
         return f"int4 group of {g} rows: the kernel takes a power of two >= {MIN_GROUP}"
     p = plan(M, k, N, block, kind=kind)
-    if max(q.size, ROWS * 2 * p.steps * p.subs * p.rows, p.splits * M * N) >= MAX_ELEMENTS:
+    if max(q.size, p.tile_m * 2 * p.steps * p.subs * p.rows, p.splits * M * N) >= MAX_ELEMENTS:
         return f"x [{M}, {k}] @ [{k}, {N}]: more than 2^31 elements in one array (the kernel's offsets are int32)"
     if max(p.col_tiles, p.splits) > MAX_GRID:
         return f"{p.col_tiles} column tiles x {p.splits} K parts: a CUDA grid's y and z stop at {MAX_GRID}"
@@ -148,32 +156,32 @@ def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
 def _kernel(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, *, kind, M, N, kq, p, dt):
     j, part = pl.program_id(0), pl.program_id(1)
     R, step = p.rows, p.rows * p.subs
-    c0 = j * WORDS
-    cidx = c0 + jnp.arange(WORDS, dtype=jnp.int32)
+    c0 = j * p.words
+    cidx = c0 + jnp.arange(p.words, dtype=jnp.int32)
     nibbles, magic = c_ref[0], (c_ref[1], c_ref[2])  # loaded, not literals (a LOP3 takes one immediate)
     last = p.steps * step - R  # the last load's first row (the prefetch past a part's end reads rows it skips)
-    c_ragged = (N // 4) % WORDS != 0
+    c_ragged = (N // 4) % p.words != 0
     r_ragged = kq % R != 0  # int8: K not a whole number of loads (rows past K read as 0, x is 0 there)
     col_ok = cidx < N // 4
 
-    def load(r0):  # [R, WORDS] int32
+    def load(r0):  # [R, p.words] int32
         r0 = jnp.minimum(r0, last)
         if not (c_ragged or r_ragged):
-            return q_ref[pl.ds(r0, R), pl.ds(c0, WORDS)]
+            return q_ref[pl.ds(r0, R), pl.ds(c0, p.words)]
         ok = ((r0 + jnp.arange(R, dtype=jnp.int32)) < kq)[:, None] & col_ok[None, :]
-        return plt.load(q_ref.at[pl.ds(r0, R), pl.ds(c0, WORDS)], mask=ok, other=0)
+        return plt.load(q_ref.at[pl.ds(r0, R), pl.ds(c0, p.words)], mask=ok, other=0)
 
-    def scales(t):  # [4][1, WORDS] f32: step t's scales (int4) / the column scales (int8) of byte b's columns
+    def scales(t):  # [4][1, p.words] f32: step t's scales (int4) / the column scales (int8) of byte b's columns
         out = []
         for b in range(4):
             cols = cidx * 4 + b
-            out.append(plt.load(s_ref.at[jnp.full((WORDS,), t, jnp.int32), cols], mask=cols < N, other=0)[None, :])
+            out.append(plt.load(s_ref.at[jnp.full((p.words,), t, jnp.int32), cols], mask=cols < N, other=0)[None, :])
         return out
 
     def one_step(t, carry):
         out, wn = carry
         # int4: a group's sums, scaled at its end; int8: one sum over the part, the products added to `out` itself
-        acc = [jnp.zeros((ROWS, WORDS), jnp.float32) for _ in range(4)] if kind == "int4" else list(out)
+        acc = [jnp.zeros((p.tile_m, p.words), jnp.float32) for _ in range(4)] if kind == "int4" else list(out)
         for s in range(p.subs):
             r0 = t * step + s * R
             w, wn = wn, load(r0 + R)
@@ -194,19 +202,19 @@ def _kernel(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, *, kind, M, N, kq, p, dt)
         sc = scales(t)
         return [out[b] + (acc[b] - xs) * sc[b] for b in range(4)], wn
 
-    out0 = [jnp.zeros((ROWS, WORDS), jnp.float32) for _ in range(4)]
+    out0 = [jnp.zeros((p.tile_m, p.words), jnp.float32) for _ in range(4)]
     first = part * p.per
     n = jnp.minimum(p.per, p.steps - first)
     out, _ = jax.lax.fori_loop(first, first + n, one_step, (out0, load(first * step)))
     if kind == "int8":  # the correction over the part's rows, then the column scales
         xs = xs_ref[:, pl.ds(part, 1)]
         out = [(o - xs) * sc for o, sc in zip(out, scales(0))]
-    rows = jnp.arange(ROWS, dtype=jnp.int32)[:, None] + jnp.zeros((1, WORDS), jnp.int32)
+    rows = jnp.arange(p.tile_m, dtype=jnp.int32)[:, None] + jnp.zeros((1, p.words), jnp.int32)
     for b in range(4):
-        cols = (cidx * 4 + b)[None, :] + jnp.zeros((ROWS, 1), jnp.int32)  # a scatter: byte b's columns, 4 apart
+        cols = (cidx * 4 + b)[None, :] + jnp.zeros((p.tile_m, 1), jnp.int32)  # a scatter: byte b's columns, 4 apart
         ok = (rows < M) & (cols < N)
         if p.splits > 1:
-            plt.store(o_ref.at[jnp.full((ROWS, WORDS), part, jnp.int32), rows, cols], out[b], mask=ok)
+            plt.store(o_ref.at[jnp.full((p.tile_m, p.words), part, jnp.int32), rows, cols], out[b], mask=ok)
         else:
             plt.store(o_ref.at[rows, cols], out[b].astype(o_ref.dtype), mask=ok)
 
@@ -221,29 +229,29 @@ def rows_of_x(x, kind, block, p):
     xf = x.astype(jnp.float32)
     if kind == "int4":
         g = block[0]
-        xp = jnp.pad(xf, ((0, ROWS - M), (0, p.steps * g - k)))
-        xr = xp.reshape(ROWS, -1, 2, g // 2).transpose(2, 0, 1, 3).reshape(2, ROWS, p.steps * step)
+        xp = jnp.pad(xf, ((0, p.tile_m - M), (0, p.steps * g - k)))
+        xr = xp.reshape(p.tile_m, -1, 2, g // 2).transpose(2, 0, 1, 3).reshape(2, p.tile_m, p.steps * step)
     else:
-        xp = jnp.pad(xf, ((0, ROWS - M), (0, p.steps * step - k)))
+        xp = jnp.pad(xf, ((0, p.tile_m - M), (0, p.steps * step - k)))
         xr = jnp.stack([xp, 16.0 * xp])
     xr = xr.astype(x.dtype)
     bases = jnp.asarray([b for _, b in halves(kind, x.dtype)], jnp.float32)
-    sums = xr.astype(jnp.float32).reshape(2, ROWS, p.steps, step).sum(axis=3)
+    sums = xr.astype(jnp.float32).reshape(2, p.tile_m, p.steps, step).sum(axis=3)
     if kind == "int8":  # per part of `per` steps
-        sums = jnp.pad(sums, ((0, 0), (0, 0), (0, p.splits * p.per - p.steps))).reshape(2, ROWS, p.splits, -1).sum(3)
+        sums = jnp.pad(sums, ((0, 0), (0, 0), (0, p.splits * p.per - p.steps))).reshape(2, p.tile_m, p.splits, -1).sum(3)
     return xr, jnp.einsum("h,hms->ms", bases, sums, precision=jax.lax.Precision.HIGHEST)
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "words", "interpret"))
 def quant_mma_pallas(x, q, scale, *, kind: str = "int4", k: int, block, splits: int | None = None,
-                     interpret: bool = False):
+                     words: int | None = None, interpret: bool = False):
     """The kernel. Inputs must pass quant_matmul.check_inputs and unsupported_reason here."""
     from kernels_pallas.quant_gemv import as_words
 
     block = tuple(block)
     M, N = x.shape[0], q.shape[1]
     dt = jnp.dtype(x.dtype)
-    p = plan(M, k, N, block, kind=kind, splits=splits)
+    p = plan(M, k, N, block, kind=kind, splits=splits, words=words)
     xr, xs = rows_of_x(x, kind, block, p)
     (m_lo, _), (m_hi, _) = halves(kind, dt)
     consts = jnp.asarray(np.array([NIBBLES, m_lo, m_hi], np.uint32).view(np.int32))

@@ -46,6 +46,8 @@ CASES = [
     ("int4", 64, 3, 192, 128, "f16", 3),
     ("int8", "channel", 4, 300, 136, "bf16", 2),   # 5 loads of 64 rows, the last past K; parts of 3 and 2
     ("int8", "channel", 16, 256, 40, "bf16", None),
+    ("int4", 32, 20, 150, 136, "bf16", 2),   # a batch's verify rows: one 64-row tile, 20 real
+    ("int8", "channel", 64, 200, 136, "bf16", 2),
     ("fp8", (128, 128), 4, 300, 200, "bf16", 2),   # K ends inside the third block; two column tiles
     ("fp8", (64, 32), 5, 320, 136, "bf16", None),  # four scale columns per tile, the last cut at N
     ("fp8", (256, 128), 3, 320, 40, "f16", None),  # four loads a block; the second block's last loads past K
@@ -132,7 +134,8 @@ class TestQuantMmaContract(KernelContract):
                                            ("fp8", (24, 16), 4, "bf16", "K blocks of 24"),
                                            ("fp8", "channel", 4, "f32", "bfloat16 / float16"),
                                            ("int8", "tensor", 4, "bf16", "one scale per column"),
-                                           ("int4", 32, 17, "bf16", "17 rows"), ("int4", 16, 2, "bf16", "group of 16")):
+                                           ("int4", 32, 65, "bf16", "65 rows"), ("fp8", (16, 16), 17, "bf16", "17 rows"),
+                                           ("int4", 16, 2, "bf16", "group of 16")):
             x, q, s, block = _inputs(kind, fmt, M, 64, 24, dt, seed=1)
             module = mma_fp8 if kind == "fp8" and fragment != "int4 and int8" else mma
             out.append((module.unsupported_reason(x, q, s, kind=kind, k=64, block=block), fragment))
@@ -192,25 +195,26 @@ REAL_MMA = {**REAL, "122B shared gate/up": (3072, 1024), "122B shared down": (10
 
 
 def test_verify_rows_lower_the_tensor_core_kernel_for_cuda_at_real_shapes():
-    """backend "auto", bf16 x: int4 (groups of 128) from 2 rows, int8 per channel and fp8 (128, 128) blocks from
-    4, up to 16, a tensor-core kernel (decode_kernel at M 1, 2, 3, 4, 9, 16; lowered for cuda at M 1 and 16, and
-    4 on gate / up: its custom call, a tt.dot in its Triton IR, no dequantized [K, N] matrix), below that the FMA
-    decode kernel, for the 27B matrices, the
+    """backend "auto", bf16 x: int4 (groups of 128) from 2 rows and int8 per channel from 4, up to 64, and fp8
+    (128, 128) blocks from 4 up to 16, a tensor-core kernel (decode_kernel at M 1, 2, 3, 4, 9, 16, 17, 64;
+    lowered for cuda at M 1, 16 and 64, and 4 on gate / up: its custom call, a tt.dot in its Triton IR, no
+    dequantized [K, N] matrix), below that the FMA decode kernel, fp8 at 64 rows XLA; for the 27B matrices, the
     35B-A3B expert shapes and the 122B-A10B / 397B-A17B shared experts; f32 x not these kernels; lowered for
     cpu, the reference."""
     for kind in ("int4", "int8", "fp8"):
         for name, (K, N) in REAL_MMA.items():
-            for M in (1, 2, 3, 4, 9, 16):
+            for M in (1, 2, 3, 4, 9, 16, 17, 64):
                 args, block = _real_args(kind, M, K, N)
-                tc = M >= mma.MIN_ROWS[kind]
+                tc = M >= mma.MIN_ROWS[kind] and (M <= 16 or kind != "fp8")
                 assert (decode_kernel(*args, kind, K, block) is quant_mma) == tc, (kind, name, M)
-                if M not in (1, 16) and not (M == 4 and name == "gate/up"):  # the rule alone (compiles cost)
+                if M not in (1, 16, 64) and not (M == 4 and name == "gate/up"):  # the rule alone (compiles cost)
                     continue
                 fn = jax.jit(lambda x, q, s, K=K, block=block, kind=kind: quant_matmul(x, q, s, kind=kind, k=K,
                                                                                        block=block))
                 exported = export_for(fn, *args)
-                assert kernel_calls(exported) == [f"quant_matmul_{kind}" + "_mma" * tc], (kind, name, M)
-                assert f"tensor<{K}x{N}xbf16>" not in exported.mlir_module(), (kind, name, M)
+                want = [f"quant_matmul_{kind}" + "_mma" * tc] if M <= 16 or tc else []  # fp8 at 64: XLA
+                assert kernel_calls(exported) == want, (kind, name, M)
+                assert (f"tensor<{K}x{N}xbf16>" in exported.mlir_module()) == (not want), (kind, name, M)
                 if M == 4 and name == "gate/up":
                     (kernel,) = triton_kernels(exported)
                     p = _plan(kind, M, K, N, block)
@@ -223,10 +227,12 @@ def test_verify_rows_lower_the_tensor_core_kernel_for_cuda_at_real_shapes():
 
 # (label, kind, M, K, N): verify rows on the MLP, 16 rows on the lm_head
 SM90_CASES = [("int4 gate/up M4", "int4", 4, 5120, 17408), ("int4 lm_head M16", "int4", 16, 5120, 248320),
-              ("int8 down M4", "int8", 4, 17408, 5120), ("fp8 gate/up M4", "fp8", 4, 5120, 17408)]
-# the modules' estimates (int4 3.1, int8 5.3, fp8 4.1 per value) with a margin for ptxas' scheduling, and within
-# what HBM's time allows at 4.8 TB/s (int4 3.49, int8 and fp8 6.98): the estimate of memory-bound speed holds
-MAX_INSTRUCTIONS_PER_VALUE = {"int4": 3.45, "int8": 5.8, "fp8": 4.6}
+              ("int8 down M4", "int8", 4, 17408, 5120), ("fp8 gate/up M4", "fp8", 4, 5120, 17408),
+              ("int4 gate/up M64", "int4", 64, 5120, 17408)]
+# the modules' estimates (int4 3.1, int8 5.3, fp8 4.1 per value; a 64-row tile int4 5.5) with a margin for ptxas'
+# scheduling; up to 16 rows within what HBM's time allows at 4.8 TB/s (int4 3.49, int8 and fp8 6.98): the
+# estimate of memory-bound speed holds
+MAX_INSTRUCTIONS_PER_VALUE = {("int4", 16): 3.45, ("int8", 16): 5.8, ("fp8", 16): 4.6, ("int4", 64): 5.8}
 VALUES_PER_COLUMN = {"int4": 8, "int8": 4, "fp8": 1}  # a stored column of the tile: an int32 word, or an fp8 byte
 
 
@@ -254,10 +260,11 @@ def test_tensor_core_kernel_compiles_for_sm90(report):
         assert r["shared"] <= SM90_SHARED_LIMIT and r["stack"] == 0 and r["local"] == 0, (label, r)
         p = _plan(kind, M, K, N, _real_args(kind, M, K, N)[1])
         loop = r["loops"][0]  # the innermost: one step's stored rows x 32 words (fp8: 128 bytes)
-        assert loop["opcodes"].get("HMMA", 0) > 0 and loop["opcodes"].get("LDG", 0) > 0, loop  # the real loop
-        columns = mma_fp8.COLUMNS if kind == "fp8" else mma.WORDS
+        mmas = loop["opcodes"].get("HMMA", 0) + loop["opcodes"].get("HGMMA", 0)  # mma.sync, warp-group MMA
+        assert mmas > 0 and loop["opcodes"].get("LDG", 0) > 0, loop  # the real loop
+        columns = mma_fp8.COLUMNS if kind == "fp8" else p.words
         per_value = loop["instructions"] * 32 * kernel.num_warps / (p.rows * p.subs * columns * VALUES_PER_COLUMN[kind])
-        assert per_value <= MAX_INSTRUCTIONS_PER_VALUE[kind], (label, per_value, loop)
+        assert per_value <= MAX_INSTRUCTIONS_PER_VALUE[kind, 16 if M <= 16 else 64], (label, per_value, loop)
         report(f"sm_90 compile, quant_mma {label}: grid {kernel.grid}, {r['registers']} registers, shared "
                f"{r['shared']} B, no spill; loop {loop['instructions']} instructions per warp = {per_value:.2f} "
                f"per {kind} value ({', '.join(f'{k} {v}' for k, v in list(loop['opcodes'].items())[:8])})")

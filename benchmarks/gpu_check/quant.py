@@ -40,6 +40,8 @@ QUANT_REAL += [(kind, fmt, 512, K, N, "bfloat16") for (K, N) in QUANT_SHAPES.val
 QUANT_REAL += [(kind, fmt, M, K, N, "bfloat16") for (K, N) in (QUANT_SHAPES["gate/up"], QUANT_SHAPES["lm_head"])
                for M in (32, 64, 128, 256) for kind, fmt in (("int4", 128), ("fp8", (128, 128)))]
 QUANT_REAL += [("int4", 128, 2, K, N, "bfloat16") for (K, N) in QUANT_SHAPES.values()]  # FMA vs tensor cores
+QUANT_REAL += [("int8", "channel", M, K, N, "bfloat16") for (K, N) in (QUANT_SHAPES["gate/up"], QUANT_SHAPES["lm_head"])
+               for M in (32, 64)]  # a batch's verifies: the tensor-core kernel's 64-row tile against XLA
 QUANT_REAL += [("fp8", "channel", 1, 5120, 17408, "bfloat16"), ("int4", 32, 1, 5120, 17408, "bfloat16"),
                ("int8", "channel", 5, 5120, 17408, "float32"), ("int4", 128, 5, 17408, 5120, "float32")]
 HBM_TARGET = 0.8  # issue 38: decode matmuls at >= 80% of HBM
