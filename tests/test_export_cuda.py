@@ -384,8 +384,8 @@ def test_quant_kernel_lowers_for_cuda_at_real_shapes(kind):
             assert auto == want, (name, M, faster)
             if auto:
                 chose_kernel.add(M)
-    # the rule's table: the FMA decode kernel at M 1; at 5 rows the tensor-core decode kernel for int4 and int8,
-    # the FMA one for fp8 (up to 8 rows), the tiled kernel for fp8 blocks up to 16 rows; XLA above
+    # the rule's table: the FMA decode kernel at M 1, a tensor-core decode kernel at 5 rows (every format), XLA at
+    # a 512-row prefill
     assert chose_kernel == {1, 5}, chose_kernel
     args, block = _quant_args(kind, 5, 5120, 17408, jnp.bfloat16)
     on_cpu = export_for(_quant_fn(kind, 5120, block), *args, platform="cpu")
