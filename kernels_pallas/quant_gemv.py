@@ -121,6 +121,21 @@ class Plan:
         return self.col_tiles * self.splits
 
 
+def k_parts(steps, col_tiles, weight_bytes, M, N, *, target, min_steps, max_traffic, splits=None):
+    """(splits, per): K's `steps` loop steps cut into parts of `per` steps each (the last may be shorter) until
+    the grid holds about `target` programs, as far as parts of at least `min_steps` steps allow and while the
+    parts' f32 partial products [splits, M, N] (written, then summed by XLA) stay under `max_traffic` of the
+    weight's bytes; a `splits` given wins, within 1 .. steps. The decode kernels' shared rule (this module's and
+    quant_mma*.py's)."""
+    if splits is None:
+        want = cdiv(target, col_tiles)
+        traffic = int(max_traffic * weight_bytes // (2 * 4 * M * N))  # parts whose partials fit
+        splits = max(1, min(want, steps // min_steps, traffic))
+    splits = max(1, min(int(splits), steps))
+    per = cdiv(steps, splits)
+    return cdiv(steps, per), per
+
+
 def plan(M, K, N, kind, block, *, num_warps=None, splits=None, rows=None, prefetch=None) -> Plan:
     """Launch parameters from the shapes (module doc); a keyword given wins (tests: `rows` < 16 keeps the
     interpret-mode program small)."""
@@ -143,14 +158,8 @@ def plan(M, K, N, kind, block, *, num_warps=None, splits=None, rows=None, prefet
         raise ValueError(f"quant_gemv plan: rows {rows} must divide the step of {step} stored rows")
     stored = cdiv(K, bk) * bk // 2 if md == "int4" else K
     steps = cdiv(stored, step)
-    if splits is None:
-        want = cdiv(TARGET_PROGRAMS, col_tiles)
-        weight_bytes = stored * ncols * (4 if _words(kind) else 1)
-        traffic = int(MAX_PARTIAL_TRAFFIC * weight_bytes // (2 * 4 * M * N))  # parts whose partials fit
-        splits = max(1, min(want, steps // MIN_STEPS_PER_SPLIT, traffic))
-    splits = max(1, min(int(splits), steps))
-    per = cdiv(steps, splits)
-    splits = cdiv(steps, per)
+    splits, per = k_parts(steps, col_tiles, stored * ncols * (4 if _words(kind) else 1), M, N, target=TARGET_PROGRAMS,
+                          min_steps=MIN_STEPS_PER_SPLIT, max_traffic=MAX_PARTIAL_TRAFFIC, splits=splits)
     if prefetch is None:  # fp8 bytes carried across the loop lose their packing (byte shuffles, spills on sm_90)
         prefetch = _words(kind)
     return Plan(cols, col_tiles, step, rows, steps, per, splits, num_warps, bool(prefetch))

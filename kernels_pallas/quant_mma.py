@@ -56,6 +56,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kernels_pallas.quant_gemv import as_words, k_parts
 from kernels_pallas.quant_layout import cdiv
 
 ROWS = 16  # one tensor-core tile of rows: M = 1 .. 16
@@ -77,6 +78,7 @@ PROGRAMS_PER_SM = 6  # about 170 registers x 128 threads: 3 CTAs fit an SM (a 64
 SMS = 132
 MIN_STEPS_PER_SPLIT = 2
 MAX_PARTIAL_TRAFFIC = 0.1
+K_PARTS = {"target": SMS * PROGRAMS_PER_SM, "min_steps": MIN_STEPS_PER_SPLIT, "max_traffic": MAX_PARTIAL_TRAFFIC}
 MAX_ELEMENTS = 2 ** 31
 MAX_GRID = 65535
 
@@ -115,14 +117,8 @@ def plan(M, K, N, block, *, kind="int4", splits=None, words=None) -> Plan:
     words = words or WORDS
     col_tiles = cdiv(N // 4, words)
     steps = cdiv(K, block[0]) if kind == "int4" else cdiv(K, step)
-    if splits is None:
-        want = cdiv(SMS * PROGRAMS_PER_SM, col_tiles)
-        weight_bytes = steps * step * N
-        traffic = int(MAX_PARTIAL_TRAFFIC * weight_bytes // (2 * 4 * M * N))
-        splits = max(1, min(want, steps // MIN_STEPS_PER_SPLIT, traffic))
-    splits = max(1, min(int(splits), steps))
-    per = cdiv(steps, splits)
-    return Plan(col_tiles, rows, step // rows, steps, per, cdiv(steps, per), tile_m, words)
+    splits, per = k_parts(steps, col_tiles, steps * step * N, M, N, splits=splits, **K_PARTS)
+    return Plan(col_tiles, rows, step // rows, steps, per, splits, tile_m, words)
 
 
 def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
@@ -246,8 +242,6 @@ def rows_of_x(x, kind, block, p):
 def quant_mma_pallas(x, q, scale, *, kind: str = "int4", k: int, block, splits: int | None = None,
                      words: int | None = None, interpret: bool = False):
     """The kernel. Inputs must pass quant_matmul.check_inputs and unsupported_reason here."""
-    from kernels_pallas.quant_gemv import as_words
-
     block = tuple(block)
     M, N = x.shape[0], q.shape[1]
     dt = jnp.dtype(x.dtype)

@@ -31,17 +31,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kernels_pallas.quant_gemv import k_parts
 from kernels_pallas.quant_layout import cdiv
 from kernels_pallas.quant_mma import (
+    K_PARTS,
     MAX_ELEMENTS,
     MAX_GRID,
-    MAX_PARTIAL_TRAFFIC,
     MAX_STEP_ROWS,
-    MIN_STEPS_PER_SPLIT,
     NUM_WARPS,
-    PROGRAMS_PER_SM,
     ROWS,
-    SMS,
 )
 
 COLUMNS = 128  # fp8 bytes (columns) per CTA: one 128-byte line per row
@@ -69,13 +67,8 @@ def plan(M, K, N, block, *, kind="fp8", splits=None) -> Plan:  # (quant_mma.plan
     rows = min(step, MAX_STEP_ROWS)
     col_tiles = cdiv(N, COLUMNS)
     steps = cdiv(K, step)
-    if splits is None:
-        want = cdiv(SMS * PROGRAMS_PER_SM, col_tiles)
-        traffic = int(MAX_PARTIAL_TRAFFIC * K * N // (2 * 4 * M * N))
-        splits = max(1, min(want, steps // MIN_STEPS_PER_SPLIT, traffic))
-    splits = max(1, min(int(splits), steps))
-    per = cdiv(steps, splits)
-    return Plan(col_tiles, rows, step // rows, steps, per, cdiv(steps, per), channel)
+    splits, per = k_parts(steps, col_tiles, K * N, M, N, splits=splits, **K_PARTS)
+    return Plan(col_tiles, rows, step // rows, steps, per, splits, channel)
 
 
 def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
