@@ -18,10 +18,10 @@ import pytest
 
 from kernels_pallas import quant_gemv as gemv
 from kernels_pallas import quant_mma as mma
-from kernels_pallas.quant_matmul import quant_gemv, quant_matmul, quant_matmul_reference
+from kernels_pallas.quant_matmul import quant_gemv, quant_matmul
 from qwen_mtp.tools.lowering import export_for, kernel_calls, triton_kernels
 from tests.hf_tiny import rel_err
-from tests.test_kernel_quant_matmul import _inputs, _oracle
+from tests.test_kernel_quant_matmul import ORACLE_BOUND, QuantHooks, _inputs, _oracle
 
 pytest.register_assert_rewrite("kernel_contract")
 from kernel_contract import KernelContract
@@ -51,7 +51,7 @@ class Run:
         return (fmt, 1) if kind == "int4" else tuple(fmt)
 
 
-class TestQuantGemvContract(KernelContract):
+class TestQuantGemvContract(QuantHooks, KernelContract):
     """The kernel contract for the decode kernel; each case also against the float64 oracle (check_more)."""
 
     F32_TOL = (1e-5,)
@@ -74,20 +74,11 @@ class TestQuantGemvContract(KernelContract):
         kind, K, tiling = run.case[0], run.case[3], run.case[6]
         return gemv.quant_gemv_pallas(x, q, scale, kind=kind, k=K, block=run.block, interpret=True, **tiling)
 
-    def reference(self, run, x, q, scale):
-        return quant_matmul_reference(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block)
-
     def dispatching(self, run, x, q, scale, **kw):
         return quant_gemv(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block, **kw)
 
     def reason(self, run, x, q, scale):
         return gemv.unsupported_reason(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block)
-
-    def error(self, got, want):
-        return rel_err(got, want)[:1]
-
-    def tolerance(self, run):
-        return (1e-2,)  # the reference rounds each dequantized weight to x's dtype; the oracle bound is tighter
 
     def check_more(self, run, args, got, ref, report):
         kind, fmt, M, K, N, dtype, tiling = run.case
@@ -95,9 +86,7 @@ class TestQuantGemvContract(KernelContract):
         if "splits" in tiling:
             assert p.splits == tiling["splits"], p
         vs_oracle = rel_err(got, _oracle(*args, kind, K, run.block))[0]
-        # f32: the values are exact, the products and sums f32; bf16 / f16: only the output's rounding
-        bound = {"f32": 1e-5, "bf16": 2.0 ** -8, "f16": 2.0 ** -11}[dtype]
-        assert vs_oracle < bound, (vs_oracle, bound)
+        assert vs_oracle < ORACLE_BOUND[dtype], (vs_oracle, ORACLE_BOUND[dtype])
         report(f"quant_gemv kernel {kind} {fmt} M{M} K{K} N{N} {dtype} grid ({p.col_tiles},{p.splits}) "
                f"{p.cols} stored columns x {p.rows} rows per load: max_rel vs float64 {vs_oracle:.1e}")
 

@@ -116,7 +116,27 @@ def _run(case):
     return Run(case, seed=sum(case[2:5]))  # seed M + K + N
 
 
-class TestQuantMatmulContract(KernelContract):
+# a kernel's max_rel against the float64 oracle: f32 x, the values exact and the sums f32; bf16 / f16 x, only the
+# output's rounding
+ORACLE_BOUND = {"f32": 1e-5, "bf16": 2.0 ** -8, "f16": 2.0 ** -11}
+
+
+class QuantHooks:
+    """The contract hooks the quantized-matmul kernels' tests share (the tiled kernel here, quant_gemv's and
+    quant_mma's in their files): a case's [0] is the format, its [3] K, its .block the scale block."""
+
+    def reference(self, run, x, q, scale):
+        return quant_matmul_reference(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block)
+
+    def error(self, got, want):
+        return rel_err(got, want)[:1]
+
+    def tolerance(self, run):
+        return (1e-2,)  # the reference rounds each dequantized weight to x's dtype (2^-9 in bf16); the kernels'
+        # bound against the oracle is tighter (ORACLE_BOUND, in check_more)
+
+
+class TestQuantMatmulContract(QuantHooks, KernelContract):
     """The kernel contract (tests/kernel_contract.py) for the quantized matmul: the CASES with x in f32 (int8,
     int4 and fp8 stored values) tightly, those with x in bf16 / f16 at the output's rounding; each case also
     against the float64 oracle (check_more)."""
@@ -143,20 +163,11 @@ class TestQuantMatmulContract(KernelContract):
         # through the dispatch, as the model calls it
         return quant_matmul(x, q, scale, kind=kind, k=K, block=run.block, backend="pallas", interpret=True)
 
-    def reference(self, run, x, q, scale):
-        return quant_matmul_reference(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block)
-
     def dispatching(self, run, x, q, scale, **kw):
         return quant_matmul(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block, **kw)
 
     def reason(self, run, x, q, scale):
         return unsupported_reason(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block)
-
-    def error(self, got, want):
-        return rel_err(got, want)[:1]
-
-    def tolerance(self, run):
-        return (1e-2,)  # the reference rounds each dequantized weight to x's dtype (2^-9 in bf16): see check_more
 
     def check_more(self, run, args, got, ref, report):
         kind, fmt, M, K, N, dtype, tiling = run.case
@@ -177,8 +188,7 @@ class TestQuantMatmulContract(KernelContract):
             # products: its only rounding is the output's, half a unit in the last place of bf16 (2^-9 of the
             # value) or f16 (2^-12). The reference first rounds every dequantized weight to x's dtype (2^-9 of
             # each weight in bf16), then rounds its output: within 1e-2 of the oracle and of the kernel.
-            ulp = 2.0 ** -8 if dtype == "bf16" else 2.0 ** -11
-            assert kernel_vs_oracle < ulp, kernel_vs_oracle
+            assert kernel_vs_oracle < ORACLE_BOUND[dtype], kernel_vs_oracle
             assert ref_vs_oracle < 1e-2 and kernel_vs_ref < 1e-2, (ref_vs_oracle, kernel_vs_ref)
         report(f"quant_matmul kernel {kind} {fmt} M{M} K{K} N{N} {dtype} grid ({p.row_tiles},{p.col_tiles},"
                f"{p.splits}) tile {p.block_m}x{p.block_n} step {p.block_k} dot_k {p.dot_k}: max_rel vs reference "

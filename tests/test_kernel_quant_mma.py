@@ -27,13 +27,13 @@ from kernels_pallas.quant_decode import tensor_core_module
 from kernels_pallas.quant_matmul import (
     decode_kernel,
     quant_matmul,
-    quant_matmul_reference,
     quant_mma,
 )
 from qwen_mtp.tools.lowering import export_for, kernel_calls, triton_kernels
 from tests.hf_tiny import rel_err
 from tests.test_kernel_quant_gemv import REAL, _real_args
-from tests.test_kernel_quant_matmul import _block, _inputs, _oracle
+from tests.test_kernel_quant_matmul import ORACLE_BOUND as BOUND
+from tests.test_kernel_quant_matmul import QuantHooks, _block, _inputs, _oracle
 
 pytest.register_assert_rewrite("kernel_contract")
 from kernel_contract import KernelContract
@@ -65,7 +65,6 @@ def _kernel(kind):
 
 def _plan(kind, M, K, N, block, splits=None):
     return tensor_core_module(kind).plan(M, K, N, block, kind=kind, splits=splits)
-BOUND = {"bf16": 2.0 ** -8, "f16": 2.0 ** -11}  # the output's rounding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +77,7 @@ class Run:
         return _block(kind, fmt, K, N)
 
 
-class TestQuantMmaContract(KernelContract):
+class TestQuantMmaContract(QuantHooks, KernelContract):
     """The kernel contract for the tensor-core decode kernel (bf16 / f16 x only: f32 x is refused, below)."""
 
     def f32_cases(self):
@@ -99,20 +98,11 @@ class TestQuantMmaContract(KernelContract):
         kind, _, _, K, _, _, splits = run.case
         return _kernel(kind)(x, q, scale, kind=kind, k=K, block=run.block, splits=splits, interpret=True)
 
-    def reference(self, run, x, q, scale):
-        return quant_matmul_reference(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block)
-
     def dispatching(self, run, x, q, scale, **kw):
         return quant_mma(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block, **kw)
 
     def reason(self, run, x, q, scale):
         return _module(run.case[0]).unsupported_reason(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block)
-
-    def error(self, got, want):
-        return rel_err(got, want)[:1]
-
-    def tolerance(self, run):
-        return (1e-2,)  # the reference rounds each dequantized weight to x's dtype; the oracle bound is tighter
 
     def check_more(self, run, args, got, ref, report):
         kind, fmt, M, K, N, dt, splits = run.case
