@@ -1,7 +1,10 @@
 """Typed errors. Every message names the file / tensor / argument, what was expected and what was found. Also
-`is_python_int`, the integer test the ArgumentError checks of static arguments share."""
+the integer tests the ArgumentError checks share: `is_python_int` (static arguments) and `is_integer` (run-time
+values, numpy integers too)."""
 
 from __future__ import annotations
+
+import numpy as np
 
 
 class QwenMTPError(Exception):
@@ -91,6 +94,4 @@ def is_python_int(x) -> bool:
 def is_integer(x) -> bool:
     """A Python or numpy integer and not a bool: what a run-time integer value (a seed, a token id, a size read
     from an array) may be."""
-    import numpy as np
-
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)

@@ -49,7 +49,6 @@ from qwen_mtp.trunk.state import KVCache, to_cache
 MAX_NODES = 64  # draft nodes per tree (the verify's rows, root excluded)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class StaticTree:
     """widths[d-1]: children of every node of depth d-1. (1,) * k is the chain of k drafts."""

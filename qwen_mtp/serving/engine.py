@@ -109,7 +109,8 @@ class Engine:
         if buckets is None:
             buckets = sorted({min(pow2_at_least(n), max_batch) for n in range(1, max_batch + 1)})
         buckets = tuple(sorted(set(buckets)))
-        if not buckets or not all(is_python_int(b) and 1 <= b <= max_batch for b in buckets) or buckets[-1] != max_batch:
+        if not buckets or not all(is_python_int(b) and 1 <= b <= max_batch for b in buckets) or \
+                buckets[-1] != max_batch:
             raise ArgumentError("buckets", f"sizes in [1, {max_batch}] including max_batch", repr(buckets))
         self.buckets = buckets
         if isinstance(spec, str) and spec == "auto" and not model.has_mtp:

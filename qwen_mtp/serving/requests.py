@@ -19,7 +19,6 @@ _log = logging.getLogger(__name__)
 MAX_STOP_IDS = 8  # stop_token_ids per request (beside the model's EOS ids): a fixed shape of the programs
 
 
-
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """One request's settings. temperature 0 is greedy (top_k / top_p / seed then do nothing); otherwise the
