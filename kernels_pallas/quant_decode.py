@@ -1,4 +1,4 @@
-"""Which kernel runs a quantized matmul at decode and verify rows (M <= 16), and the two decode kernels'
+"""Which kernel runs a quantized matmul at decode and verify rows (M <= 64), and the two decode kernels'
 dispatching functions (each: the kernel in a program lowered for cuda, quant_matmul_reference elsewhere).
 
     decode_kernel(x, q, scale, kind, k, block) -> quant_mma | quant_gemv | None   (backend "auto"'s choice)
@@ -7,10 +7,10 @@ dispatching functions (each: the kernel in a program lowered for cuda, quant_mat
 
 The rule, from the sm_90 machine code of each kernel's loop (instructions per stored value against the bytes'
 time; estimates until benchmarks/gpu_check --quant-only times them on a GPU): on the tensor cores int4 with
-bf16 / f16 x at 2 .. 16 rows, int8 per channel with bf16 x and fp8 with bf16 / f16 x at 4 .. 16 (3.1, 5.3 and
-4.1 instructions per value at every M: estimated memory bound), and int4 / int8 on to 64 rows (a batch's
-verifies; 5.5 and 6.1: 63% and memory bound, where XLA's dequantize-then-dot measured 4% of HBM for int4 at
-decode rows), else the FMA kernel up to its ROWS_FMA (int4 M 1: 94% of HBM; int8 and fp8 memory bound up to
+bf16 / f16 x at 2 .. 16 rows, int8 per channel with bf16 x and fp8 with bf16 / f16 x at 4 .. 16 (2.8, 4.8 and
+4.1 instructions per value at every M: estimated memory bound), and all three on to 64 rows (a batch's
+verifies, one 64-row tile; int4 3.3, int8 4.4, fp8 3.0: all estimated memory bound, where XLA's
+dequantize-then-dot measured 4% of HBM for int4 and 11% for fp8 blocks at decode rows), else the FMA kernel up to its ROWS_FMA (int4 M 1: 94% of HBM; int8 and fp8 memory bound up to
 M 3), else None: quant_matmul's tiled kernel / XLA rule.
 """
 
@@ -32,7 +32,7 @@ def gemv_rows(M: int, kind: str) -> bool:
 
 def decode_kernel(x, q, scale, kind: str, k: int, block):
     """backend "auto"'s decode kernel for these inputs (its dispatching function below): quant_mma (int4 with
-    bf16 / f16 x at M 2 .. 64, int8 per channel with bf16 x at M 4 .. 64, fp8 with bf16 / f16 x at M 4 .. 16),
+    bf16 / f16 x at M 2 .. 64, int8 per channel with bf16 x at M 4 .. 64, fp8 with bf16 / f16 x at M 4 .. 64),
     quant_gemv (M <= ROWS_FMA), or None (quant_matmul's tiled kernel / XLA rule)."""
     M = x.shape[0]
     tensor_cores = tensor_core_module(kind).unsupported_reason(x, q, scale, kind=kind, k=k, block=block) is None
@@ -67,7 +67,7 @@ def tensor_core_module(kind: str):
 
 def quant_mma(x, q, scale, *, kind: str, k: int, block, backend: str = "auto", interpret: bool = False):
     """The tensor-core decode kernel (quant_mma.py; fp8: quant_mma_fp8.py) on cuda, the reference elsewhere;
-    inputs it does not take (f32 x, more than 16 rows, ...) fall back to the reference with a warning."""
+    inputs it does not take (f32 x, more than 64 rows, ...) fall back to the reference with a warning."""
     module = tensor_core_module(kind)
     kernel = module.quant_mma_fp8_pallas if kind == "fp8" else module.quant_mma_pallas
     return _run("quantized matmul (tensor-core decode kernel)", kernel, module.unsupported_reason, x, q, scale, kind,

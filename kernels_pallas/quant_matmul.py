@@ -45,7 +45,7 @@ tests/test_export_cuda.py lowers the kernel for cuda at these shapes and compile
 (shared memory, registers, spills); benchmarks/gpu_check times it on a GPU.
 
 Decode rows: backend "auto" first asks quant_decode.decode_kernel: a tensor-core decode kernel (quant_mma.py,
-quant_mma_fp8.py: int4 from 2 rows and int8 from 4 up to 64, fp8 from 4 up to 16; bf16 / f16 x), else
+quant_mma_fp8.py: int4 from 2 rows, int8 and fp8 from 4, up to 64; bf16 / f16 x), else
 quant_gemv.py's FMA kernel at M <= its ROWS_FMA, where they take the shape; only then the rule below. "pallas"
 always means the tiled kernel of this module. The reference and the input check live in quant_reference.py.
 

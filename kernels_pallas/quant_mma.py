@@ -17,6 +17,10 @@ the FMA rate): 26% of HBM for int4 on an H200. This kernel feeds the tensor core
   the bf16 number 128 + (n ^ 8) = 136 + v for a signed nibble v (the XOR folds the offset to unsigned into the
   same instruction; f16: 0x64086408, 1032 + v). Its low half is column 4c + b', its high half 4c + b' + 2
   (b' = 0, 1): the shifts s = 0, 4, 8, 12 give every nibble of the word;
+- the numbers of one nibble position (s = 0, 8 or 4, 12) are stacked in registers into one [rows, 128] operand in
+  the columns' own order (jnp.stack on the last axis, no data movement), so each step runs one dot of 128
+  columns per nibble position (not four of 32: a quarter of the tensor-core instructions and their operand
+  descriptors), the step's scales are one contiguous load and the output one contiguous store;
 - int8 splits each byte into its unsigned low nibble (0x43004300, kept: 128 + l) and its signed high nibble
   (flipped: 136 + h), v = 16 h + l: the high nibbles multiply 16 x (exact in bf16), the low ones x, so int8 is
   int4's loop with both nibbles on one row of x;
@@ -28,21 +32,26 @@ the FMA rate): 26% of HBM for int4 on an H200. This kernel feeds the tensor core
 - a CTA of 4 warps covers 32 words (128 columns) of 64 stored rows per loop step (8 KB), loads the next step's
   words before the arithmetic on these (a software pipeline of one step in registers), and K is split into
   parts (f32 partial products summed in XLA) until the grid gives the SMs about PROGRAMS_PER_SM CTAs each, while
-  the partial products stay under MAX_PARTIAL_TRAFFIC of the bytes.
+  the partial products stay under MAX_PARTIAL_TRAFFIC of the bytes (under half of them where the grid would
+  otherwise leave SMs idle: 27B's down at 64 rows, 40 column tiles, takes 4 parts).
 
 sm_90 machine code of the loop (tests/test_kernel_quant_mma.py compiles it, Triton's TTIR passes first, and
-counts), 27B gate/up, bf16 x, the same code at every M <= 16: per stored value, int4 3.1 lane-instructions (LOP3
-0.53, PRMT 0.5 (the pairs of rows the tensor-core operand wants), SHF 0.38, the operand's staging in shared
-memory STS 0.27 + LDSM 0.19, HMMA 0.25 (each dot accumulating into the last), the per-group epilogue 0.25),
-int8 5.3 (the same per word, 4 values a word); 128-174 registers, no spill, 12 KB shared. Against the bytes' time
-at 4.8 TB/s (int4 9.6e12, int8 4.8e12 values/s; an SM issues 4 warp instructions per clock: 33.5e12
-lane-instructions/s on 132 SMs at 1.98 GHz) both are estimated memory bound (int4 with 1.11x headroom, int8
-1.32x): estimates, not measurements. A 64-row tile costs int4 5.5 (63% of HBM) and int8 6.1 (memory bound) per
-value; a 32-row one (mma.sync, 16 words a CTA to stay within the registers) int4 6.6, int8 8.5, so 17 .. 64 rows
-take the 64-row tile. benchmarks/gpu_check --quant-only times it
-beside the FMA and tiled kernels, XLA and qwix. The tensor cores then run 16 padded rows x 9.6e12 int4 values/s
-= 307 TFLOP/s of bf16: under a third of an H200's dense bf16 peak (989 TFLOP/s, reached through wgmma; the
-mma.sync that Triton emits for a 16-row tile reaches less, how much less is for the GPU run to show).
+counts), 27B gate/up, bf16 x, the same code at every M <= 16: per stored value, int4 2.8 lane-instructions (LOP3
+0.53, PRMT 0.5 (the pairs of rows the tensor-core operand wants), SHF 0.38, HMMA 0.25, the operand's staging
+in shared memory STS 0.15 + LDSM 0.19, the per-group epilogue FADD + FFMA 0.25), int8 4.8 (the same per word,
+4 values a word); 96-138 registers, no spill, 18 KB shared. Against the bytes' time at 4.8 TB/s (int4 9.6e12,
+int8 4.8e12 values/s; an SM issues 4 warp instructions per clock: 33.5e12 lane-instructions/s on 132 SMs at
+1.98 GHz) both are estimated memory bound (int4 with 1.26x headroom, int8 1.44x): estimates, not measurements.
+A 64-row tile (warp-group MMA: the tensor cores read the weight operand from shared memory themselves) costs
+int4 3.3 (memory bound; its per-group epilogue is 1.0 of it, 64 rows x 128 columns of FADD + FFMA a group) and
+int8 4.4 per value, at 254 and 167 registers; a 32-row one (mma.sync) int4 3.3 at 208 registers, int8 5.5, so
+17 .. 64 rows take the 64-row tile. (The first form of this kernel ran four dots of 32 columns per nibble
+position and loaded each scale apart: int4 3.1 at M <= 16 and 5.5 at 64 rows, int8 5.3 and 6.1.) The model
+leaves out latency: a CTA keeps one step (8 KB) in flight, 2 (64-row tile) or 3 (16-row tile) CTAs an SM.
+benchmarks/gpu_check --quant-only times it beside the FMA and tiled kernels, XLA and qwix. The tensor cores
+then run 16 padded rows x 9.6e12 int4 values/s = 307 TFLOP/s of bf16: under a third of an H200's dense bf16
+peak (989 TFLOP/s, reached through wgmma; the mma.sync that Triton emits for a 16-row tile reaches less, how
+much less is for the GPU run to show).
 """
 
 from __future__ import annotations
@@ -74,11 +83,12 @@ MAX_ROWS = 64  # rows of x: one tile of 16, or (batched verifies, 17 .. 64 rows)
 WORDS = 32  # words (4 columns each) per CTA
 MAX_STEP_ROWS = 64  # packed rows per load (a larger half group is loaded in parts; int8: K in steps of 64)
 NUM_WARPS = 4
-PROGRAMS_PER_SM = 6  # about 170 registers x 128 threads: 3 CTAs fit an SM (a 64-row tile: 2); two waves hide the tail
+PROGRAMS_PER_SM = 6  # about 136 registers x 128 threads: 3 CTAs fit an SM (a 64-row tile: 2); two waves hide the tail
 SMS = 132
 MIN_STEPS_PER_SPLIT = 2
 MAX_PARTIAL_TRAFFIC = 0.1
-K_PARTS = {"target": SMS * PROGRAMS_PER_SM, "min_steps": MIN_STEPS_PER_SPLIT, "max_traffic": MAX_PARTIAL_TRAFFIC}
+K_PARTS = {"target": SMS * PROGRAMS_PER_SM, "min_steps": MIN_STEPS_PER_SPLIT, "max_traffic": MAX_PARTIAL_TRAFFIC,
+           "wave": SMS}
 MAX_ELEMENTS = 2 ** 31
 MAX_GRID = 65535
 
@@ -152,13 +162,13 @@ def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
 def _kernel(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, *, kind, M, N, kq, p, dt):
     j, part = pl.program_id(0), pl.program_id(1)
     R, step = p.rows, p.rows * p.subs
-    c0 = j * p.words
-    cidx = c0 + jnp.arange(p.words, dtype=jnp.int32)
+    c0, C = j * p.words, 4 * p.words  # the tile's first word, its columns
+    cols = c0 * 4 + jnp.arange(C, dtype=jnp.int32)
     nibbles, magic = c_ref[0], (c_ref[1], c_ref[2])  # loaded, not literals (a LOP3 takes one immediate)
     last = p.steps * step - R  # the last load's first row (the prefetch past a part's end reads rows it skips)
     c_ragged = (N // 4) % p.words != 0
     r_ragged = kq % R != 0  # int8: K not a whole number of loads (rows past K read as 0, x is 0 there)
-    col_ok = cidx < N // 4
+    col_ok = (c0 + jnp.arange(p.words, dtype=jnp.int32)) < N // 4
 
     def load(r0):  # [R, p.words] int32
         r0 = jnp.minimum(r0, last)
@@ -167,52 +177,48 @@ def _kernel(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, *, kind, M, N, kq, p, dt)
         ok = ((r0 + jnp.arange(R, dtype=jnp.int32)) < kq)[:, None] & col_ok[None, :]
         return plt.load(q_ref.at[pl.ds(r0, R), pl.ds(c0, p.words)], mask=ok, other=0)
 
-    def scales(t):  # [4][1, p.words] f32: step t's scales (int4) / the column scales (int8) of byte b's columns
-        out = []
-        for b in range(4):
-            cols = cidx * 4 + b
-            out.append(plt.load(s_ref.at[jnp.full((p.words,), t, jnp.int32), cols], mask=cols < N, other=0)[None, :])
-        return out
+    def scales(t):  # [1, C] f32: step t's scales (int4) / the column scales (int8) of the tile's columns
+        if not c_ragged:
+            return s_ref[pl.ds(t, 1), pl.ds(c0 * 4, C)]
+        return plt.load(s_ref.at[jnp.full((C,), t, jnp.int32), cols], mask=cols < N, other=0)[None, :]
+
+    def weights(w, half):  # [R, C] in x's dtype, natural column order: the nibbles at `half` of every byte
+        pairs = []
+        for b in range(2):  # bytes b and b + 2 of each word: one LOP3 makes both numbers
+            sh = 8 * b + 4 * half
+            v = jax.lax.shift_right_logical(w, jnp.int32(sh)) if sh else w
+            v = jax.lax.bitwise_xor(jax.lax.bitwise_and(v, nibbles), magic[half])
+            lo = jax.lax.bitcast_convert_type(v.astype(jnp.int16), dt)
+            hi = jax.lax.bitcast_convert_type(jax.lax.shift_right_logical(v, jnp.int32(16)).astype(jnp.int16), dt)
+            pairs.append(jnp.stack([lo, hi], axis=-1))  # [R, words, 2]: columns 4c + b, 4c + b + 2
+        return jnp.stack(pairs, axis=-1).reshape(R, C)  # [R, words, 2, 2] -> column 4c + 2h + b
 
     def one_step(t, carry):
         out, wn = carry
         # int4: a group's sums, scaled at its end; int8: one sum over the part, the products added to `out` itself
-        acc = [jnp.zeros((p.tile_m, p.words), jnp.float32) for _ in range(4)] if kind == "int4" else list(out)
+        acc = jnp.zeros((p.tile_m, C), jnp.float32) if kind == "int4" else out
         for s in range(p.subs):
             r0 = t * step + s * R
             w, wn = wn, load(r0 + R)
-            xv = (x_ref[0, :, pl.ds(r0, R)], x_ref[1, :, pl.ds(r0, R)])  # [16, R]: what the low / high nibbles multiply
-            for b in range(2):  # bytes b and b + 2 of each word
-                for half in range(2):
-                    sh = 8 * b + 4 * half
-                    v = jax.lax.shift_right_logical(w, jnp.int32(sh)) if sh else w
-                    v = jax.lax.bitwise_xor(jax.lax.bitwise_and(v, nibbles), magic[half])
-                    lo = jax.lax.bitcast_convert_type(v.astype(jnp.int16), dt)
-                    hi = jax.lax.bitcast_convert_type(jax.lax.shift_right_logical(v, jnp.int32(16)).astype(jnp.int16),
-                                                      dt)
-                    acc[b] = acc[b] + jnp.dot(xv[half], lo, preferred_element_type=jnp.float32)
-                    acc[b + 2] = acc[b + 2] + jnp.dot(xv[half], hi, preferred_element_type=jnp.float32)
+            for half in range(2):  # x rows the low / high nibbles multiply
+                xv = x_ref[half, :, pl.ds(r0, R)]
+                acc = acc + jnp.dot(xv, weights(w, half), preferred_element_type=jnp.float32)
         if kind == "int8":
             return acc, wn
-        xs = xs_ref[:, pl.ds(t, 1)]  # [16, 1]: the bases times the sums of x over the group
-        sc = scales(t)
-        return [out[b] + (acc[b] - xs) * sc[b] for b in range(4)], wn
+        xs = xs_ref[:, pl.ds(t, 1)]  # [tile_m, 1]: the bases times the sums of x over the group
+        return out + (acc - xs) * scales(t), wn
 
-    out0 = [jnp.zeros((p.tile_m, p.words), jnp.float32) for _ in range(4)]
     first = part * p.per
     n = jnp.minimum(p.per, p.steps - first)
-    out, _ = jax.lax.fori_loop(first, first + n, one_step, (out0, load(first * step)))
+    out, _ = jax.lax.fori_loop(first, first + n, one_step,
+                               (jnp.zeros((p.tile_m, C), jnp.float32), load(first * step)))
     if kind == "int8":  # the correction over the part's rows, then the column scales
-        xs = xs_ref[:, pl.ds(part, 1)]
-        out = [(o - xs) * sc for o, sc in zip(out, scales(0))]
-    rows = jnp.arange(p.tile_m, dtype=jnp.int32)[:, None] + jnp.zeros((1, p.words), jnp.int32)
-    for b in range(4):
-        cols = (cidx * 4 + b)[None, :] + jnp.zeros((p.tile_m, 1), jnp.int32)  # a scatter: byte b's columns, 4 apart
-        ok = (rows < M) & (cols < N)
-        if p.splits > 1:
-            plt.store(o_ref.at[jnp.full((p.tile_m, p.words), part, jnp.int32), rows, cols], out[b], mask=ok)
-        else:
-            plt.store(o_ref.at[rows, cols], out[b].astype(o_ref.dtype), mask=ok)
+        out = (out - xs_ref[:, pl.ds(part, 1)]) * scales(0)
+    ok = (jnp.arange(p.tile_m, dtype=jnp.int32) < M)[:, None] & (cols < N)[None, :]
+    if p.splits > 1:
+        plt.store(o_ref.at[part, pl.ds(0, p.tile_m), pl.ds(c0 * 4, C)], out, mask=ok)
+    else:
+        plt.store(o_ref.at[pl.ds(0, p.tile_m), pl.ds(c0 * 4, C)], out.astype(o_ref.dtype), mask=ok)
 
 
 def rows_of_x(x, kind, block, p):

@@ -1,7 +1,8 @@
-"""fp8 (e4m3) matmul at decode and verify rows (M 4 .. 16) on the tensor cores: x [M, K] (bf16 / f16) @ an fp8
+"""fp8 (e4m3) matmul at decode and verify rows (M 4 .. 64) on the tensor cores: x [M, K] (bf16 / f16) @ an fp8
 weight in quant_layout's format (K blocks with column blocks, as Qwen's (128, 128) checkpoints; or one scale per
-column) -> [M, N]. quant_mma.py's sibling for fp8: the same launch (one 16-row tile, 4 warps, the next step's
-tile loaded before the arithmetic on this one, K in parts), another conversion.
+column) -> [M, N]. quant_mma.py's sibling for fp8: the same launch (one 16-row tile up to 16 rows, one of 64 for
+17 .. 64 (a batch's verifies; Triton emits warp-group MMA there), 4 warps, the next step's tile loaded before the
+arithmetic on this one, K in parts), another conversion.
 
     quant_mma_fp8_pallas(x, q, scale, *, k, block) -> [M, N]   (reference: quant_matmul_reference)
 
@@ -15,10 +16,14 @@ than 2^-24 of the largest term. The f16 x f16 products are exact in the f32 accu
 is scaled by its f32 scales (per column: once at the end), and the row's power of two comes off at the end
 (exact).
 
-sm_90 machine code of the loop (tests/test_kernel_quant_mma.py), 27B gate/up, (128, 128) blocks, bf16 x, M 4:
-4.1 lane-instructions per value (F2FP 0.5, the operand's staging and byte shuffles PRMT 0.77, LDS 0.6, IMAD
-0.9, HMMA 0.25), 195 registers, no spill, 18 KB shared. HBM's time allows 7.0 per value at 4.8 TB/s (one byte a
-value): estimated memory bound, not measured (the FMA decode kernel: 6.6 at M 4, 12.6 at M 8).
+sm_90 machine code of the loop (tests/test_kernel_quant_mma.py), 27B gate/up, (128, 128) blocks, bf16 x:
+M 4 .. 16 (mma.sync): 4.1 lane-instructions per value (F2FP 0.5, the operand's staging and byte shuffles PRMT
+0.77, LDS 0.6, IMAD 0.9, HMMA 0.25), 195 registers, no spill, 18 KB shared; M 17 .. 64 (warp-group MMA, whose
+weight operand the tensor cores read from shared memory themselves: no LDS): 3.0 (F2FP 0.5, PRMT 0.57, the
+per-block scaling FFMA 0.5, IMAD 0.34), 238 registers, no spill, 24 KB shared (27B down: 3.2, 32 KB). HBM's time
+allows 7.0 per value at 4.8 TB/s (one byte a value): estimated memory bound, not measured (the FMA decode kernel:
+6.6 at M 4, 12.6 at M 8; XLA's dequantize-then-dot, which 17 .. 64 rows ran before, measured 11% of HBM at 5
+rows on the H200).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from kernels_pallas.quant_mma import (
     K_PARTS,
     MAX_ELEMENTS,
     MAX_GRID,
+    MAX_ROWS,
     MAX_STEP_ROWS,
     NUM_WARPS,
     ROWS,
@@ -51,7 +57,8 @@ F16_TOP = 14  # each row of x scaled so that its largest |entry| lies in [2^13, 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """grid (col_tiles, splits); a program covers COLUMNS columns of `per` steps (a K block, scaled at its end;
-    per channel: 64 rows, scaled once at the end), each `subs` loads of `rows` rows."""
+    per channel: 64 rows, scaled once at the end), each `subs` loads of `rows` rows, on a tile of tile_m rows of
+    x (16, or 64 from 17 rows: quant_mma.plan's rule)."""
     col_tiles: int
     rows: int
     subs: int
@@ -59,6 +66,7 @@ class Plan:
     per: int
     splits: int
     channel: bool
+    tile_m: int = ROWS
 
 
 def plan(M, K, N, block, *, kind="fp8", splits=None) -> Plan:  # (quant_mma.plan's signature)
@@ -68,7 +76,7 @@ def plan(M, K, N, block, *, kind="fp8", splits=None) -> Plan:  # (quant_mma.plan
     col_tiles = cdiv(N, COLUMNS)
     steps = cdiv(K, step)
     splits, per = k_parts(steps, col_tiles, K * N, M, N, splits=splits, **K_PARTS)
-    return Plan(col_tiles, rows, step // rows, steps, per, splits, channel)
+    return Plan(col_tiles, rows, step // rows, steps, per, splits, channel, ROWS if M <= ROWS else MAX_ROWS)
 
 
 def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
@@ -79,8 +87,8 @@ def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
         return f"{kind}: the fp8 tensor-core decode kernel takes fp8 only"
     if jnp.dtype(x.dtype) not in DTYPES:
         return f"x of dtype {jnp.dtype(x.dtype)}: the fp8 tensor-core decode kernel takes bfloat16 / float16"
-    if not 1 <= M <= ROWS:
-        return f"{M} rows: the fp8 tensor-core decode kernel takes 1 .. {ROWS}"
+    if not 1 <= M <= MAX_ROWS:
+        return f"{M} rows: the fp8 tensor-core decode kernel takes 1 .. {MAX_ROWS}"
     if N == 0 or k == 0:
         return f"an empty matmul ({M} x {k} @ {k} x {N})"
     if bk < k and (bk & (bk - 1) or not 16 <= bk <= MAX_K_BLOCK):
@@ -88,7 +96,7 @@ def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
     if bk >= k and bn != 1 and bn < N:
         return f"one K block with column blocks of {bn}: the kernel takes per-column or per-tensor scales there"
     p = plan(M, k, N, block)
-    if max(q.size, ROWS * p.steps * p.subs * p.rows, p.splits * M * N) >= MAX_ELEMENTS:
+    if max(q.size, p.tile_m * p.steps * p.subs * p.rows, p.splits * M * N) >= MAX_ELEMENTS:
         return f"x [{M}, {k}] @ [{k}, {N}]: more than 2^31 elements in one array (the kernel's offsets are int32)"
     if max(p.col_tiles, p.splits) > MAX_GRID:
         return f"{p.col_tiles} column tiles x {p.splits} K parts: a CUDA grid's y and z stop at {MAX_GRID}"
@@ -119,7 +127,7 @@ def _kernel(x_ref, xe_ref, q_ref, s_ref, o_ref, *, M, K, N, bn, p):
 
     def one_step(t, carry):
         out, wn = carry
-        acc = out if p.channel else jnp.zeros((ROWS, COLUMNS), jnp.float32)
+        acc = out if p.channel else jnp.zeros((p.tile_m, COLUMNS), jnp.float32)
         for s in range(p.subs):
             r0 = t * step + s * R
             w, wn = wn, load(r0 + R)
@@ -129,26 +137,26 @@ def _kernel(x_ref, xe_ref, q_ref, s_ref, o_ref, *, M, K, N, bn, p):
     first = part * p.per
     n = jnp.minimum(p.per, p.steps - first)
     out, _ = jax.lax.fori_loop(first, first + n, one_step,
-                               (jnp.zeros((ROWS, COLUMNS), jnp.float32), load(first * step)))
+                               (jnp.zeros((p.tile_m, COLUMNS), jnp.float32), load(first * step)))
     if p.channel:
         out = out * scales(jnp.int32(0))
-    out = out * xe_ref[...]  # [16, 1]: each row's power of two back
-    ok = (jnp.arange(ROWS, dtype=jnp.int32) < M)[:, None] & col_ok[None, :]
+    out = out * xe_ref[...]  # [tile_m, 1]: each row's power of two back
+    ok = (jnp.arange(p.tile_m, dtype=jnp.int32) < M)[:, None] & col_ok[None, :]
     if p.splits > 1:
-        plt.store(o_ref.at[part, pl.ds(0, ROWS), pl.ds(c0, COLUMNS)], out, mask=ok)
+        plt.store(o_ref.at[part, pl.ds(0, p.tile_m), pl.ds(c0, COLUMNS)], out, mask=ok)
     else:
-        plt.store(o_ref.at[pl.ds(0, ROWS), pl.ds(c0, COLUMNS)], out.astype(o_ref.dtype), mask=ok)
+        plt.store(o_ref.at[pl.ds(0, p.tile_m), pl.ds(c0, COLUMNS)], out.astype(o_ref.dtype), mask=ok)
 
 
 def rows_of_x(x, p):
-    """x [M, K] -> f16 [16, K'] (each row times 2^(14 - e), e the exponent of its largest |entry|; rows past M
-    and columns past K zero) and f32 [16, 1]: 2^(e - 14) per row, what the kernel multiplies its sums by."""
+    """x [M, K] -> f16 [tile_m, K'] (each row times 2^(14 - e), e the exponent of its largest |entry|; rows past M
+    and columns past K zero) and f32 [tile_m, 1]: 2^(e - 14) per row, what the kernel multiplies its sums by."""
     M, k = x.shape
     xf = x.astype(jnp.float32)
     _, e = jnp.frexp(jnp.max(jnp.abs(xf), axis=1, keepdims=True))
     xs = jnp.ldexp(xf, F16_TOP - e)
-    xr = jnp.pad(xs, ((0, ROWS - M), (0, p.steps * p.subs * p.rows - k))).astype(jnp.float16)
-    back = jnp.pad(jnp.ldexp(jnp.ones((M, 1), jnp.float32), e - F16_TOP), ((0, ROWS - M), (0, 0)))
+    xr = jnp.pad(xs, ((0, p.tile_m - M), (0, p.steps * p.subs * p.rows - k))).astype(jnp.float16)
+    back = jnp.pad(jnp.ldexp(jnp.ones((M, 1), jnp.float32), e - F16_TOP), ((0, p.tile_m - M), (0, 0)))
     return xr, back
 
 

@@ -1,6 +1,6 @@
 """Item 5: the quantized-matmul kernels (int8 per channel, int4 groups, fp8 blocks and per channel) against their XLA
 reference at small shapes and at the real 27B matrices, timed beside XLA dequantize-then-dot, a bf16 dot and qwix,
-with whether backend "auto" picks the faster. At decode rows (M <= 16) each line times the decode kernels
+with whether backend "auto" picks the faster. At decode rows (M <= 64) each line times the decode kernels
 (kernels_pallas/quant_gemv.py on the FMA units; quant_mma.py / quant_mma_fp8.py on the tensor cores)
 beside the tiled kernel (quant_matmul.py), and prints every path's GB/s and share of HBM for the bytes it reads,
 and the time 80% of HBM allows for the quantized bytes."""
