@@ -8,10 +8,16 @@ XLA's pipeline runs them), its loop's instructions per stored value, and the sha
 The model: an SM issues 4 warp instructions per clock (132 SMs at 1.98 GHz on an H100 / H200: 33.5e12 lane-
 instructions/s); a kernel whose loop needs n lane-instructions per stored value is bound by its instructions
 when n exceeds the bytes' time, 33.5e12 / (values per second at the bandwidth), and reads at min(1, budget / n)
-of HBM otherwise. It leaves out latency (bytes in flight), tail waves, the tensor cores' own rate and the
-conversions' lower issue rates (I2F), so it is an upper bound to compare kernels, not a speed: benchmarks/gpu_check
---quant-only measures them on a GPU, and its lines are what backend "auto" is to follow. The last column is the
-kernel quant_decode.decode_kernel picks at those rows.
+of HBM otherwise. It leaves out latency, tail waves, the tensor cores' own rate and the conversions' lower
+issue rates (I2F), so it is an upper bound to compare kernels, not a speed: benchmarks/gpu_check --quant-only
+measures them on a GPU, and its lines are what backend "auto" is to follow. The last column is the kernel
+quant_decode.decode_kernel picks at those rows.
+
+Latency is shown apart, not modelled: "in flight per SM" is the bytes of one loop step's loads (each kernel
+issues the next step's before the arithmetic on this one) times the CTAs an SM holds at once (by registers,
+warps and shared memory, and no more than the grid gives it). By Little's law HBM at 4.8 TB/s with a loaded
+latency of L ns wants 4.8e12 x L / 132 bytes in flight per SM (about 25 KB at 700 ns); the latency is the GPU
+run's to measure, so no share is derived from this column.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-LANE_INSTRUCTIONS_PER_S = 132 * 1.98e9 * 4 * 32
+SMS = 132
+LANE_INSTRUCTIONS_PER_S = SMS * 1.98e9 * 4 * 32
+SM_REGISTERS, SM_WARPS, SM_SHARED, SM_CTAS = 65536, 64, 228 * 1024, 32  # sm_90, per SM
 BYTES_PER_VALUE = {"int4": 0.5, "int8": 1.0, "fp8": 1.0}
 VALUES_PER_COLUMN = {"int4": 8, "int8": 4, "fp8": 1}  # a stored column: an int32 word, or an fp8 byte
 BLOCK = {"int4": (128, 1), "int8": None, "fp8": (128, 128)}
@@ -43,7 +51,7 @@ def _args(kind, M, K, N):
 
 
 def kernels(kind, M, K, N):
-    """[(name, jitted fn, per-iteration stored values of its innermost loop, num_warps-independent)]: the FMA
+    """[(name, jitted fn, per-iteration stored values of its innermost loop, programs in its grid)]: the FMA
     decode kernel and the tensor-core one, where each takes the shape."""
     import jax
 
@@ -55,15 +63,24 @@ def kernels(kind, M, K, N):
     if gemv.unsupported_reason(*args, kind=kind, k=K, block=block) is None:
         p = gemv.plan(M, K, N, kind, block)
         fn = jax.jit(lambda x, q, s: gemv.quant_gemv_pallas(x, q, s, kind=kind, k=K, block=block))
-        out.append(("FMA decode kernel", fn, p.rows * p.cols * VALUES_PER_COLUMN[kind]))
+        out.append(("FMA decode kernel", fn, p.rows * p.cols * VALUES_PER_COLUMN[kind], p.col_tiles * p.splits))
     module = tensor_core_module(kind)
     if module.unsupported_reason(*args, kind=kind, k=K, block=block) is None:
         p = module.plan(M, K, N, block, kind=kind)
         columns = module.COLUMNS if kind == "fp8" else p.words
         kernel = module.quant_mma_fp8_pallas if kind == "fp8" else module.quant_mma_pallas
         fn = jax.jit(lambda x, q, s: kernel(x, q, s, kind=kind, k=K, block=block))
-        out.append(("tensor-core decode kernel", fn, p.rows * p.subs * columns * VALUES_PER_COLUMN[kind]))
+        out.append(("tensor-core decode kernel", fn, p.rows * p.subs * columns * VALUES_PER_COLUMN[kind],
+                    p.col_tiles * p.splits))
     return args, block, out
+
+
+def ctas_per_sm(registers, shared, num_warps, programs):
+    """CTAs one SM holds at once: registers (allocated per warp in units of 256), warps, shared memory (1 KB
+    reserved per CTA) and the CTA limit, and no more than the grid spreads over the SMs."""
+    per_warp = -(-registers * 32 // 256) * 256
+    fit = min(SM_REGISTERS // (per_warp * num_warps), SM_WARPS // num_warps, SM_SHARED // (shared + 1024), SM_CTAS)
+    return max(1, min(fit, -(-programs // SMS)))
 
 
 def main(argv=None) -> int:
@@ -85,23 +102,27 @@ def main(argv=None) -> int:
             args, block, found = kernels(kind, M, K, N)
             picks = decode_kernel(*args, kind, K, block)
             pick = {quant_mma: "tensor-core decode kernel"}.get(picks, "FMA decode kernel" if picks else "tiled / XLA")
-            for name, fn, values in found:
+            for name, fn, values, programs in found:
                 (kernel,) = triton_kernels(export_for(fn, *args))
-                cases.append((kind, M, name, values, kernel.num_warps, pick))
+                cases.append((kind, M, name, values, programs, kernel.num_warps, pick))
                 triton.append(kernel)
     print(f"K x N {K} x {N}, bf16 x; HBM {a.bandwidth / 1e12:.2f} TB/s; {LANE_INSTRUCTIONS_PER_S:.3g} "
           "lane-instructions/s")
-    print("| format | rows | kernel | registers | instructions / value | budget | est. share of HBM | auto picks |")
-    print("|---|---|---|---|---|---|---|---|")
-    for (kind, M, name, values, warps, pick), r in zip(cases, compile_sm90(triton, loops=True)):
+    print("| format | rows | kernel | registers | instructions / value | budget | est. share of HBM | in flight per SM "
+          "| auto picks |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (kind, M, name, values, programs, warps, pick), r in zip(cases, compile_sm90(triton, loops=True)):
         if r["error"]:
-            print(f"| {kind} | {M} | {name} | compile error: {r['error'][-200:]} | | | | |")
+            print(f"| {kind} | {M} | {name} | compile error: {r['error'][-200:]} | | | | | |")
             continue
+        ctas = ctas_per_sm(r["registers"], r["shared"], warps, programs)
+        flight = f"{ctas * values * BYTES_PER_VALUE[kind] / 1024:.0f} KB ({ctas} CTA{'s' * (ctas > 1)})"
         per_value = r["loops"][0]["instructions"] * 32 * warps / values
         budget = LANE_INSTRUCTIONS_PER_S * BYTES_PER_VALUE[kind] / a.bandwidth
         spill = "" if r["local"] == 0 else f" ({r['local']} B spilled)"
         print(f"| {kind} | {M} | {name} | {r['registers']}{spill} | {per_value:.2f} | {budget:.2f} | "
-              f"{min(1.0, budget / per_value):.0%} | {'**' if pick == name else ''}{pick}{'**' if pick == name else ''} |")
+              f"{min(1.0, budget / per_value):.0%} | {flight} | {'**' if pick == name else ''}{pick}"
+              f"{'**' if pick == name else ''} |")
     return 0
 
 

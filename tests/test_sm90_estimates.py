@@ -24,4 +24,4 @@ def test_short_form_prints_both_kernels(capsys):
     assert [r[2].strip() for r in rows] == ["FMA decode kernel", "tensor-core decode kernel"], rows
     fma, tc = (float(r[4]) for r in rows)
     assert tc < float(rows[1][5]) < fma, rows  # the tensor cores within the bytes' time, the FMA units past it
-    assert rows[1][7].strip() == "**tensor-core decode kernel**" and rows[0][7].strip() == "tensor-core decode kernel"
+    assert rows[1][8].strip() == "**tensor-core decode kernel**" and rows[0][8].strip() == "tensor-core decode kernel"
