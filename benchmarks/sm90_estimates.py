@@ -13,9 +13,10 @@ issue rates (I2F), so it is an upper bound to compare kernels, not a speed: benc
 measures them on a GPU, and its lines are what backend "auto" is to follow. The last column is the kernel
 quant_decode.decode_kernel picks at those rows.
 
-Latency is shown apart, not modelled: "in flight per SM" is the bytes of one loop step's loads (each kernel
-issues the next step's before the arithmetic on this one) times the CTAs an SM holds at once (by registers,
-warps and shared memory, and no more than the grid gives it). By Little's law HBM at 4.8 TB/s with a loaded
+Latency is shown apart, not modelled: "in flight per SM" is the bytes of the loop steps whose loads are issued
+ahead of the arithmetic (one, prefetched in registers; stages - 1 where Triton's pipeline copies them through
+shared memory) times the CTAs an SM holds at once (by registers, warps and shared memory, and no more than the
+grid gives it). By Little's law HBM at 4.8 TB/s with a loaded
 latency of L ns wants 4.8e12 x L / 132 bytes in flight per SM (about 25 KB at 700 ns); the latency is the GPU
 run's to measure, so no share is derived from this column.
 """
@@ -51,8 +52,8 @@ def _args(kind, M, K, N):
 
 
 def kernels(kind, M, K, N):
-    """[(name, jitted fn, per-iteration stored values of its innermost loop, programs in its grid)]: the FMA
-    decode kernel and the tensor-core one, where each takes the shape."""
+    """[(name, jitted fn, per-iteration stored values of its innermost loop, programs in its grid, loop steps
+    loaded ahead)]: the FMA decode kernel and the tensor-core one, where each takes the shape."""
     import jax
 
     from kernels_pallas import quant_gemv as gemv
@@ -63,7 +64,7 @@ def kernels(kind, M, K, N):
     if gemv.unsupported_reason(*args, kind=kind, k=K, block=block) is None:
         p = gemv.plan(M, K, N, kind, block)
         fn = jax.jit(lambda x, q, s: gemv.quant_gemv_pallas(x, q, s, kind=kind, k=K, block=block))
-        out.append(("FMA decode kernel", fn, p.rows * p.cols * VALUES_PER_COLUMN[kind], p.col_tiles * p.splits))
+        out.append(("FMA decode kernel", fn, p.rows * p.cols * VALUES_PER_COLUMN[kind], p.col_tiles * p.splits, 1))
     module = tensor_core_module(kind)
     if module.unsupported_reason(*args, kind=kind, k=K, block=block) is None:
         p = module.plan(M, K, N, block, kind=kind)
@@ -71,7 +72,7 @@ def kernels(kind, M, K, N):
         kernel = module.quant_mma_fp8_pallas if kind == "fp8" else module.quant_mma_pallas
         fn = jax.jit(lambda x, q, s: kernel(x, q, s, kind=kind, k=K, block=block))
         out.append(("tensor-core decode kernel", fn, p.rows * p.subs * columns * VALUES_PER_COLUMN[kind],
-                    p.col_tiles * p.splits))
+                    p.col_tiles * p.splits, max(1, p.stages - 1)))
     return args, block, out
 
 
@@ -102,21 +103,21 @@ def main(argv=None) -> int:
             args, block, found = kernels(kind, M, K, N)
             picks = decode_kernel(*args, kind, K, block)
             pick = {quant_mma: "tensor-core decode kernel"}.get(picks, "FMA decode kernel" if picks else "tiled / XLA")
-            for name, fn, values, programs in found:
+            for name, fn, values, programs, ahead in found:
                 (kernel,) = triton_kernels(export_for(fn, *args))
-                cases.append((kind, M, name, values, programs, kernel.num_warps, pick))
+                cases.append((kind, M, name, values, programs, ahead, kernel.num_warps, pick))
                 triton.append(kernel)
     print(f"K x N {K} x {N}, bf16 x; HBM {a.bandwidth / 1e12:.2f} TB/s; {LANE_INSTRUCTIONS_PER_S:.3g} "
           "lane-instructions/s")
     print("| format | rows | kernel | registers | instructions / value | budget | est. share of HBM | in flight per SM "
           "| auto picks |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for (kind, M, name, values, programs, warps, pick), r in zip(cases, compile_sm90(triton, loops=True)):
+    for (kind, M, name, values, programs, ahead, warps, pick), r in zip(cases, compile_sm90(triton, loops=True)):
         if r["error"]:
             print(f"| {kind} | {M} | {name} | compile error: {r['error'][-200:]} | | | | | |")
             continue
         ctas = ctas_per_sm(r["registers"], r["shared"], warps, programs)
-        flight = f"{ctas * values * BYTES_PER_VALUE[kind] / 1024:.0f} KB ({ctas} CTA{'s' * (ctas > 1)})"
+        flight = f"{ctas * ahead * values * BYTES_PER_VALUE[kind] / 1024:.0f} KB ({ctas} CTA{'s' * (ctas > 1)})"
         per_value = r["loops"][0]["instructions"] * 32 * warps / values
         budget = LANE_INSTRUCTIONS_PER_S * BYTES_PER_VALUE[kind] / a.bandwidth
         spill = "" if r["local"] == 0 else f" ({r['local']} B spilled)"

@@ -7,9 +7,9 @@ dispatching functions (each: the kernel in a program lowered for cuda, quant_mat
 
 The rule, from the sm_90 machine code of each kernel's loop (instructions per stored value against the bytes'
 time; estimates until benchmarks/gpu_check --quant-only times them on a GPU): on the tensor cores int4 with
-bf16 / f16 x at 2 .. 16 rows, int8 per channel with bf16 x and fp8 with bf16 / f16 x at 4 .. 16 (2.8, 4.8 and
+bf16 / f16 x at 2 .. 16 rows, int8 per channel with bf16 x and fp8 with bf16 / f16 x at 4 .. 16 (2.9, 5.0 and
 4.1 instructions per value at every M: estimated memory bound), and all three on to 64 rows (a batch's
-verifies, one 64-row tile; int4 3.3, int8 4.4, fp8 3.0: all estimated memory bound, where XLA's
+verifies, one 64-row tile; int4 3.7, int8 5.2, fp8 2.4: 95%, memory bound, memory bound, where XLA's
 dequantize-then-dot measured 4% of HBM for int4 and 11% for fp8 blocks at decode rows), else the FMA kernel up to its ROWS_FMA (int4 M 1: 94% of HBM; int8 and fp8 memory bound up to
 M 3), else None: quant_matmul's tiled kernel / XLA rule.
 """

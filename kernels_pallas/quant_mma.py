@@ -27,27 +27,35 @@ the FMA rate): 26% of HBM for int4 on an H200. This kernel feeds the tensor core
 - the tensor cores multiply x by these exact numbers (bf16 x bf16 products are exact in the f32 accumulator);
   the bases come back once per group (int4) or K part (int8), row and column: out += (acc - correction) *
   scale, the correction (the bases times the sums of x they multiply) computed by XLA beside the call (a few KB);
-- x is padded to one 16-row tile in XLA (x's dtype [2, 16, K']: the rows the low and high nibbles multiply), so
-  its loads need no mask; the output stores only the M real rows;
-- a CTA of 4 warps covers 32 words (128 columns) of 64 stored rows per loop step (8 KB), loads the next step's
-  words before the arithmetic on these (a software pipeline of one step in registers), and K is split into
-  parts (f32 partial products summed in XLA) until the grid gives the SMs about PROGRAMS_PER_SM CTAs each, while
-  the partial products stay under MAX_PARTIAL_TRAFFIC of the bytes (under half of them where the grid would
-  otherwise leave SMs idle: 27B's down at 64 rows, 40 column tiles, takes 4 parts).
+- x is padded to one tile of rows in XLA (x's dtype [2, 16 or 64, K']: the rows the low and high nibbles
+  multiply), so its loads need no mask; the output stores only the M real rows;
+- a CTA of 4 warps covers 32 words (128 columns) of 64 stored rows per loop step (8 KB), with the next steps'
+  loads in flight (below), and K is split into parts (f32 partial products summed in XLA) until the grid gives
+  the SMs about PROGRAMS_PER_SM CTAs each, while the partial products stay under MAX_PARTIAL_TRAFFIC of the
+  bytes (under half of them where the grid would otherwise leave SMs idle: 27B's down at 64 rows, 40 column
+  tiles, takes 4 parts).
+
+Loads in flight. A CTA streams 8 KB of weights a step, and HBM's latency has to be covered by the bytes in
+flight (Little's law: 4.8 TB/s x L / 132 SMs, 25 KB per SM if the loaded latency L is 700 ns: an assumption,
+not a measurement). By default (STAGES = 3) Triton's software pipeline
+copies the next two steps' words and x into shared memory (cp.async) while this one is computed: 64 KB in
+flight per SM at 16 rows (4 CTAs), 32 KB at 64 rows (2 CTAs). stages=1 instead prefetches one step in
+registers (24 and 16 KB): fewer instructions, fewer bytes in flight; benchmarks/gpu_check --quant-only times
+both, and the faster is to become the default.
 
 sm_90 machine code of the loop (tests/test_kernel_quant_mma.py compiles it, Triton's TTIR passes first, and
-counts), 27B gate/up, bf16 x, the same code at every M <= 16: per stored value, int4 2.8 lane-instructions (LOP3
-0.53, PRMT 0.5 (the pairs of rows the tensor-core operand wants), SHF 0.38, HMMA 0.25, the operand's staging
-in shared memory STS 0.15 + LDSM 0.19, the per-group epilogue FADD + FFMA 0.25), int8 4.8 (the same per word,
-4 values a word); 96-138 registers, no spill, 18 KB shared. Against the bytes' time at 4.8 TB/s (int4 9.6e12,
-int8 4.8e12 values/s; an SM issues 4 warp instructions per clock: 33.5e12 lane-instructions/s on 132 SMs at
-1.98 GHz) both are estimated memory bound (int4 with 1.26x headroom, int8 1.44x): estimates, not measurements.
-A 64-row tile (warp-group MMA: the tensor cores read the weight operand from shared memory themselves) costs
-int4 3.3 (memory bound; its per-group epilogue is 1.0 of it, 64 rows x 128 columns of FADD + FFMA a group) and
-int8 4.4 per value, at 254 and 167 registers; a 32-row one (mma.sync) int4 3.3 at 208 registers, int8 5.5, so
-17 .. 64 rows take the 64-row tile. (The first form of this kernel ran four dots of 32 columns per nibble
-position and loaded each scale apart: int4 3.1 at M <= 16 and 5.5 at 64 rows, int8 5.3 and 6.1.) The model
-leaves out latency: a CTA keeps one step (8 KB) in flight, 2 (64-row tile) or 3 (16-row tile) CTAs an SM.
+counts), 27B gate/up, bf16 x, the same code at every M <= 16: per stored value, int4 2.9 lane-instructions (LOP3
+0.55, PRMT 0.5 (the pairs of rows the tensor-core operand wants), SHF 0.38, HMMA 0.25, the operand's staging
+in shared memory STS 0.13 + LDSM 0.19, the per-group epilogue FADD + FFMA 0.25), int8 5.0 (the same per word,
+4 values a word); 89-128 registers, no spill, 40 KB shared (stages=1: int4 2.8, int8 4.8). Against the bytes'
+time at 4.8 TB/s (int4 9.6e12, int8 4.8e12 values/s; an SM issues 4 warp instructions per clock: 33.5e12
+lane-instructions/s on 132 SMs at 1.98 GHz) both are estimated memory bound (int4 with 1.2x headroom, int8
+1.4x): estimates, not measurements. A 64-row tile (warp-group MMA: the tensor cores read the weight operand
+from shared memory themselves) costs int4 3.7 (95% of HBM; its per-group epilogue is 1.0 of it, 64 rows x 128
+columns of FADD + FFMA a group) and int8 5.2 per value, at 223 and 127 registers and 80 KB shared (stages=1:
+3.3 and 4.4 at 254 and 167 registers); a 32-row one (mma.sync, stages=1) int4 3.3 at 208 registers, int8 5.5,
+so 17 .. 64 rows take the 64-row tile. (The first form of this kernel ran four dots of 32 columns per nibble
+position and loaded each scale apart: int4 3.1 at M <= 16 and 5.5 at 64 rows, int8 5.3 and 6.1.)
 benchmarks/gpu_check --quant-only times it beside the FMA and tiled kernels, XLA and qwix. The tensor cores
 then run 16 padded rows x 9.6e12 int4 values/s = 307 TFLOP/s of bf16: under a third of an H200's dense bf16
 peak (989 TFLOP/s, reached through wgmma; the mma.sync that Triton emits for a 16-row tile reaches less, how
@@ -83,7 +91,11 @@ MAX_ROWS = 64  # rows of x: one tile of 16, or (batched verifies, 17 .. 64 rows)
 WORDS = 32  # words (4 columns each) per CTA
 MAX_STEP_ROWS = 64  # packed rows per load (a larger half group is loaded in parts; int8: K in steps of 64)
 NUM_WARPS = 4
-PROGRAMS_PER_SM = 6  # about 136 registers x 128 threads: 3 CTAs fit an SM (a 64-row tile: 2); two waves hide the tail
+# Triton's software pipeline: the loads of STAGES - 1 steps ahead in flight through shared memory (cp.async), not
+# registers; 1: the next step's loads in registers before the arithmetic on this one (module doc: which is faster
+# is for the GPU run, benchmarks/gpu_check --quant-only times both)
+STAGES = 3
+PROGRAMS_PER_SM = 6  # about 128 registers x 128 threads: 4 CTAs fit an SM (a 64-row tile: 2); two waves hide the tail
 SMS = 132
 MIN_STEPS_PER_SPLIT = 2
 MAX_PARTIAL_TRAFFIC = 0.1
@@ -114,13 +126,14 @@ class Plan:
     splits: int
     tile_m: int = ROWS
     words: int = WORDS
+    stages: int = STAGES
 
     @property
     def programs(self) -> int:
         return self.col_tiles * self.splits
 
 
-def plan(M, K, N, block, *, kind="int4", splits=None, words=None) -> Plan:
+def plan(M, K, N, block, *, kind="int4", splits=None, words=None, stages=None) -> Plan:
     step = block[0] // 2 if kind == "int4" else MAX_STEP_ROWS
     rows = min(step, MAX_STEP_ROWS)
     tile_m = ROWS if M <= ROWS else MAX_ROWS  # (module doc: a tile of 64 beats one of 32 in sm_90 code)
@@ -128,7 +141,7 @@ def plan(M, K, N, block, *, kind="int4", splits=None, words=None) -> Plan:
     col_tiles = cdiv(N // 4, words)
     steps = cdiv(K, block[0]) if kind == "int4" else cdiv(K, step)
     splits, per = k_parts(steps, col_tiles, steps * step * N, M, N, splits=splits, **K_PARTS)
-    return Plan(col_tiles, rows, step // rows, steps, per, splits, tile_m, words)
+    return Plan(col_tiles, rows, step // rows, steps, per, splits, tile_m, words, stages or STAGES)
 
 
 def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
@@ -199,7 +212,10 @@ def _kernel(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, *, kind, M, N, kq, p, dt)
         acc = jnp.zeros((p.tile_m, C), jnp.float32) if kind == "int4" else out
         for s in range(p.subs):
             r0 = t * step + s * R
-            w, wn = wn, load(r0 + R)
+            if p.stages > 1:  # Triton's pipeliner keeps stages - 1 steps of loads in flight (cp.async)
+                w = load(r0)
+            else:  # one step in flight, in registers
+                w, wn = wn, load(r0 + R)
             for half in range(2):  # x rows the low / high nibbles multiply
                 xv = x_ref[half, :, pl.ds(r0, R)]
                 acc = acc + jnp.dot(xv, weights(w, half), preferred_element_type=jnp.float32)
@@ -210,8 +226,8 @@ def _kernel(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, *, kind, M, N, kq, p, dt)
 
     first = part * p.per
     n = jnp.minimum(p.per, p.steps - first)
-    out, _ = jax.lax.fori_loop(first, first + n, one_step,
-                               (jnp.zeros((p.tile_m, C), jnp.float32), load(first * step)))
+    out, _ = jax.lax.fori_loop(first, first + n, one_step, (jnp.zeros((p.tile_m, C), jnp.float32),
+                                                            load(first * step) if p.stages == 1 else None))
     if kind == "int8":  # the correction over the part's rows, then the column scales
         out = (out - xs_ref[:, pl.ds(part, 1)]) * scales(0)
     ok = (jnp.arange(p.tile_m, dtype=jnp.int32) < M)[:, None] & (cols < N)[None, :]
@@ -244,14 +260,14 @@ def rows_of_x(x, kind, block, p):
     return xr, jnp.einsum("h,hms->ms", bases, sums, precision=jax.lax.Precision.HIGHEST)
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "words", "interpret"))
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "words", "stages", "interpret"))
 def quant_mma_pallas(x, q, scale, *, kind: str = "int4", k: int, block, splits: int | None = None,
-                     words: int | None = None, interpret: bool = False):
+                     words: int | None = None, stages: int | None = None, interpret: bool = False):
     """The kernel. Inputs must pass quant_matmul.check_inputs and unsupported_reason here."""
     block = tuple(block)
     M, N = x.shape[0], q.shape[1]
     dt = jnp.dtype(x.dtype)
-    p = plan(M, k, N, block, kind=kind, splits=splits, words=words)
+    p = plan(M, k, N, block, kind=kind, splits=splits, words=words, stages=stages)
     xr, xs = rows_of_x(x, kind, block, p)
     (m_lo, _), (m_hi, _) = halves(kind, dt)
     consts = jnp.asarray(np.array([NIBBLES, m_lo, m_hi], np.uint32).view(np.int32))
@@ -265,7 +281,7 @@ def quant_mma_pallas(x, q, scale, *, kind: str = "int4", k: int, block, splits: 
         in_specs=[whole(xr), whole(xs), whole(words), whole(scale), whole(consts)],
         out_specs=whole(out_shape),
         out_shape=out_shape,
-        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=p.stages),
         interpret=interpret,
         name=f"quant_matmul_{kind}_mma",
     )(xr, xs, words, scale.astype(jnp.float32), consts)

@@ -1,8 +1,10 @@
 """fp8 (e4m3) matmul at decode and verify rows (M 4 .. 64) on the tensor cores: x [M, K] (bf16 / f16) @ an fp8
 weight in quant_layout's format (K blocks with column blocks, as Qwen's (128, 128) checkpoints; or one scale per
 column) -> [M, N]. quant_mma.py's sibling for fp8: the same launch (one 16-row tile up to 16 rows, one of 64 for
-17 .. 64 (a batch's verifies; Triton emits warp-group MMA there), 4 warps, the next step's tile loaded before the
-arithmetic on this one, K in parts), another conversion.
+17 .. 64 (a batch's verifies; Triton emits warp-group MMA there), 4 warps, K in parts), another conversion. The
+16-row tile prefetches the next step's bytes in registers (stages=1: through shared memory its fp8 bytes cost
+byte-wise LDS and a stack frame, 4.4 instructions per value); the 64-row tile takes Triton's pipeline
+(quant_mma.STAGES: two steps in flight through shared memory, 64 KB per SM).
 
     quant_mma_fp8_pallas(x, q, scale, *, k, block) -> [M, N]   (reference: quant_matmul_reference)
 
@@ -19,11 +21,11 @@ is scaled by its f32 scales (per column: once at the end), and the row's power o
 sm_90 machine code of the loop (tests/test_kernel_quant_mma.py), 27B gate/up, (128, 128) blocks, bf16 x:
 M 4 .. 16 (mma.sync): 4.1 lane-instructions per value (F2FP 0.5, the operand's staging and byte shuffles PRMT
 0.77, LDS 0.6, IMAD 0.9, HMMA 0.25), 195 registers, no spill, 18 KB shared; M 17 .. 64 (warp-group MMA, whose
-weight operand the tensor cores read from shared memory themselves: no LDS): 3.0 (F2FP 0.5, PRMT 0.57, the
-per-block scaling FFMA 0.5, IMAD 0.34), 238 registers, no spill, 24 KB shared (27B down: 3.2, 32 KB). HBM's time
-allows 7.0 per value at 4.8 TB/s (one byte a value): estimated memory bound, not measured (the FMA decode kernel:
-6.6 at M 4, 12.6 at M 8; XLA's dequantize-then-dot, which 17 .. 64 rows ran before, measured 11% of HBM at 5
-rows on the H200).
+weight operand the tensor cores read from shared memory themselves): 2.4 (F2FP 0.5, the per-block scaling FFMA
+0.5, LDS 0.2, IMAD 0.2), 184-202 registers, no spill, 96 KB shared (stages=1: 3.0-3.2 at 238 registers). HBM's
+time allows 7.0 per value at 4.8 TB/s (one byte a value): estimated memory bound, not measured (the FMA decode
+kernel: 6.6 at M 4, 12.6 at M 8; XLA's dequantize-then-dot, which 17 .. 64 rows ran before, measured 11% of HBM
+at 5 rows on the H200).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from kernels_pallas.quant_mma import (
     MAX_STEP_ROWS,
     NUM_WARPS,
     ROWS,
+    STAGES,
 )
 
 COLUMNS = 128  # fp8 bytes (columns) per CTA: one 128-byte line per row
@@ -67,16 +70,19 @@ class Plan:
     splits: int
     channel: bool
     tile_m: int = ROWS
+    stages: int = 1  # (a 16-row tile: its bytes through shared memory cost LDS and a stack frame; 64 rows: STAGES)
 
 
-def plan(M, K, N, block, *, kind="fp8", splits=None) -> Plan:  # (quant_mma.plan's signature)
+def plan(M, K, N, block, *, kind="fp8", splits=None, stages=None) -> Plan:  # (quant_mma.plan's signature)
     channel = block[0] >= K
     step = MAX_STEP_ROWS if channel else block[0]
     rows = min(step, MAX_STEP_ROWS)
     col_tiles = cdiv(N, COLUMNS)
     steps = cdiv(K, step)
     splits, per = k_parts(steps, col_tiles, K * N, M, N, splits=splits, **K_PARTS)
-    return Plan(col_tiles, rows, step // rows, steps, per, splits, channel, ROWS if M <= ROWS else MAX_ROWS)
+    tile_m = ROWS if M <= ROWS else MAX_ROWS
+    return Plan(col_tiles, rows, step // rows, steps, per, splits, channel, tile_m,
+                stages or (STAGES if tile_m == MAX_ROWS else 1))
 
 
 def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
@@ -130,14 +136,17 @@ def _kernel(x_ref, xe_ref, q_ref, s_ref, o_ref, *, M, K, N, bn, p):
         acc = out if p.channel else jnp.zeros((p.tile_m, COLUMNS), jnp.float32)
         for s in range(p.subs):
             r0 = t * step + s * R
-            w, wn = wn, load(r0 + R)
+            if p.stages > 1:  # Triton's pipeliner keeps stages - 1 steps of loads in flight (cp.async)
+                w = load(r0)
+            else:  # one step in flight, in registers
+                w, wn = wn, load(r0 + R)
             acc = acc + jnp.dot(x_ref[:, pl.ds(r0, R)], w.astype(jnp.float16), preferred_element_type=jnp.float32)
         return (acc, wn) if p.channel else (out + acc * scales(t), wn)
 
     first = part * p.per
     n = jnp.minimum(p.per, p.steps - first)
-    out, _ = jax.lax.fori_loop(first, first + n, one_step,
-                               (jnp.zeros((p.tile_m, COLUMNS), jnp.float32), load(first * step)))
+    out, _ = jax.lax.fori_loop(first, first + n, one_step, (jnp.zeros((p.tile_m, COLUMNS), jnp.float32),
+                                                            load(first * step) if p.stages == 1 else None))
     if p.channel:
         out = out * scales(jnp.int32(0))
     out = out * xe_ref[...]  # [tile_m, 1]: each row's power of two back
@@ -160,13 +169,13 @@ def rows_of_x(x, p):
     return xr, back
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "stages", "interpret"))
 def quant_mma_fp8_pallas(x, q, scale, *, kind: str = "fp8", k: int, block, splits: int | None = None,
-                         interpret: bool = False):
+                         stages: int | None = None, interpret: bool = False):
     """The kernel. Inputs must pass quant_matmul.check_inputs and unsupported_reason here."""
     block = tuple(block)
     M, N = x.shape[0], q.shape[1]
-    p = plan(M, k, N, block, splits=splits)
+    p = plan(M, k, N, block, splits=splits, stages=stages)
     xr, back = rows_of_x(x, p)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, s: (0,) * a.ndim)
     out_shape = jax.ShapeDtypeStruct((p.splits, M, N) if p.splits > 1 else (M, N),
@@ -177,7 +186,7 @@ def quant_mma_fp8_pallas(x, q, scale, *, kind: str = "fp8", k: int, block, split
         in_specs=[whole(xr), whole(back), whole(q), whole(scale)],
         out_specs=whole(out_shape),
         out_shape=out_shape,
-        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=p.stages),
         interpret=interpret,
         name="quant_matmul_fp8_mma",
     )(xr, back, q, scale.astype(jnp.float32))

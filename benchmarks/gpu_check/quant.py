@@ -188,6 +188,11 @@ def _timings(kind, block, M, K, N, dt, x, q, scale, kern, ref, gv, tc, bw, devic
             times["decode kernel without prefetch"] = time_call(flat, x, q, scale)
     if tc is not None:
         times["tensor-core decode kernel"] = time_call(tc, x, q, scale)
+        module = tensor_core_module(kind)
+        other = 1 if module.plan(M, K, N, block, kind=kind).stages > 1 else module.STAGES  # the other pipelining
+        fn = module.quant_mma_fp8_pallas if kind == "fp8" else module.quant_mma_pallas
+        alt = jax.jit(lambda x, q, s: fn(x, q, s, kind=kind, k=K, block=block, stages=other))
+        times[f"tensor-core decode kernel at {other} stage{'s' * (other > 1)}"] = time_call(alt, x, q, scale)
     times["tiled kernel"] = time_call(kern, x, q, scale)
     times["XLA dequantize-then-dot"] = time_call(ref, x, q, scale)
     for name, t in times.items():
