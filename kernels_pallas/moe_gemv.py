@@ -13,11 +13,19 @@ values and scales, the format's dequantization of the gathered experts only (per
 column scales multiply the f32 products, exact), and one batched product. The Pallas-Triton kernel beside it
 is a grouped GEMV: program (pair p, column tile j, K part s) reads ids[p] from its ref, then walks its part of
 K over the tiles w[ids[p], rows, n0 : n0 + bn] where they lie in HBM, turns the stored int8 / packed int4 /
-fp8 / float values into f32 in registers (int4: two shifts of the byte as int8 per nibble), multiplies them by
-their block's scale (int4 groups, fp8 K blocks; per-channel and plain formats scale once at the end) and by
-the pair's slice of x, and accumulates [dk, bn] f32 products, summed over the rows at the end. It uses the
-CUDA cores, not tensor cores (one row per pair: a dot would pad it to 16), which is what a memory-bound GEMV
-needs. K is split into parts (partial sums in f32 summed after the call) when pairs x column tiles alone
+fp8 / float values into f32 in registers, multiplies them by the pair's slice of x, accumulates [dk, bn] f32
+products per scale block (int4 groups, fp8 / int8 K blocks) and adds them times the block's scales once at its
+end (per-channel and plain formats: once at the end), summed over the rows at the end. It uses the CUDA
+cores, not tensor cores (one row per pair: a dot would pad it to 16), which is what a memory-bound GEMV needs.
+int8 and int4 convert with no conversion instruction (I2F issues at 16 per SM per clock on sm_90, an eighth of
+the FMA rate: one per value caps int4 at 44% of an H200's HBM): the byte, or each nibble, offset to unsigned
+(XOR 0x80 / 8) and XOR-ed under the exponent of 2^23 is the float 2^23 + u, and one subtraction gives the value,
+exact. sm_90 loop, 35B-A3B experts at batch 1 (8 pairs, tests/test_moe_routed.py compiles it), lane-
+instructions per stored value: int4 6.3 (was 7.2 with one I2F each: LOP3 1, FADD 1, FFMA 1.25, the bytes'
+extraction PRMT + SHF + SGXT 1.6), int8 4.8 (was 3.6 with one I2F each), fp8 blocks 3.7 (was 4.5, the scales
+applied per element), bf16 3.9. Against the bytes' time at 4.8 TB/s (int4 3.5, int8 / fp8 7.0, bf16 13.9)
+int4 is estimated at 55% of HBM, the others memory bound: estimates, not timings (gpu_check --moe-only times
+them). K is split into parts (partial sums in f32 summed after the call) when pairs x column tiles alone
 give too few programs for 132 SMs (35B-A3B gate / up at batch 1: 8 pairs x 4 tiles of 128 columns).
 
 Backend: kernels_pallas/dispatch.py's rule, the kernel in a program lowered for cuda, the reference
@@ -189,6 +197,14 @@ def unsupported_reason(x, w, scale, ids, *, kind: str, k: int, block):
     return None
 
 
+MAGIC = 0x4B000000  # float32 2^23: OR-ed (or XOR-ed) over an integer u below 2^23, the float 2^23 + u, exact
+
+
+def _exact(bits, offset):
+    """int32 words MAGIC + u (u = v + offset, 0 <= u < 2^23) -> the f32 values v, exact: one subtraction."""
+    return jax.lax.bitcast_convert_type(bits, jnp.float32) - (float(2 ** 23) + offset)
+
+
 def _kernel(x_ref, w_ref, s_ref, id_ref, o_ref, *, mode, K, N, kq, n_groups, bk, bns, bn, tk, dk, per, dt,
             parts):
     p, j, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -212,7 +228,12 @@ def _kernel(x_ref, w_ref, s_ref, id_ref, o_ref, *, mode, K, N, kq, n_groups, bk,
         return jnp.full((1, bn), s_ref[e, g, n0 // bns], jnp.float32)
 
     def value(t):  # stored values -> f32 (plain weights through x's dtype, as the reference casts them)
-        return t.astype(dt).astype(jnp.float32) if mode == "plain" else t.astype(jnp.float32)
+        if mode == "plain":
+            return t.astype(dt).astype(jnp.float32)
+        if t.dtype == jnp.int8:  # int8: no I2F (module doc), the byte offset to unsigned under 2^23's exponent
+            u = jax.lax.bitcast_convert_type(t, jnp.uint8).astype(jnp.int32)
+            return _exact(jax.lax.bitwise_xor(u, jnp.int32(MAGIC | 0x80)), 128.0)
+        return t.astype(jnp.float32)  # fp8: the paired conversion instruction
 
     def step(t, acc):
         k0 = (part * per + t) * tk
@@ -221,17 +242,19 @@ def _kernel(x_ref, w_ref, s_ref, id_ref, o_ref, *, mode, K, N, kq, n_groups, bk,
                 acc = acc + x_chunk(k0 + c) * value(w_tile(k0 + c, K))
             return acc
         s = col_scale(k0 // bk)
+        g = jnp.zeros((dk, bn), jnp.float32)  # the K block's (int4: group's) products, scaled once at its end
         if mode == "block":
             for c in range(0, tk, dk):
-                acc = acc + x_chunk(k0 + c) * (value(w_tile(k0 + c, K)) * s)
-            return acc
+                g = g + x_chunk(k0 + c) * value(w_tile(k0 + c, K))
+            return acc + g * s
         h = bk // 2  # int4: one group; its h packed rows hold rows k0 .. k0+h-1 (low) and k0+h .. k0+bk-1 (high)
         for c in range(0, h, dk):
-            packed = jax.lax.bitcast_convert_type(w_tile(k0 // 2 + c, kq), jnp.int8)
-            lo = jax.lax.shift_right_arithmetic(jax.lax.shift_left(packed, jnp.int8(4)), jnp.int8(4))
-            hi = jax.lax.shift_right_arithmetic(packed, jnp.int8(4))
-            acc = acc + (x_chunk(k0 + c) * lo.astype(jnp.float32) + x_chunk(k0 + h + c) * hi.astype(jnp.float32)) * s
-        return acc
+            u = w_tile(k0 // 2 + c, kq).astype(jnp.int32)  # the stored bytes, 0 .. 255
+            # each nibble n to the float 2^23 + (n ^ 8) = 2^23 + 8 + v (v: its signed value), exact
+            lo = _exact(jax.lax.bitwise_xor(jax.lax.bitwise_and(u, jnp.int32(0xF)), jnp.int32(MAGIC | 8)), 8.0)
+            hi = _exact(jax.lax.bitwise_xor(jax.lax.shift_right_logical(u, jnp.int32(4)), jnp.int32(MAGIC | 8)), 8.0)
+            g = g + x_chunk(k0 + c) * lo + x_chunk(k0 + h + c) * hi
+        return acc + g * s
 
     acc = jax.lax.fori_loop(0, per, step, jnp.zeros((dk, bn), jnp.float32))
     out = jnp.sum(acc, axis=0)

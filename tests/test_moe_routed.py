@@ -343,6 +343,9 @@ def test_batch8_and_prefill_at_35b():
 SM90 = [("35B-A3B bf16 gate", "Qwen3.5-35B-A3B", None), ("35B-A3B int4", "Qwen3.5-35B-A3B", "int4"),
         ("35B-A3B fp8", "Qwen3.5-35B-A3B", "fp8"), ("35B-A3B int8", "Qwen3.5-35B-A3B", "int8"),
         ("397B-A17B bf16", "Qwen3.5-397B-A17B", None)]
+# the module doc's lane-instructions per stored value of the loop (35B-A3B: int4 6.3, int8 4.8, fp8 3.7, bf16
+# 3.9-4.3) with a margin for ptxas' scheduling; int8 / int4 convert with no I2F (an eighth of the FMA rate)
+MOE_PER_VALUE = {"int4": 6.8, "int8": 5.2, "fp8": 4.1, None: 4.7}
 
 
 def test_kernel_compiles_for_sm90(report):
@@ -354,11 +357,20 @@ def test_kernel_compiles_for_sm90(report):
     kernels = []
     for label, name, quant in SM90:
         gate, down = triton_kernels(_export(name, quant, "cuda"))
-        kernels += [(f"{label} gate/up", gate), (f"{label} down", down)]
-    for (label, k), r in zip(kernels, compile_sm90([k for _, k in kernels])):
+        kernels += [(f"{label} gate/up", quant, name, gate), (f"{label} down", quant, name, down)]
+    for (label, quant, name, k), r in zip(kernels, compile_sm90([k for *_, k in kernels], loops=True)):
         assert r["error"] is None, (label, r["error"])
+        loop = r["loops"][0]
+        # one iteration: a scale block (int4 group, fp8 K block; per channel and plain PLAIN_STEP rows) of a
+        # column tile (N / the grid's column tiles wide)
+        cfg = _moe_shapes(name, quant)[0]
+        N = cfg.hidden_size if label.endswith("down") else cfg.moe_intermediate_size
+        values = {"int4": 128, "fp8": 128}.get(quant, mg.PLAIN_STEP) * (N // k.grid[1])
+        per_value = loop["instructions"] * 32 * k.num_warps / values
+        assert "I2F" not in loop["opcodes"] and per_value <= MOE_PER_VALUE[quant], (label, per_value, loop)
         report(f"sm_90 compile, moe_gemv {label}: grid {k.grid}, {k.num_warps} warps, shared {r['shared']} B, "
-               f"{r['registers']} registers, {r['stack']} B stack, {r['local']} B local")
+               f"{r['registers']} registers, {r['stack']} B stack, {r['local']} B local; loop {per_value:.2f} "
+               f"lane-instructions per value")
         assert 0 < r["shared"] <= SM90_SHARED_LIMIT and r["stack"] == 0 and r["local"] == 0, (label, r)
         assert k.grid[0] * k.grid[1] * k.grid[2] >= 132, (label, k.grid)  # every SM of an H100 / H200 busy
 
