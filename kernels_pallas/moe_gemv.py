@@ -17,15 +17,19 @@ fp8 / float values into f32 in registers, multiplies them by the pair's slice of
 products per scale block (int4 groups, fp8 / int8 K blocks) and adds them times the block's scales once at its
 end (per-channel and plain formats: once at the end), summed over the rows at the end. It uses the CUDA
 cores, not tensor cores (one row per pair: a dot would pad it to 16), which is what a memory-bound GEMV needs.
-int8 and int4 convert with no conversion instruction (I2F issues at 16 per SM per clock on sm_90, an eighth of
-the FMA rate: one per value caps int4 at 44% of an H200's HBM): the byte, or each nibble, offset to unsigned
-(XOR 0x80 / 8) and XOR-ed under the exponent of 2^23 is the float 2^23 + u, and one subtraction gives the value,
-exact. sm_90 loop, 35B-A3B experts at batch 1 (8 pairs, tests/test_moe_routed.py compiles it), lane-
-instructions per stored value: int4 6.3 (was 7.2 with one I2F each: LOP3 1, FADD 1, FFMA 1.25, the bytes'
-extraction PRMT + SHF + SGXT 1.6), int8 4.8 (was 3.6 with one I2F each), fp8 blocks 3.7 (was 4.5, the scales
-applied per element), bf16 3.9. Against the bytes' time at 4.8 TB/s (int4 3.5, int8 / fp8 7.0, bf16 13.9)
-int4 is estimated at 55% of HBM, the others memory bound: estimates, not timings (gpu_check --moe-only times
-them). K is split into parts (partial sums in f32 summed after the call) when pairs x column tiles alone
+
+int8 and int4 experts run instead quant_gemv.py's decode kernel over the pairs (`kernel_for`;
+quant_gemv_grouped.py: its grid with a leading axis of pairs, each program reading its pair's expert): int32
+words of packed values, each value built under 1.0's exponent where it lies in the word, no conversion
+instruction (I2F issues at 16 per SM per clock on sm_90, an eighth of the FMA rate: one per value capped int4 at
+44% of an H200's HBM). This module's kernel keeps plain and fp8 experts, and int8 / int4 shapes the other does
+not take (N not a multiple of 4), where it converts with no I2F too: the byte, or each nibble, offset to
+unsigned and XOR-ed under the exponent of 2^23 is the float 2^23 + u, one subtraction gives the value, exact.
+sm_90 loop, 35B-A3B experts at batch 1 (8 pairs; tests/test_moe_routed.py compiles it), lane-instructions per
+stored value: int4 4.5 (the first form of this kernel: 7.2 with one I2F per value; its I2F-free form 6.3), int8
+5.4, fp8 blocks 3.7 (was 4.5, the scales applied per element), bf16 3.9. Against the bytes' time at 4.8 TB/s
+(int4 3.5, int8 / fp8 7.0, bf16 13.9) int4 is estimated at 77% of HBM, the others memory bound: estimates, not
+timings (gpu_check --moe-only times them). K is split into parts (partial sums in f32 summed after the call) when pairs x column tiles alone
 give too few programs for 132 SMs (35B-A3B gate / up at batch 1: 8 pairs x 4 tiles of 128 columns).
 
 Backend: kernels_pallas/dispatch.py's rule, the kernel in a program lowered for cuda, the reference
@@ -46,6 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels_pallas import dispatch
+from kernels_pallas import quant_gemv_grouped as grouped
 from kernels_pallas.masked_attention import precision_for
 from kernels_pallas.quant_layout import (
     STORAGE,
@@ -307,6 +312,16 @@ def moe_gemv(x, w, scale, ids, *, kind: str, k: int, block=None, backend: str = 
     block = (k, 1) if block is None else tuple(int(b) for b in block)
     check_inputs(x, w, scale, ids, kind, k, block)
     reference = functools.partial(moe_gemv_reference, kind=kind, k=k, block=block)
-    kernel = functools.partial(moe_gemv_pallas, kind=kind, k=k, block=block, interpret=interpret)
-    reason = unsupported_reason(x, w, scale, ids, kind=kind, k=k, block=block)
+    kernel, reason = kernel_for(x, w, scale, ids, kind=kind, k=k, block=block)
+    kernel = functools.partial(kernel, kind=kind, k=k, block=block, interpret=interpret)
     return dispatch.run("routed MoE product", kernel, reference, reason, backend, x, w, scale, ids)
+
+
+def kernel_for(x, w, scale, ids, *, kind: str, k: int, block):
+    """(the kernel function, None) for these inputs, or (moe_gemv_pallas, why no kernel takes them): int8 and
+    int4 experts run quant_gemv's decode kernel over the pairs (quant_gemv_grouped_pallas, module doc), every
+    other format, and int8 / int4 shapes it does not take (N not a multiple of 4), this module's kernel."""
+    if kind in grouped.GROUPED_KINDS and grouped.grouped_unsupported_reason(x, w, scale, ids, kind=kind, k=k,
+                                                                      block=block) is None:
+        return grouped.quant_gemv_grouped_pallas, None
+    return moe_gemv_pallas, unsupported_reason(x, w, scale, ids, kind=kind, k=k, block=block)

@@ -35,7 +35,7 @@ fp8 M 1: 2.9 (F2FP 0.5, HADD2 1, FFMA 1). Not yet timed on a GPU: benchmarks/gpu
 
 The FMA path costs M multiply-adds per weight on top of the conversion, so it stays under the bytes' time up
 to a few rows only (ROWS_FMA: an issue-slot budget, module `rows_fma`); quant_matmul dispatches M <= ROWS_FMA to
-this kernel and keeps the tiled kernel / XLA rule above.
+this kernel and keeps the tiled kernel / XLA rule above. Over (token, expert) pairs: quant_gemv_grouped.py.
 
 Layout per loop step (one scale block of stored rows, cut into sub-steps of `rows` rows, each one load):
     int4 (g, 1):   the g/2 packed rows of one group; word c of packed row j holds columns 4c .. 4c+3 (byte b),
@@ -55,6 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels_pallas.quant_layout import cdiv
+from kernels_pallas.split_k import k_parts
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_ROWS = 16  # decode rows: the kernel takes M <= 16
@@ -73,7 +74,8 @@ STEP_ROWS = 16  # per-channel formats: rows per loop step (one load)
 # in flight while it works on the current one (about 150 registers: 13 such CTAs fit an SM, so one wave); K is split into parts to get there, as far as parts of MIN_STEPS_PER_SPLIT
 # steps allow and while the parts' f32 partial products (written, then summed by XLA) stay under
 # MAX_PARTIAL_TRAFFIC of the weight's bytes
-TARGET_PROGRAMS = 132 * 8
+SMS = 132
+TARGET_PROGRAMS = SMS * 8
 MIN_STEPS_PER_SPLIT = 2
 MAX_PARTIAL_TRAFFIC = 0.05
 MAX_ELEMENTS = 2 ** 31
@@ -121,37 +123,20 @@ class Plan:
         return self.col_tiles * self.splits
 
 
-def k_parts(steps, col_tiles, weight_bytes, M, N, *, target, min_steps, max_traffic, wave=0, wave_traffic=0.5,
-            splits=None):
-    """(splits, per): K's `steps` loop steps cut into parts of `per` steps each (the last may be shorter) until
-    the grid holds about `target` programs, as far as parts of at least `min_steps` steps allow and while the
-    parts' f32 partial products [splits, M, N] (written, then summed by XLA) stay under `max_traffic` of the
-    weight's bytes; where that leaves fewer than `wave` programs (one a SM: a few columns at many rows, 27B's
-    down at 64 rows), parts up to `wave` programs while the partials stay under `wave_traffic` of the weight's
-    bytes (an SM with no program reads nothing; the partials cost their bytes once). A `splits` given wins,
-    within 1 .. steps. The decode kernels' shared rule (this module's and quant_mma*.py's)."""
-    if splits is None:
-        want = cdiv(target, col_tiles)
-        per_part = 2 * 4 * M * N  # one part's partials, written and read
-        traffic = int(max_traffic * weight_bytes // per_part)  # parts whose partials fit
-        if col_tiles * traffic < wave:
-            traffic = max(traffic, min(cdiv(wave, col_tiles), int(wave_traffic * weight_bytes // per_part)))
-        splits = max(1, min(want, steps // min_steps, traffic))
-    splits = max(1, min(int(splits), steps))
-    per = cdiv(steps, splits)
-    return cdiv(steps, per), per
-
-
-def plan(M, K, N, kind, block, *, num_warps=None, splits=None, rows=None, prefetch=None) -> Plan:
+def plan(M, K, N, kind, block, *, num_warps=None, splits=None, rows=None, prefetch=None, pairs=1) -> Plan:
     """Launch parameters from the shapes (module doc); a keyword given wins (tests: `rows` < 16 keeps the
-    interpret-mode program small)."""
+    interpret-mode program small). pairs: the grouped kernel's (token, expert) pairs, each M = 1 row over its
+    own expert, the grid `pairs` times longer (K's parts are cut for all of it)."""
     bk = block[0]
     md = mode(kind, K, block)
     unit = 4 if _words(kind) else 1
     ncols = cdiv(N, unit)  # stored columns: words or bytes
     if num_warps is None:
         num_warps = 1
-    cols = 32 * vector_words(M) * num_warps * (1 if _words(kind) else 4)
+    per_lane = vector_words(M)
+    if pairs > 1 and pairs * cdiv(ncols, 32 * per_lane * num_warps * (1 if _words(kind) else 4)) < SMS:
+        per_lane = 1  # few pairs x narrow experts (35B-A3B: 8 x 512 columns): 4x the column tiles, 4-byte loads
+    cols = 32 * per_lane * num_warps * (1 if _words(kind) else 4)
     col_tiles = cdiv(ncols, cols)
     if md == "int4":
         step = bk // 2
@@ -164,8 +149,9 @@ def plan(M, K, N, kind, block, *, num_warps=None, splits=None, rows=None, prefet
         raise ValueError(f"quant_gemv plan: rows {rows} must divide the step of {step} stored rows")
     stored = cdiv(K, bk) * bk // 2 if md == "int4" else K
     steps = cdiv(stored, step)
-    splits, per = k_parts(steps, col_tiles, stored * ncols * (4 if _words(kind) else 1), M, N, target=TARGET_PROGRAMS,
-                          min_steps=MIN_STEPS_PER_SPLIT, max_traffic=MAX_PARTIAL_TRAFFIC, splits=splits)
+    splits, per = k_parts(steps, col_tiles * pairs, pairs * stored * ncols * (4 if _words(kind) else 1), M * pairs, N,
+                          target=TARGET_PROGRAMS, min_steps=MIN_STEPS_PER_SPLIT, max_traffic=MAX_PARTIAL_TRAFFIC,
+                          wave=SMS if pairs > 1 else 0, splits=splits)
     if prefetch is None:  # fp8 bytes carried across the loop lose their packing (byte shuffles, spills on sm_90)
         prefetch = _words(kind)
     return Plan(cols, col_tiles, step, rows, steps, per, splits, num_warps, bool(prefetch))
@@ -219,8 +205,18 @@ def _value(word, shift, mask, one):
     return jax.lax.bitcast_convert_type(bits, jnp.float32) - 1.0
 
 
-def _kernel(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, *, kind, md, M, K, N, kq, bk, bns, p, dt, gk):
-    j, part = pl.program_id(0), pl.program_id(1)
+def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=False):
+    """grouped (the routed MoE product, quant_gemv_grouped_pallas): program (pair, column tile, K part) of a
+    grid one axis longer, M = 1, x's / the output's row the pair's, q and the scales those of expert ids[pair]."""
+    if grouped:
+        x_ref, xs_ref, q_ref, s_ref, c_ref, id_ref, o_ref = refs
+        pair, j, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        e = id_ref[pair]
+        lead, row_of = (e,), (lambda m: pair)
+    else:
+        x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref = refs
+        j, part = pl.program_id(0), pl.program_id(1)
+        lead, row_of = (), (lambda m: m)
     C, R = p.cols, p.rows
     words = _words(kind)
     nb = 4 if words else 1
@@ -234,24 +230,25 @@ def _kernel(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, *, kind, md, M, K, N, kq,
     c_ragged = (N // 4 if words else N) % C != 0
 
     def x_at(m, half, r):  # the f32 entry of x that multiplies stored row r (int4: its low / high nibble)
-        return x_ref[m, half, r]
+        return x_ref[row_of(m), half, r]
 
     consts = [c_ref[i] for i in range(len(CONSTS))]  # before the loops: held in registers
     one = consts[0]
 
     def row(r):  # [C] stored words / bytes of stored row r; rows past the stored rows read as 0
         if not (q_ragged or c_ragged):
-            return q_ref[r, pl.ds(c0, C)]
+            return q_ref[lead + (r, pl.ds(c0, C))]
         mask = col_ok & (r < kq) if q_ragged else col_ok
-        return plt.load(q_ref.at[r, pl.ds(c0, C)], mask=mask, other=0 if words else 0.0)
+        return plt.load(q_ref.at[lead + (r, pl.ds(c0, C))], mask=mask, other=0 if words else 0.0)
 
     def scales(g, b):  # [C] f32 scales of K block g for the columns of byte b (words) / of the tile (fp8)
         g = jnp.minimum(g, gk - 1)
         if bns >= N:
-            return jnp.full((C,), s_ref[g, 0], jnp.float32)
+            return jnp.full((C,), s_ref[lead + (g, 0)], jnp.float32)
         cols = cidx * 4 + b if words else cidx
         gv = jnp.full((C,), g, jnp.int32)  # a gather: the columns of byte b lie 4 apart
-        return plt.load(s_ref.at[gv, cols // bns], mask=cols < N, other=0)
+        ev = tuple(jnp.full((C,), i, jnp.int32) for i in lead)
+        return plt.load(s_ref.at[ev + (gv, cols // bns)], mask=cols < N, other=0)
 
     last = p.steps * p.step - R  # the last load's first row
 
@@ -311,7 +308,7 @@ def _kernel(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, *, kind, md, M, K, N, kq,
             acc, ws = jax.lax.fori_loop(0, subs, lambda i, c: sub_step(t * p.step + i * R, c), (zero, ws))
         if md == "channel":  # the offset goes once, at the end
             return [[acc[m][b] * unscale[b] for b in range(nb)] for m in range(M)], ws
-        return [[acc[m][b] * unscale[b] - offset * xs_ref[m, t] for b in range(nb)] for m in range(M)], ws
+        return [[acc[m][b] * unscale[b] - offset * xs_ref[row_of(m), t] for b in range(nb)] for m in range(M)], ws
 
     def step(t, carry):
         out, ws = carry
@@ -328,12 +325,12 @@ def _kernel(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, *, kind, md, M, K, N, kq,
     out, _ = jax.lax.fori_loop(0, n_steps, step, (out0, first))
     if md == "channel":
         if offset:  # the sum of x over this part's rows
-            out = [[out[m][b] - offset * xs_ref[m, part] for b in range(nb)] for m in range(M)]
+            out = [[out[m][b] - offset * xs_ref[row_of(m), part] for b in range(nb)] for m in range(M)]
         out = [[out[m][b] * scales(0, b) for b in range(nb)] for m in range(M)]
     for m in range(M):
         for b in range(nb):
             cols = cidx * 4 + b if words else cidx
-            mv = jnp.full((C,), m, jnp.int32)  # a scatter: the columns of byte b lie 4 apart
+            mv = jnp.full((C,), row_of(m), jnp.int32)  # a scatter: the columns of byte b lie 4 apart
             if p.splits > 1:
                 plt.store(o_ref.at[jnp.full((C,), part, jnp.int32), mv, cols], out[m][b], mask=cols < N)
             else:
@@ -362,9 +359,8 @@ def block_sums_of_x(xr, step):
 
 
 def as_words(q):
-    """int8 / packed int4 values [Kq, N] (N % 4 == 0) as int32 words [Kq, N / 4]: a bitcast (no copy)."""
-    kq, n = q.shape
-    return jax.lax.bitcast_convert_type(q.reshape(kq, n // 4, 4), jnp.int32)
+    """int8 / packed int4 values [..., Kq, N] (N % 4 == 0) as int32 words [..., Kq, N / 4]: a bitcast (no copy)."""
+    return jax.lax.bitcast_convert_type(q.reshape(*q.shape[:-1], q.shape[-1] // 4, 4), jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "k", "block", "num_warps", "splits", "rows", "prefetch",
@@ -381,7 +377,7 @@ def quant_gemv_pallas(x, q, scale, *, kind: str, k: int, block, num_warps: int |
     xr = rows_of_x(x, kind, k, block, q.shape[0] if kind == "int4" else p.steps * p.step)
     xs = block_sums_of_x(xr, p.step * (p.per if mode(kind, k, block) == "channel" else 1))  # per block / part
     consts = jnp.asarray(CONSTS)
-    kernel = functools.partial(_kernel, kind=kind, md=mode(kind, k, block), M=M, K=k, N=N, kq=q.shape[0],
+    kernel = functools.partial(gemv_kernel, kind=kind, md=mode(kind, k, block), M=M, K=k, N=N, kq=q.shape[0],
                                bk=block[0], bns=block[1], p=p, dt=dt, gk=scale.shape[0])
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, s: (0,) * len(a.shape))
     if p.splits > 1:
@@ -399,4 +395,5 @@ def quant_gemv_pallas(x, q, scale, *, kind: str, k: int, block, num_warps: int |
         name=f"quant_matmul_{kind}",
     )(xr, xs, stored, scale.astype(jnp.float32), consts)
     return out.sum(axis=0).astype(dt) if p.splits > 1 else out
+
 

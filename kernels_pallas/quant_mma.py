@@ -73,7 +73,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas.quant_gemv import as_words, k_parts
+from kernels_pallas.quant_gemv import as_words
+from kernels_pallas.split_k import k_parts
 from kernels_pallas.quant_layout import cdiv
 
 ROWS = 16  # one tensor-core tile of rows: M = 1 .. 16

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas.quant_gemv import k_parts
+from kernels_pallas.split_k import k_parts
 from kernels_pallas.quant_layout import cdiv
 from kernels_pallas.quant_mma import (
     K_PARTS,

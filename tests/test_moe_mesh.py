@@ -116,8 +116,9 @@ def check() -> dict:
         assert [k.name for k in moe] == [kernel] * 2, rep.kernels  # gate and up share one lowered function
         assert all(k.manual for k in rep.kernels), rep.kernels
         operands = {t for k in moe for t in k.operands}
-        if fmt == "int4":  # packed [E, K/2, N]: gate / up local columns, down local rows
-            local, whole = {"tensor<8x32x32xui8>", "tensor<8x16x64xui8>"}, {"tensor<8x32x64xui8>"}
+        if fmt == "int4":  # packed [E, K/2, N] read as int32 words [E, K/2, N/4] (quant_gemv's kernel over the
+            # pairs): gate / up local columns, down local rows
+            local, whole = {"tensor<8x32x8xi32>", "tensor<8x16x16xi32>"}, {"tensor<8x32x16xi32>"}
         else:
             local, whole = {"tensor<8x64x32xbf16>", "tensor<8x32x64xbf16>"}, {"tensor<8x64x64xbf16>"}
         assert local <= operands and not whole & operands, (fmt, sorted(operands))

@@ -26,6 +26,7 @@ import numpy as np
 
 from kernels_pallas import moe_gemv as mg
 from kernels_pallas import moe_grouped
+from kernels_pallas import quant_gemv as gemv
 from kernels_pallas.quant_layout import cdiv, padded_k
 from qwen_mtp.extras import tokamax_or_reason
 
@@ -100,6 +101,12 @@ def _grouped(kind, K, block, impl, ragged=None):
     return jax.jit(f)
 
 
+def _routed(x, w, s, ids, *, kind, k, block, interpret):
+    """The routed product on the kernel moe_gemv's dispatch picks for these inputs (moe_gemv.kernel_for)."""
+    fn, _ = mg.kernel_for(x, w, s, ids, kind=kind, k=k, block=block)
+    return fn(x, w, s, ids, kind=kind, k=k, block=block, interpret=interpret)
+
+
 def check_moe_prefill(cases, interpret, timings):
     """The grouped product at prefill every way it runs (module doc): numerics against the gather reference, and
     with timings each path's time, GB/s and the fastest."""
@@ -123,7 +130,7 @@ def check_moe_prefill(cases, interpret, timings):
             continue
         paths = {"lax.ragged_dot": (_grouped(kind, K, block, "ragged"), sizes),
                  "tiles (CPU path)": (_grouped(kind, K, block, "tiles"), sizes),
-                 "routed kernel": (jax.jit(lambda x, w, s, ids, kind=kind, K=K, block=block: mg.moe_gemv_pallas(
+                 "routed kernel": (jax.jit(lambda x, w, s, ids, kind=kind, K=K, block=block: _routed(
                      x, w, s, ids, kind=kind, k=K, block=block, interpret=interpret)), ids)}
         notes = []
         if isinstance(tk, str):
@@ -178,24 +185,37 @@ def check_moe(cases, interpret, timings):
         block = _block(kind, fmt, K)
         try:
             x, w, scale, ids = _arrays(kind, block, P, E, K, N, dt, jax.random.PRNGKey(i))
-            reason = mg.unsupported_reason(x, w, scale, ids, kind=kind, k=K, block=block)
+            fn, reason = mg.kernel_for(x, w, scale, ids, kind=kind, k=K, block=block)
             assert reason is None, reason
-            kern = jax.jit(lambda x, w, s, ids, kind=kind, K=K, block=block: mg.moe_gemv_pallas(
+            kern = jax.jit(lambda x, w, s, ids, kind=kind, K=K, block=block: _routed(
                 x, w, s, ids, kind=kind, k=K, block=block, interpret=interpret))
+            # int8 / int4 run quant_gemv's kernel over the pairs; moe_gemv's own kernel beside it, timed too
+            own = None if fn is mg.moe_gemv_pallas else jax.jit(
+                lambda x, w, s, ids, kind=kind, K=K, block=block: mg.moe_gemv_pallas(
+                    x, w, s, ids, kind=kind, k=K, block=block, interpret=interpret))
             ref = jax.jit(lambda x, w, s, ids, kind=kind, K=K, block=block: mg.moe_gemv_reference(
                 x, w, s, ids, kind=kind, k=K, block=block))
             want = np.asarray(ref(x, w, scale, ids).astype(jnp.float32))
             got = np.asarray(kern(x, w, scale, ids).astype(jnp.float32))
+            got_own = None if own is None else np.asarray(own(x, w, scale, ids).astype(jnp.float32))
         except Exception as e:  # noqa: BLE001 - one case that does not compile or run must not hide the others
             print(f"{label}: FAIL {one_line(e)}", flush=True)
             failures += 1
             continue
+        tol = 1e-4 if dt == jnp.float32 else 2e-2
         rel = max_rel(got, want)
-        ok = rel < (1e-4 if dt == jnp.float32 else 2e-2) and np.isfinite(got).all()
+        rel_own = None if got_own is None else max_rel(got_own, want)
+        ok = rel < tol and np.isfinite(got).all() and (got_own is None or (rel_own < tol and np.isfinite(got_own).all()))
         failures += not ok
-        p = mg.plan(P, K, N, kind, block, dt.itemsize)
-        line = (f"{label}: grid ({P},{p.col_tiles},{p.splits}) tile {p.dot_k}x{p.block_n} K step {p.block_k}, "
-                f"max_rel {rel:.1e} {'OK' if ok else 'FAIL'}")
+        if fn is mg.moe_gemv_pallas:
+            p = mg.plan(P, K, N, kind, block, dt.itemsize)
+            line = (f"{label}: grid ({P},{p.col_tiles},{p.splits}) tile {p.dot_k}x{p.block_n} K step {p.block_k}, "
+                    f"max_rel {rel:.1e}")
+        else:
+            p = gemv.plan(1, K, N, kind, block, pairs=P)
+            line = (f"{label}: quant_gemv over the pairs, grid ({P},{p.col_tiles},{p.splits}) {p.cols} words x "
+                    f"{p.rows} rows per load, max_rel {rel:.1e}; moe_gemv's own kernel max_rel {rel_own:.1e}")
+        line += " OK" if ok else " FAIL"
         if timings:
             per_expert = (w.nbytes + (0 if scale is None else scale.nbytes)) // E
             nbytes = P * per_expert + x.nbytes + P * N * dt.itemsize
@@ -204,6 +224,9 @@ def check_moe(cases, interpret, timings):
                      f"{HBM_TARGET:.0%} of HBM = {1e6 * nbytes / (HBM_TARGET * bw):.1f} us") if bw else ""
             line += (f"; kernel {1e6 * t_k:.1f} us ({nbytes / t_k / 1e9:.0f} GB/s{frac}), XLA gather "
                      f"{1e6 * t_r:.1f} us ({nbytes / t_r / 1e9:.0f} GB/s; kernel/gather {t_k / t_r:.2f}x)")
+            if own is not None:
+                t_o = time_call(own, x, w, scale, ids)
+                line += f", moe_gemv's own kernel {1e6 * t_o:.1f} us (kernel/own {t_k / t_o:.2f}x)"
             try:
                 rag = _ragged(kind, K, block)
                 r_rel = max_rel(np.asarray(rag(x, w, scale, ids).astype(jnp.float32)), want)

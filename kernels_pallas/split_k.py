@@ -1,0 +1,28 @@
+"""K cut into parts: the decode kernels' shared rule for how many K parts (f32 partial products [splits, M, N],
+summed by XLA after the call) a grid takes to give the SMs enough programs (quant_gemv.py, quant_gemv_grouped.py,
+quant_mma.py, quant_mma_fp8.py)."""
+
+from __future__ import annotations
+
+from kernels_pallas.quant_layout import cdiv
+
+
+def k_parts(steps, col_tiles, weight_bytes, M, N, *, target, min_steps, max_traffic, wave=0, wave_traffic=0.5,
+            splits=None):
+    """(splits, per): K's `steps` loop steps cut into parts of `per` steps each (the last may be shorter) until
+    the grid holds about `target` programs, as far as parts of at least `min_steps` steps allow and while the
+    parts' f32 partial products [splits, M, N] (written, then summed by XLA) stay under `max_traffic` of the
+    weight's bytes; where that leaves fewer than `wave` programs (one a SM: a few columns at many rows, 27B's
+    down at 64 rows), parts up to `wave` programs while the partials stay under `wave_traffic` of the weight's
+    bytes (an SM with no program reads nothing; the partials cost their bytes once). A `splits` given wins,
+    within 1 .. steps. The decode kernels' shared rule (this module's and quant_mma*.py's)."""
+    if splits is None:
+        want = cdiv(target, col_tiles)
+        per_part = 2 * 4 * M * N  # one part's partials, written and read
+        traffic = int(max_traffic * weight_bytes // per_part)  # parts whose partials fit
+        if col_tiles * traffic < wave:
+            traffic = max(traffic, min(cdiv(wave, col_tiles), int(wave_traffic * weight_bytes // per_part)))
+        splits = max(1, min(want, steps // min_steps, traffic))
+    splits = max(1, min(int(splits), steps))
+    per = cdiv(steps, splits)
+    return cdiv(steps, per), per
