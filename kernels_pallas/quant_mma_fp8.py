@@ -2,9 +2,9 @@
 weight in quant_layout's format (K blocks with column blocks, as Qwen's (128, 128) checkpoints; or one scale per
 column) -> [M, N]. quant_mma.py's sibling for fp8: the same launch (one 16-row tile up to 16 rows, one of 64 for
 17 .. 64 (a batch's verifies; Triton emits warp-group MMA there), 4 warps, K in parts), another conversion. The
-16-row tile prefetches the next step's bytes in registers (stages=1: through shared memory its fp8 bytes cost
-byte-wise LDS and a stack frame, 4.4 instructions per value); the 64-row tile takes Triton's pipeline
-(quant_mma.STAGES: two steps in flight through shared memory, 64 KB per SM).
+16-row tile prefetches the next step's bytes in registers (stages=1; through Triton's pipeline, stages=3, its fp8
+bytes would cost byte-wise LDS and a stack frame, 4.4 instructions per value); the 64-row tile takes the
+pipeline (quant_mma.STAGES: two steps in flight through shared memory, 64 KB per SM).
 
     quant_mma_fp8_pallas(x, q, scale, *, k, block) -> [M, N]   (reference: quant_matmul_reference)
 
