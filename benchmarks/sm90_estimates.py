@@ -33,7 +33,6 @@ SMS = 132
 LANE_INSTRUCTIONS_PER_S = SMS * 1.98e9 * 4 * 32
 SM_REGISTERS, SM_WARPS, SM_SHARED, SM_CTAS = 65536, 64, 228 * 1024, 32  # sm_90, per SM
 BYTES_PER_VALUE = {"int4": 0.5, "int8": 1.0, "fp8": 1.0}
-VALUES_PER_COLUMN = {"int4": 8, "int8": 4, "fp8": 1}  # a stored column: an int32 word, or an fp8 byte
 BLOCK = {"int4": (128, 1), "int8": None, "fp8": (128, 128)}
 
 
@@ -57,22 +56,21 @@ def kernels(kind, M, K, N):
     import jax
 
     from kernels_pallas import quant_gemv as gemv
-    from kernels_pallas.quant_decode import tensor_core_module
+    from kernels_pallas.quant_decode import tensor_core_kernel, tensor_core_module
 
     args, block = _args(kind, M, K, N)
     out = []
     if gemv.unsupported_reason(*args, kind=kind, k=K, block=block) is None:
         p = gemv.plan(M, K, N, kind, block)
         fn = jax.jit(lambda x, q, s: gemv.quant_gemv_pallas(x, q, s, kind=kind, k=K, block=block))
-        out.append(("FMA decode kernel", fn, p.rows * p.cols * VALUES_PER_COLUMN[kind], p.col_tiles * p.splits, 1))
+        out.append(("FMA decode kernel", fn, p.step_values(kind), p.col_tiles * p.splits, 1))
     module = tensor_core_module(kind)
     if module.unsupported_reason(*args, kind=kind, k=K, block=block) is None:
         p = module.plan(M, K, N, block, kind=kind)
-        columns = module.COLUMNS if kind == "fp8" else p.words
-        kernel = module.quant_mma_fp8_pallas if kind == "fp8" else module.quant_mma_pallas
+        kernel = tensor_core_kernel(kind)
         fn = jax.jit(lambda x, q, s: kernel(x, q, s, kind=kind, k=K, block=block))
-        out.append(("tensor-core decode kernel", fn, p.rows * p.subs * columns * VALUES_PER_COLUMN[kind],
-                    p.col_tiles * p.splits, max(1, p.stages - 1)))
+        out.append(("tensor-core decode kernel", fn, p.step_values(kind), p.col_tiles * p.splits,
+                    max(1, p.stages - 1)))
     return args, block, out
 
 

@@ -29,8 +29,9 @@ sm_90 loop, 35B-A3B experts at batch 1 (8 pairs; tests/test_moe_routed.py compil
 stored value: int4 4.5 (the first form of this kernel: 7.2 with one I2F per value; its I2F-free form 6.3), int8
 5.4, fp8 blocks 3.7 (was 4.5, the scales applied per element), bf16 3.9. Against the bytes' time at 4.8 TB/s
 (int4 3.5, int8 / fp8 7.0, bf16 13.9) int4 is estimated at 77% of HBM, the others memory bound: estimates, not
-timings (gpu_check --moe-only times them). K is split into parts (partial sums in f32 summed after the call) when pairs x column tiles alone
-give too few programs for 132 SMs (35B-A3B gate / up at batch 1: 8 pairs x 4 tiles of 128 columns).
+timings (gpu_check --moe-only times them). K is split into parts (partial sums in f32 summed after the call)
+when pairs x column tiles alone give too few programs for 132 SMs (35B-A3B gate / up at batch 1: 8 pairs x 4
+tiles of 128 columns).
 
 Backend: kernels_pallas/dispatch.py's rule, the kernel in a program lowered for cuda, the reference
 elsewhere; `backend="pallas"` with interpret=True runs the kernel on CPU (tests). A format or shape the kernel
@@ -321,7 +322,6 @@ def kernel_for(x, w, scale, ids, *, kind: str, k: int, block):
     """(the kernel function, None) for these inputs, or (moe_gemv_pallas, why no kernel takes them): int8 and
     int4 experts run quant_gemv's decode kernel over the pairs (quant_gemv_grouped_pallas, module doc), every
     other format, and int8 / int4 shapes it does not take (N not a multiple of 4), this module's kernel."""
-    if kind in grouped.GROUPED_KINDS and grouped.grouped_unsupported_reason(x, w, scale, ids, kind=kind, k=k,
-                                                                      block=block) is None:
+    if grouped.grouped_unsupported_reason(x, w, scale, ids, kind=kind, k=k, block=block) is None:
         return grouped.quant_gemv_grouped_pallas, None
     return moe_gemv_pallas, unsupported_reason(x, w, scale, ids, kind=kind, k=k, block=block)

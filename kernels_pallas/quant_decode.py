@@ -10,8 +10,9 @@ time; estimates until benchmarks/gpu_check --quant-only times them on a GPU): on
 bf16 / f16 x at 2 .. 16 rows, int8 per channel with bf16 x and fp8 with bf16 / f16 x at 4 .. 16 (2.9, 5.0 and
 4.1 instructions per value at every M: estimated memory bound), and all three on to 64 rows (a batch's
 verifies, one 64-row tile; int4 3.7, int8 5.2, fp8 2.4: 95%, memory bound, memory bound, where XLA's
-dequantize-then-dot measured 4% of HBM for int4 and 11% for fp8 blocks at decode rows), else the FMA kernel up to its ROWS_FMA (int4 M 1: 94% of HBM; int8 and fp8 memory bound up to
-M 3), else None: quant_matmul's tiled kernel / XLA rule.
+dequantize-then-dot measured 4% of HBM for int4 and 11% for fp8 blocks at decode rows), else the FMA kernel up
+to its ROWS_FMA (int4 M 1: 94% of HBM; int8 and fp8 memory bound up to M 3), else None: quant_matmul's tiled
+kernel / XLA rule.
 """
 
 from __future__ import annotations
@@ -65,10 +66,14 @@ def tensor_core_module(kind: str):
     return mma_fp8 if kind == "fp8" else mma
 
 
+def tensor_core_kernel(kind: str):
+    """The tensor-core decode kernel's Pallas function for a format: quant_mma_fp8_pallas for fp8,
+    quant_mma_pallas for int4 / int8 (both take kind=, k=, block=, splits=, stages=, interpret=)."""
+    return mma_fp8.quant_mma_fp8_pallas if kind == "fp8" else mma.quant_mma_pallas
+
+
 def quant_mma(x, q, scale, *, kind: str, k: int, block, backend: str = "auto", interpret: bool = False):
     """The tensor-core decode kernel (quant_mma.py; fp8: quant_mma_fp8.py) on cuda, the reference elsewhere;
     inputs it does not take (f32 x, more than 64 rows, ...) fall back to the reference with a warning."""
-    module = tensor_core_module(kind)
-    kernel = module.quant_mma_fp8_pallas if kind == "fp8" else module.quant_mma_pallas
-    return _run("quantized matmul (tensor-core decode kernel)", kernel, module.unsupported_reason, x, q, scale, kind,
-                k, block, backend, interpret)
+    return _run("quantized matmul (tensor-core decode kernel)", tensor_core_kernel(kind),
+                tensor_core_module(kind).unsupported_reason, x, q, scale, kind, k, block, backend, interpret)

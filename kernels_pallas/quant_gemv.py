@@ -54,27 +54,25 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas.quant_layout import cdiv
-from kernels_pallas.split_k import k_parts
+from kernels_pallas.quant_layout import VALUES_PER_COLUMN, cdiv
+from kernels_pallas.split_k import SMS, k_parts
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_ROWS = 16  # decode rows: the kernel takes M <= 16
-# backend "auto" (quant_matmul.gemv_rows) runs this kernel up to these rows; above, the tiled kernel / XLA. From
+# backend "auto" (quant_matmul.gemv_rows) runs this kernel up to these rows, below the tensor-core kernels'
+# MIN_ROWS (quant_decode.decode_kernel takes those first); above, the tiled kernel / XLA. From
 # the sm_90 machine code of the inner loop (instructions issued per stored value, an SM issuing 4 warp
 # instructions per clock: 33.5e12 lane-instructions/s on 132 SMs at 1.98 GHz) against the bytes' time at 4.8 TB/s
 # (27B gate/up, tools/sm90_compile.py with Triton's TTIR passes, 2026-12-05):
 #   int4 M 1: 3.7 / value -> 94% of HBM, M 2: 4.8 -> 73%, M 4: 7.3 -> 48% (tiled kernel measured 26%)
 #   int8 M 1: 3.9 -> memory bound, M 2: 5.1 -> memory bound, M 4: 7.9 -> 89% (tiled kernel / XLA measured 55%)
 #   fp8  M 1: 2.9 -> memory bound, M 4: 6.6 -> memory bound, M 8: 12.6 -> 55% (tiled kernel measured 43%)
-# quant_decode.decode_kernel takes the tensor-core kernels (quant_mma*.py) first from their MIN_ROWS
 ROWS_FMA = {"int4": 4, "int8": 4, "fp8": 8}
 SUB_ROWS = 16  # stored rows per load (per thread: 16 x 16 bytes in flight)
 STEP_ROWS = 16  # per-channel formats: rows per loop step (one load)
 # CTAs (one warp each): 8 per SM of an H100 / H200 (132 SMs), two per scheduler, each with its next tile's loads
-# in flight while it works on the current one (about 150 registers: 13 such CTAs fit an SM, so one wave); K is split into parts to get there, as far as parts of MIN_STEPS_PER_SPLIT
-# steps allow and while the parts' f32 partial products (written, then summed by XLA) stay under
-# MAX_PARTIAL_TRAFFIC of the weight's bytes
-SMS = 132
+# in flight (about 150 registers: 13 such CTAs fit an SM, so one wave); K is split into parts to get there
+# (split_k.k_parts): parts of MIN_STEPS_PER_SPLIT steps or more, f32 partials under MAX_PARTIAL_TRAFFIC of the bytes
 TARGET_PROGRAMS = SMS * 8
 MIN_STEPS_PER_SPLIT = 2
 MAX_PARTIAL_TRAFFIC = 0.05
@@ -121,6 +119,9 @@ class Plan:
     @property
     def programs(self) -> int:
         return self.col_tiles * self.splits
+
+    def step_values(self, kind: str) -> int:  # the stored values one pass of the innermost loop reads
+        return self.rows * self.cols * VALUES_PER_COLUMN[kind]
 
 
 def plan(M, K, N, kind, block, *, num_warps=None, splits=None, rows=None, prefetch=None, pairs=1) -> Plan:
@@ -339,8 +340,8 @@ def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=False)
 
 def rows_of_x(x, kind, k, block, kq):
     """x [M, K] -> f32 [M, H, kq]: entry [m, h, r] multiplies stored row r (int4: h = 0 its low nibbles' row of
-    K, h = 1 its high nibbles'; H = 1 otherwise), zero past K (kq: int4's stored rows, else whole loop steps). A few KB, arranged by XLA (fused into x's
-    producer), so the kernel loads each x entry at its row index with no index arithmetic or mask."""
+    K, h = 1 its high nibbles'; H = 1 otherwise), zero past K (kq: int4's stored rows, else whole loop steps); a
+    few KB that XLA arranges (fused into x's producer), so the kernel loads x at its row index with no mask."""
     M = x.shape[0]
     x = x.astype(jnp.float32)
     if kind != "int4":  # zero rows up to whole loop steps: the last step's rows past K multiply 0

@@ -1,8 +1,8 @@
 """The routed MoE product at decode on quant_gemv.py's decode kernel (quant_gemv_grouped_pallas, for int8 and int4
 experts: kernels_pallas/moe_gemv.kernel_for picks it): the grid gains a leading axis of (token, expert) pairs,
 each program M = 1 over the weights and scales of expert ids[pair] (q [E, Kq, N] read as int32 words
-[E, Kq, N / 4]), x's and the output's row the pair's; where pairs x column tiles leave SMs idle (35B-A3B: 8 pairs x 512 columns) a lane
-loads one word, not four, for 4x the column tiles, and K's parts fill one wave.
+[E, Kq, N / 4]), x's and the output's row the pair's; where pairs x column tiles leave SMs idle (35B-A3B: 8
+pairs x 512 columns) a lane loads one word, not four, for 4x the column tiles, and K's parts fill one wave.
 
     quant_gemv_grouped_pallas(x [P, K], q [E, Kq, N], scale [E, gk, gn], ids [P], *, kind, k, block) -> [P, N]
 """

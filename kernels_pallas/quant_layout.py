@@ -30,6 +30,8 @@ import numpy as np
 KINDS = ("int8", "int4", "fp8")
 QMAX = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
 STORAGE = {"int8": np.dtype(np.int8), "int4": np.dtype(np.uint8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
+# values in one stored column of the decode kernels' tiles: an int32 word of int4 / int8 values, or an fp8 byte
+VALUES_PER_COLUMN = {"int4": 8, "int8": 4, "fp8": 1}
 
 
 def cdiv(a: int, b: int) -> int:

@@ -74,8 +74,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels_pallas.quant_gemv import as_words
-from kernels_pallas.split_k import k_parts
-from kernels_pallas.quant_layout import cdiv
+from kernels_pallas.split_k import SMS, k_parts
+from kernels_pallas.quant_layout import VALUES_PER_COLUMN, cdiv
 
 ROWS = 16  # one tensor-core tile of rows: M = 1 .. 16
 # backend "auto" runs it (fp8: quant_mma_fp8.py) from these rows; below, the FMA decode kernel (estimated: int4
@@ -97,7 +97,6 @@ NUM_WARPS = 4
 # is for the GPU run, benchmarks/gpu_check --quant-only times both)
 STAGES = 3
 PROGRAMS_PER_SM = 6  # about 128 registers x 128 threads: 4 CTAs fit an SM (a 64-row tile: 2); two waves hide the tail
-SMS = 132
 MIN_STEPS_PER_SPLIT = 2
 MAX_PARTIAL_TRAFFIC = 0.1
 K_PARTS = {"target": SMS * PROGRAMS_PER_SM, "min_steps": MIN_STEPS_PER_SPLIT, "max_traffic": MAX_PARTIAL_TRAFFIC,
@@ -132,6 +131,9 @@ class Plan:
     @property
     def programs(self) -> int:
         return self.col_tiles * self.splits
+
+    def step_values(self, kind: str) -> int:  # the stored values one pass of the loop reads
+        return self.rows * self.subs * self.words * VALUES_PER_COLUMN[kind]
 
 
 def plan(M, K, N, block, *, kind="int4", splits=None, words=None, stages=None) -> Plan:

@@ -72,6 +72,9 @@ class Plan:
     tile_m: int = ROWS
     stages: int = 1  # (a 16-row tile: its bytes through shared memory cost LDS and a stack frame; 64 rows: STAGES)
 
+    def step_values(self, kind: str = "fp8") -> int:  # the stored values (bytes) one pass of the loop reads
+        return self.rows * self.subs * COLUMNS
+
 
 def plan(M, K, N, block, *, kind="fp8", splits=None, stages=None) -> Plan:  # (quant_mma.plan's signature)
     channel = block[0] >= K

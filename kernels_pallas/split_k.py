@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from kernels_pallas.quant_layout import cdiv
 
+SMS = 132  # streaming multiprocessors of an H100 / H200: the wave the decode kernels' grids are sized for
+
 
 def k_parts(steps, col_tiles, weight_bytes, M, N, *, target, min_steps, max_traffic, wave=0, wave_traffic=0.5,
             splits=None):

@@ -23,7 +23,7 @@ import pytest
 
 from kernels_pallas import quant_mma as mma
 from kernels_pallas import quant_mma_fp8 as mma_fp8
-from kernels_pallas.quant_decode import tensor_core_module
+from kernels_pallas.quant_decode import tensor_core_kernel, tensor_core_module
 from kernels_pallas.quant_matmul import (
     decode_kernel,
     quant_matmul,
@@ -67,10 +67,6 @@ CASES = [
 _module = tensor_core_module
 
 
-def _kernel(kind):
-    return mma_fp8.quant_mma_fp8_pallas if kind == "fp8" else mma.quant_mma_pallas
-
-
 def _plan(kind, M, K, N, block, splits=None, stages=None):
     return tensor_core_module(kind).plan(M, K, N, block, kind=kind, splits=splits, stages=stages)
 
@@ -108,8 +104,8 @@ class TestQuantMmaContract(QuantHooks, KernelContract):
 
     def kernel(self, run, x, q, scale):
         kind, _, _, K, _, _, splits = run.case[:7]
-        return _kernel(kind)(x, q, scale, kind=kind, k=K, block=run.block, splits=splits, stages=run.stages,
-                             interpret=True)
+        return tensor_core_kernel(kind)(x, q, scale, kind=kind, k=K, block=run.block, splits=splits,
+                                        stages=run.stages, interpret=True)
 
     def dispatching(self, run, x, q, scale, **kw):
         return quant_mma(x, q, scale, kind=run.case[0], k=run.case[3], block=run.block, **kw)
@@ -238,7 +234,6 @@ SM90_CASES = [("int4 gate/up M4", "int4", 4, 5120, 17408), ("int4 lm_head M16", 
 # and fp8 6.98): the estimate of memory-bound speed holds
 MAX_INSTRUCTIONS_PER_VALUE = {("int4", 16): 3.15, ("int8", 16): 5.4, ("fp8", 16): 4.8, ("int4", 64): 4.0,
                              ("int8", 64): 5.6, ("fp8", 64): 2.8}
-VALUES_PER_COLUMN = {"int4": 8, "int8": 4, "fp8": 1}  # a stored column of the tile: an int32 word, or an fp8 byte
 
 
 def test_tensor_core_kernel_compiles_for_sm90(report):
@@ -269,8 +264,7 @@ def test_tensor_core_kernel_compiles_for_sm90(report):
         # the real loop; Triton's pipeline loads through shared memory (cp.async: LDGSTS) when stages > 1
         copies = loop["opcodes"].get("LDGSTS", 0)
         assert mmas > 0 and loop["opcodes"].get("LDG", 0) + copies > 0 and (copies > 0) == (p.stages > 1), loop
-        columns = mma_fp8.COLUMNS if kind == "fp8" else p.words
-        per_value = loop["instructions"] * 32 * kernel.num_warps / (p.rows * p.subs * columns * VALUES_PER_COLUMN[kind])
+        per_value = loop["instructions"] * 32 * kernel.num_warps / p.step_values(kind)
         assert per_value <= MAX_INSTRUCTIONS_PER_VALUE[kind, 16 if M <= 16 else 64], (label, per_value, loop)
         report(f"sm_90 compile, quant_mma {label}: grid {kernel.grid}, {r['registers']} registers, shared "
                f"{r['shared']} B, no spill; loop {loop['instructions']} instructions per warp = {per_value:.2f} "

@@ -380,7 +380,7 @@ def test_kernel_compiles_for_sm90(report):
             (cfg.hidden_size, cfg.moe_intermediate_size)
         if quant in grouped.GROUPED_KINDS:  # quant_gemv's kernel over the pairs: one load of `rows` stored rows
             p = gemv.plan(1, K, N, quant, layout_of(quant, (1, K, N))[2], pairs=k.grid[0])
-            values = p.rows * p.cols * {"int4": 8, "int8": 4}[quant]
+            values = p.step_values(quant)
         else:  # one scale block (fp8 K block; per channel and plain PLAIN_STEP rows) of a column tile
             values = {"fp8": 128}.get(quant, mg.PLAIN_STEP) * (N // k.grid[1])
         per_value = loop["instructions"] * 32 * k.num_warps / values

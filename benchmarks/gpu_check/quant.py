@@ -11,7 +11,7 @@ import numpy as np
 
 from kernels_pallas import quant_gemv as gemv
 from kernels_pallas import quant_matmul as qmm
-from kernels_pallas.quant_decode import tensor_core_module
+from kernels_pallas.quant_decode import tensor_core_kernel, tensor_core_module
 from kernels_pallas.quant_layout import cdiv, padded_k
 
 from .budget import out_of_time
@@ -190,8 +190,7 @@ def _timings(kind, block, M, K, N, dt, x, q, scale, kern, ref, gv, tc, bw, devic
         times["tensor-core decode kernel"] = time_call(tc, x, q, scale)
         module = tensor_core_module(kind)
         other = 1 if module.plan(M, K, N, block, kind=kind).stages > 1 else module.STAGES  # the other pipelining
-        fn = module.quant_mma_fp8_pallas if kind == "fp8" else module.quant_mma_pallas
-        alt = jax.jit(lambda x, q, s: fn(x, q, s, kind=kind, k=K, block=block, stages=other))
+        alt = jax.jit(lambda x, q, s: tensor_core_kernel(kind)(x, q, s, kind=kind, k=K, block=block, stages=other))
         times[f"tensor-core decode kernel at {other} stage{'s' * (other > 1)}"] = time_call(alt, x, q, scale)
     times["tiled kernel"] = time_call(kern, x, q, scale)
     times["XLA dequantize-then-dot"] = time_call(ref, x, q, scale)
