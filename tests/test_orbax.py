@@ -360,3 +360,14 @@ def test_generate_cli_runs_a_converted_folder(tmp_path, capsys):
     assert main(["generate", "--model", str(dst), *args]) == 0
     lost = capsys.readouterr()
     assert lost.out == want.out and "draft vocab off (no draft_vocab_counts.npy in the folder)" in lost.err, lost.err
+
+
+@pytest.mark.parametrize("dtype", [[], {"a": 1}, "float16", None])
+def test_meta_dtype_not_a_name_is_a_checkpoint_error(tmp_path, dtype):
+    """A metadata file whose dtype is a list or an object (unhashable: it once raised TypeError from the set
+    lookup, found by test_fuzz), a wrong name or missing: a CheckpointError naming the file, what was expected
+    and what was found."""
+    meta = {"format": orbax_io.FORMAT, "version": orbax_io.VERSION, "dtype": dtype}
+    (tmp_path / orbax_io.META).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"dtype one of \['bfloat16', 'float32'\]"):
+        orbax_io.read_meta(tmp_path)

@@ -179,7 +179,7 @@ def read_meta(folder) -> dict:
                               repr(meta.get("format")) if isinstance(meta, dict) else type(meta).__name__)
     if meta.get("version") != VERSION:
         raise CheckpointError(file, None, f"version {VERSION}", repr(meta.get("version")))
-    if meta.get("dtype") not in DTYPES:
+    if not isinstance(meta.get("dtype"), str) or meta["dtype"] not in DTYPES:  # (a list or an object: unhashable)
         raise CheckpointError(file, None, f"dtype one of {sorted(DTYPES)}", repr(meta.get("dtype")))
     if not isinstance(meta.get("mtp"), bool):
         raise CheckpointError(file, None, "'mtp' true or false", repr(meta.get("mtp")))
