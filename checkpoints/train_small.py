@@ -76,6 +76,12 @@ from qwen_mtp.errors import ArgumentError
 from qwen_mtp.trunk.config import parse_config
 
 
+def on_device(tree):
+    """The arrays committed to the first device, as a restored state's are: a jitted step keys its compiled program
+    on that, so a fresh run, a resumed one and the head's first distillation step all reuse one program."""
+    return jax.device_put(tree, jax.devices()[0])
+
+
 def train(out, steps: int = 400, *, seed: int = 0, eval_every: int = 50, distill_steps: int = 0,
           state_dir=None, resume: bool = False, save_minutes: float = 5.0, stop_after: int | None = None,
           config: dict | None = None, max_files: int | None = None, batch_size: int = BATCH, seq: int = SEQ,
@@ -166,6 +172,7 @@ def train(out, steps: int = 400, *, seed: int = 0, eval_every: int = 50, distill
         log(f"resumed {state_dir} at step {step} of {total}")
     else:
         opt_state = opt.init(weights) if steps else d_opt.init(weights.mtp)
+    weights, opt_state = on_device(weights), on_device(opt_state)
     log(f"model: {n_params / 1e6:.2f}M parameters; {steps} steps of {batch_size}x{seq} tokens"
         + (f", then {distill_steps} head self-distillation steps" if distill_steps else ""))
 
@@ -189,7 +196,7 @@ def train(out, steps: int = 400, *, seed: int = 0, eval_every: int = 50, distill
             rec = dict(step=step, trunk=float(trunk), mtp=float(mtp))
         else:
             if step == steps + 1:  # the head's own optimiser, from here on
-                opt_state = d_opt.init(weights.mtp)
+                opt_state = on_device(d_opt.init(weights.mtp))
             head, opt_state, (dl, agree) = distill_step(weights.mtp, opt_state, weights, batch(), cfg, d_opt)
             weights = weights.replace(mtp=head)
             rec = dict(step=step, distill=float(dl), agree=float(agree))
