@@ -102,7 +102,8 @@ def test_cli_spec_equals_no_spec_and_prints_stats(capsys, report):
     # greedy under the folder's generation_config.json repetition penalty, said in the stats line; without it
     # the text differs (this model's plain argmax loops), and speculation still equals plain decoding
     assert "repetition penalty 1.3 (generation_config.json)" in spec_err
-    off_text, off_err = _run_cli([prompt, "--max-new-tokens", "48", "--repetition-penalty", "1"], capsys)
+    # --k given: without it the CLI first times plain and k 1 .. 3 for its plan (tests/test_cli_auto_k.py)
+    off_text, off_err = _run_cli([prompt, "--max-new-tokens", "48", "--repetition-penalty", "1", "--k", "3"], capsys)
     off_plain, _ = _run_cli([prompt, "--max-new-tokens", "48", "--repetition-penalty", "1", "--no-spec"], capsys)
     assert off_text == off_plain != spec_text and "repetition penalty" not in off_err
     report("CLI: " + spec_err.strip().splitlines()[-1])
