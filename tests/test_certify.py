@@ -123,8 +123,9 @@ def test_draws_cover_the_space():
 
 
 def test_cli_report_and_bad_flags(tmp_path):
+    # seed 1: one small configuration (B 2, native k 4, 9 new tokens, unquantized weights, fp8 KV)
     out = tmp_path / "report.json"
-    r = subprocess.run([sys.executable, "-m", "qwen_mtp", "certify", "--configs", "1", "--seed", "4", "--max-prompt",
+    r = subprocess.run([sys.executable, "-m", "qwen_mtp", "certify", "--configs", "1", "--seed", "1", "--max-prompt",
                         "40", "--report", str(out)], capture_output=True, text=True, cwd=REPO, timeout=600, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "1 identical, 0 diverged" in r.stdout
