@@ -88,17 +88,20 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
 
 
-# The files the suite's two workers start first, slowest first (seconds per file in .ci/run on the 2-core CI host,
-# 2026-12-06). Under `--dist loadfile` a file runs whole on one worker, so a long file drawn last leaves the other
-# worker idle for its length; with these first, the run ends on short files. pyproject's addopts pass
-# --no-loadscope-reorder, since xdist's own order (most tests per file first) put the few-but-slow files last.
-# Files not named keep pytest's order, after these.
+# The files the suite's two workers start first, slowest first (seconds per file on the 2-core CI host, 2026-12-06,
+# `pytest --durations=0`). Under `--dist loadfile` a file runs whole on one worker, so a long file drawn last
+# leaves the other worker idle for its length; with these first, the run ends on short files. pyproject's addopts
+# pass --no-loadscope-reorder, since xdist's own order (most tests per file first) put the few-but-slow files
+# last. Files not named keep pytest's order, after these. The order also decides which files share a worker
+# process: a test must not lean on what another file left behind (tests/test_gpu_check.py's spent --budget once
+# skipped tests/test_moe_routed.py's check).
 SLOW_FIRST = (
-    "test_certify.py", "test_shipped_model.py", "test_spec_sampling.py", "test_tree.py", "test_notebooks.py",
-    "test_sharding.py", "test_repetition_penalty.py", "test_fuzz.py", "test_trunk_oracle.py", "test_train_resume.py",
-    "test_spec_lossless.py", "test_causal_attention.py", "test_program_cache.py", "test_spec_windowed.py",
-    "test_orbax.py", "test_gpu_check.py", "test_startup.py", "test_nonfinite.py", "test_moe_routed.py",
-    "test_random_weights.py", "test_engine.py", "test_serve.py", "test_gpu_scale.py", "test_export_cuda.py",
+    "test_certify.py", "test_shipped_model.py", "test_causal_attention.py", "test_tree.py", "test_notebooks.py",
+    "test_moe_routed.py", "test_spec_lossless.py", "test_export_cuda.py", "test_spec_sampling.py",
+    "test_sharding.py", "test_repetition_penalty.py", "test_trunk_oracle.py", "test_program_cache.py",
+    "test_spec_windowed.py", "test_kernel_quant_mma.py", "test_gpu_check.py", "test_startup.py",
+    "test_train_resume.py", "test_random_weights.py", "test_nonfinite.py", "test_kernel_windowed_attention.py",
+    "test_engine.py", "test_serve.py", "test_orbax.py", "test_gpu_scale.py", "test_cpu_fast_paths.py",
 )
 
 
