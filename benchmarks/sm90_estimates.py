@@ -29,7 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SMS = 132
+from kernels_pallas.split_k import SMS  # noqa: E402 (after the path): the kernels' grids are sized for these SMs
+
 LANE_INSTRUCTIONS_PER_S = SMS * 1.98e9 * 4 * 32
 SM_REGISTERS, SM_WARPS, SM_SHARED, SM_CTAS = 65536, 64, 228 * 1024, 32  # sm_90, per SM
 BYTES_PER_VALUE = {"int4": 0.5, "int8": 1.0, "fp8": 1.0}

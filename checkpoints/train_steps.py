@@ -4,8 +4,7 @@ their optimisers, and the held-out evaluation over fixed windows."""
 
 from __future__ import annotations
 
-import functools
-from functools import partial
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +56,7 @@ def losses(weights, cfg, x, gdn_mode="chunk_fast"):
     return losses_from_logits(x, *teacher_forced_logits(weights, cfg, x, gdn_mode))
 
 
-@functools.lru_cache(maxsize=8)
+@lru_cache(maxsize=8)
 def make_optimizer(total_steps, lr=LR, warmup=WARMUP):
     """(optimiser, schedule). One object per settings: train_step takes the optimiser as a static argument, keyed
     by identity, so a second run with the same settings in this process (a resume, a notebook's rerun) reuses
@@ -136,7 +135,7 @@ def distill_step(head, opt_state, weights, x, cfg, opt):
     return optax.apply_updates(head, updates), opt_state, (loss, agree)
 
 
-@functools.lru_cache(maxsize=8)
+@lru_cache(maxsize=8)
 def make_distill_optimizer(total_steps, lr=DISTILL_LR):
     """(optimiser, schedule) of the head's self-distillation; one object per settings (make_optimizer)."""
     import optax
