@@ -4,6 +4,13 @@ XLA's pipeline runs them), its loop's instructions per stored value, and the sha
 
     python benchmarks/sm90_estimates.py [--shape 5120x17408] [--rows 1,2,4,8,16,64] [--formats int4,int8,fp8]
                                         [--bandwidth 4.8e12]
+    python benchmarks/sm90_estimates.py --moe [--pairs 8,64] [--words 1,2,4] [--moe-splits plan,most]
+                                        [--formats int4,int8]
+
+--moe: the routed MoE product at decode (quant_gemv_grouped.py: the decode kernel over (token, expert) pairs) at
+Qwen3.5-35B-A3B's experts (256; gate / up 2048 -> 512, down 512 -> 2048), one row per plan alternative
+(quant_gemv_grouped.plan_alternatives: a lane's 4-byte words per row x K's parts, --moe-splits plan,most), the
+plan's own choice marked: the alternatives `benchmarks/gpu_check --moe-only` times on a GPU.
 
 The model: an SM issues 4 warp instructions per clock (132 SMs at 1.98 GHz on an H100 / H200: 33.5e12 lane-
 instructions/s); a kernel whose loop needs n lane-instructions per stored value is bound by its instructions
@@ -24,6 +31,7 @@ run's to measure, so no share is derived from this column.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -75,6 +83,65 @@ def kernels(kind, M, K, N):
     return args, block, out
 
 
+MOE_EXPERTS = 256
+MOE_SHAPES = {"gate/up": (2048, 512), "down": (512, 2048)}  # Qwen3.5-35B-A3B experts, K x N
+
+
+def moe_kernels(kind, P, K, N, words_list, splits_list=("plan",)):
+    """[(words, splits, jitted fn, per-iteration stored values, programs, grid, the plan's own choice)] and the
+    args: the grouped decode kernel at each alternative (quant_gemv_grouped.plan_alternatives)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_pallas.quant_gemv_grouped import plan_alternatives, quant_gemv_grouped_pallas
+
+    (x, q, s), block = _args(kind, P, K, N)
+    sds = jax.ShapeDtypeStruct
+    args = (x, sds((MOE_EXPERTS,) + q.shape, q.dtype), sds((MOE_EXPERTS,) + s.shape, s.dtype), sds((P,), jnp.int32))
+    out = []
+    for words, splits, p, own in plan_alternatives(kind, K, N, block, P, words_list, splits_list):
+        fn = jax.jit(functools.partial(quant_gemv_grouped_pallas, kind=kind, k=K, block=block, words=words,
+                                       splits=splits))
+        out.append((words, splits, fn, p.step_values(kind), P * p.programs, (P, p.col_tiles, p.splits), own))
+    return args, out
+
+
+def moe_main(a) -> int:
+    from qwen_mtp.tools.lowering import compile_sm90, export_for, triton_kernels
+
+    cases, triton = [], []
+    for kind in a.formats.split(","):
+        for label, (K, N) in MOE_SHAPES.items():
+            for P in (int(v) for v in a.pairs.split(",")):
+                args, found = moe_kernels(kind, P, K, N, [int(w) for w in a.words.split(",")],
+                                          a.moe_splits.split(","))
+                for words, _, fn, values, programs, grid, own in found:
+                    (kernel,) = triton_kernels(export_for(fn, *args))
+                    cases.append((kind, label, P, words, values, programs, grid, kernel.num_warps, own))
+                    triton.append(kernel)
+    print(f"Qwen3.5-35B-A3B experts ({MOE_EXPERTS}), bf16 x, the routed decode kernel over (token, expert) pairs; "
+          f"HBM {a.bandwidth / 1e12:.2f} TB/s; {LANE_INSTRUCTIONS_PER_S:.3g} lane-instructions/s")
+    print("| format | matrix | pairs | words a lane | grid | registers | instructions / value | budget | "
+          "est. share of HBM | in flight per SM | plan's choice |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for (kind, label, P, words, values, programs, grid, warps, own), r in zip(cases, compile_sm90(triton, loops=True)):
+        if r["error"]:
+            print(f"| {kind} | {label} | {P} | {words} | compile error: {r['error'][-200:]} | | | | | | |")
+            continue
+        ctas = ctas_per_sm(r["registers"], r["shared"], warps, programs)
+        flight = f"{ctas * values * BYTES_PER_VALUE[kind] / 1024:.1f} KB ({ctas} CTA{'s' * (ctas > 1)})"
+        budget = LANE_INSTRUCTIONS_PER_S * BYTES_PER_VALUE[kind] / a.bandwidth
+        spill = "" if r["local"] == 0 else f" ({r['local']} B spilled)"
+        if r["loops"]:
+            per_value = r["loops"][0]["instructions"] * 32 * warps / values
+            cost = f"{per_value:.2f} | {budget:.2f} | {min(1.0, budget / per_value):.0%}"
+        else:  # one loop step a program: the compiler drops the loop, nothing to count per iteration
+            cost = f"(no loop) | {budget:.2f} | "
+        print(f"| {kind} | {label} | {P} | {words} | {grid} | {r['registers']}{spill} | {cost} | {flight} | "
+              f"{'**yes**' if own else ''} |")
+    return 0
+
+
 def ctas_per_sm(registers, shared, num_warps, programs):
     """CTAs one SM holds at once: registers (allocated per warp in units of 256), warps, shared memory (1 KB
     reserved per CTA) and the CTA limit, and no more than the grid spreads over the SMs."""
@@ -90,7 +157,17 @@ def main(argv=None) -> int:
                     help="rows of x (decode, verify rows, a batch's verifies) (default: 1,2,4,8,16,64)")
     ap.add_argument("--formats", default="int4,int8,fp8", help="weight formats (default: int4,int8,fp8)")
     ap.add_argument("--bandwidth", type=float, default=4.8e12, help="HBM bytes/s (default: an H200's 4.8e12)")
+    ap.add_argument("--moe", action="store_true",
+                    help="the routed MoE decode kernel at 35B-A3B's experts, one row per plan alternative")
+    ap.add_argument("--pairs", default="8,64", help="--moe: (token, expert) pairs (default: batch 1 and 8 at top-8)")
+    ap.add_argument("--words", default="1,2,4", help="--moe: a lane's 4-byte words per row to compare (default: 1,2,4)")
+    ap.add_argument("--moe-splits", default="plan",
+                    help="--moe: K parts to compare: plan (the plan's cut), most (one loop step a part), or a number")
     a = ap.parse_args(argv)
+    if a.moe:
+        if a.formats == ap.get_default("formats"):
+            a.formats = "int4,int8"  # the formats the grouped decode kernel takes
+        return moe_main(a)
     from kernels_pallas.quant_decode import decode_kernel, quant_mma
     from qwen_mtp.tools.lowering import compile_sm90, export_for, triton_kernels
 

@@ -25,9 +25,9 @@ at 26% (int4), 43% (fp8 blocks) and 55% (int8 per channel) of HBM on the 27B lm_
   registers with no shuffle, and applies each scale in f32 once per scale block and column;
 - runs many small CTAs of one warp: 32 x vector_words(M) words (int4 / int8) or 4x that many fp8 bytes per row,
   K split into parts (written as f32 partial products, summed in XLA) until the grid gives every SM about 8
-  CTAs (`plan`); int4 / int8 carry the next R rows' loads through the loop (issued before the arithmetic on
-  the current rows: `prefetch`), fp8 loads each tile where it is used (fp8 bytes carried through the loop lose
-  their packing).
+  CTAs (`plan`, in quant_gemv_plan.py with the alternatives benchmarks/gpu_check times); int4 / int8 carry
+  the next R rows' loads through the loop (issued before the arithmetic on the current rows: `prefetch`), fp8
+  loads each tile where it is used (fp8 bytes carried through the loop lose their packing).
 
 sm_90 machine code of the inner loop (tests/test_kernel_quant_gemv.py compiles it; per stored value, bf16 x):
 int4 M 1: 3.7 instructions (LOP3 1.1, FADD 1, FFMA 1, SHF 0.4), 151 registers, no spill; int8 M 1: 3.9;
@@ -45,7 +45,6 @@ Layout per loop step (one scale block of stored rows, cut into sub-steps of `row
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -54,8 +53,19 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas.quant_layout import VALUES_PER_COLUMN, cdiv
-from kernels_pallas.split_k import SMS, k_parts
+from kernels_pallas.quant_gemv_plan import (  # noqa: F401 (the plan's names, re-exported: gemv.plan, gemv.WORDS)
+    MIN_STEPS_PER_SPLIT,
+    MOST_PER_SM,
+    SUB_ROWS,
+    TARGET_PROGRAMS,
+    WORDS,
+    Plan,
+    alternatives,
+    mode,
+    plan,
+    reads_words,
+    vector_words,
+)
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_ROWS = 16  # decode rows: the kernel takes M <= 16
@@ -68,14 +78,6 @@ MAX_ROWS = 16  # decode rows: the kernel takes M <= 16
 #   int8 M 1: 3.9 -> memory bound, M 2: 5.1 -> memory bound, M 4: 7.9 -> 89% (tiled kernel / XLA measured 55%)
 #   fp8  M 1: 2.9 -> memory bound, M 4: 6.6 -> memory bound, M 8: 12.6 -> 55% (tiled kernel measured 43%)
 ROWS_FMA = {"int4": 4, "int8": 4, "fp8": 8}
-SUB_ROWS = 16  # stored rows per load (per thread: 16 x 16 bytes in flight)
-STEP_ROWS = 16  # per-channel formats: rows per loop step (one load)
-# CTAs (one warp each): 8 per SM of an H100 / H200 (132 SMs), two per scheduler, each with its next tile's loads
-# in flight (about 150 registers: 13 such CTAs fit an SM, so one wave); K is split into parts to get there
-# (split_k.k_parts): parts of MIN_STEPS_PER_SPLIT steps or more, f32 partials under MAX_PARTIAL_TRAFFIC of the bytes
-TARGET_PROGRAMS = SMS * 8
-MIN_STEPS_PER_SPLIT = 2
-MAX_PARTIAL_TRAFFIC = 0.05
 MAX_ELEMENTS = 2 ** 31
 MAX_GRID = 65535
 ONE = 0x3F800000  # float32 1.0
@@ -83,79 +85,6 @@ ONE = 0x3F800000  # float32 1.0
 
 def _i32(v: int):
     return jnp.int32(np.array(v & 0xFFFFFFFF, np.uint32).view(np.int32))
-
-
-def mode(kind: str, k: int, block) -> str:
-    """'int4', 'channel' (one scale per column over all of K, or one per tensor) or 'block' (per K block)."""
-    if kind == "int4":
-        return "int4"
-    return "channel" if block[0] >= k else "block"
-
-
-def _words(kind: str) -> bool:
-    return kind in ("int8", "int4")
-
-
-def vector_words(M: int) -> int:
-    """4-byte words per thread and row: 4 (one 16-byte load) at 1 .. 2 rows; more rows hold more accumulators
-    (2 x M x 4 x words per thread), so 2 words at 3 .. 4 rows and 1 above (no spill on sm_90)."""
-    return 4 if M <= 2 else (2 if M <= 4 else 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """grid (col_tiles, splits); a program covers `cols` stored columns (int32 words for int8 / int4, bytes for
-    fp8) and `per` loop steps of `step` stored rows (one scale block), loaded `rows` rows at a time."""
-    cols: int
-    col_tiles: int
-    step: int
-    rows: int
-    steps: int
-    per: int
-    splits: int
-    num_warps: int
-    prefetch: bool = True  # load the next R rows before the arithmetic on these (False: after; the GPU check times both)
-
-    @property
-    def programs(self) -> int:
-        return self.col_tiles * self.splits
-
-    def step_values(self, kind: str) -> int:  # the stored values one pass of the innermost loop reads
-        return self.rows * self.cols * VALUES_PER_COLUMN[kind]
-
-
-def plan(M, K, N, kind, block, *, num_warps=None, splits=None, rows=None, prefetch=None, pairs=1) -> Plan:
-    """Launch parameters from the shapes (module doc); a keyword given wins (tests: `rows` < 16 keeps the
-    interpret-mode program small). pairs: the grouped kernel's (token, expert) pairs, each M = 1 row over its
-    own expert, the grid `pairs` times longer (K's parts are cut for all of it)."""
-    bk = block[0]
-    md = mode(kind, K, block)
-    unit = 4 if _words(kind) else 1
-    ncols = cdiv(N, unit)  # stored columns: words or bytes
-    if num_warps is None:
-        num_warps = 1
-    per_lane = vector_words(M)
-    if pairs > 1 and pairs * cdiv(ncols, 32 * per_lane * num_warps * (1 if _words(kind) else 4)) < SMS:
-        per_lane = 1  # few pairs x narrow experts (35B-A3B: 8 x 512 columns): 4x the column tiles, 4-byte loads
-    cols = 32 * per_lane * num_warps * (1 if _words(kind) else 4)
-    col_tiles = cdiv(ncols, cols)
-    if md == "int4":
-        step = bk // 2
-    elif md == "block":
-        step = bk
-    else:
-        step = STEP_ROWS
-    rows = min(SUB_ROWS if rows is None else rows, step)
-    if step % rows:
-        raise ValueError(f"quant_gemv plan: rows {rows} must divide the step of {step} stored rows")
-    stored = cdiv(K, bk) * bk // 2 if md == "int4" else K
-    steps = cdiv(stored, step)
-    splits, per = k_parts(steps, col_tiles * pairs, pairs * stored * ncols * (4 if _words(kind) else 1), M * pairs, N,
-                          target=TARGET_PROGRAMS, min_steps=MIN_STEPS_PER_SPLIT, max_traffic=MAX_PARTIAL_TRAFFIC,
-                          wave=SMS if pairs > 1 else 0, splits=splits)
-    if prefetch is None:  # fp8 bytes carried across the loop lose their packing (byte shuffles, spills on sm_90)
-        prefetch = _words(kind)
-    return Plan(cols, col_tiles, step, rows, steps, per, splits, num_warps, bool(prefetch))
 
 
 def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
@@ -169,7 +98,7 @@ def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
     if N == 0 or k == 0:
         return f"an empty matmul ({M} x {k} @ {k} x {N})"
     md = mode(kind, k, block)
-    if _words(kind) and N % 4:
+    if reads_words(kind) and N % 4:
         return f"N = {N} columns: int8 / int4 values are read as int32 words of 4 columns, N must be a multiple of 4"
     step = bk // 2 if md == "int4" else bk
     if md != "channel" and step > SUB_ROWS and step % SUB_ROWS:
@@ -219,7 +148,7 @@ def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=False)
         j, part = pl.program_id(0), pl.program_id(1)
         lead, row_of = (), (lambda m: m)
     C, R = p.cols, p.rows
-    words = _words(kind)
+    words = reads_words(kind)
     nb = 4 if words else 1
     c0 = j * C
     cidx = c0 + jnp.arange(C, dtype=jnp.int32)
@@ -365,16 +294,16 @@ def as_words(q):
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "k", "block", "num_warps", "splits", "rows", "prefetch",
-                                             "interpret"))
+                                             "words", "interpret"))
 def quant_gemv_pallas(x, q, scale, *, kind: str, k: int, block, num_warps: int | None = None,
                       splits: int | None = None, rows: int | None = None, prefetch: bool | None = None,
-                      interpret: bool = False):
+                      words: int | None = None, interpret: bool = False):
     """The decode kernel. Inputs must pass quant_matmul.check_inputs and unsupported_reason here."""
     block = tuple(block)
     M, N = x.shape[0], q.shape[1]
     dt = x.dtype
-    p = plan(M, k, N, kind, block, num_warps=num_warps, splits=splits, rows=rows, prefetch=prefetch)
-    stored = as_words(q) if _words(kind) else q
+    p = plan(M, k, N, kind, block, num_warps=num_warps, splits=splits, rows=rows, prefetch=prefetch, words=words)
+    stored = as_words(q) if reads_words(kind) else q
     xr = rows_of_x(x, kind, k, block, q.shape[0] if kind == "int4" else p.steps * p.step)
     xs = block_sums_of_x(xr, p.step * (p.per if mode(kind, k, block) == "channel" else 1))  # per block / part
     consts = jnp.asarray(CONSTS)

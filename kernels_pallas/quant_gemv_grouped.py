@@ -20,6 +20,8 @@ from kernels_pallas.quant_gemv import (
     CONSTS,
     MAX_ELEMENTS,
     MAX_GRID,
+    WORDS,
+    alternatives,
     as_words,
     block_sums_of_x,
     gemv_kernel,
@@ -51,18 +53,27 @@ def grouped_unsupported_reason(x, q, scale, ids, *, kind: str, k: int, block):
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "rows", "interpret"))
+def plan_alternatives(kind: str, k: int, N: int, block, pairs: int, words=WORDS, splits=("plan", "most")) -> list:
+    """quant_gemv.plan_alternatives over `pairs` (token, expert) pairs, M = 1: a lane's words x K's parts "plan"
+    and "most" (up to quant_gemv.MOST_PER_SM programs a SM: the most loads in flight; at batch 1 the kernel may
+    wait on latency, not bandwidth). benchmarks/gpu_check --moe-only times them, sm90_estimates.py --moe
+    compiles them."""
+    return alternatives(1, k, N, kind, block, pairs=pairs, words=words, splits=splits)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "rows", "words", "interpret"))
 def quant_gemv_grouped_pallas(x, q, scale, ids, *, kind: str, k: int, block, splits: int | None = None,
-                              rows: int | None = None, interpret: bool = False):
+                              rows: int | None = None, words: int | None = None, interpret: bool = False):
     """The routed MoE product at decode on this module's kernel (kernels_pallas/moe_gemv.py's signature):
     out[p] = x[p] @ (q[ids[p]], scale[ids[p]]) -> [P, N], one program per (pair, column tile, K part), each
-    reading only its pair's expert, with the conversion and the launch of the M = 1 decode kernel. Inputs must
-    pass moe_gemv.check_inputs and grouped_unsupported_reason."""
+    reading only its pair's expert, with the conversion and the launch of the M = 1 decode kernel. splits, rows
+    and words override the plan (quant_gemv.plan). Inputs must pass moe_gemv.check_inputs and
+    grouped_unsupported_reason."""
     block = tuple(block)
     P, N = x.shape[0], q.shape[2]
     dt = x.dtype
     kq = q.shape[1]
-    p = plan(1, k, N, kind, block, splits=splits, rows=rows, pairs=P)
+    p = plan(1, k, N, kind, block, splits=splits, rows=rows, words=words, pairs=P)
     xr = rows_of_x(x, kind, k, block, kq if kind == "int4" else p.steps * p.step)
     xs = block_sums_of_x(xr, p.step * (p.per if mode(kind, k, block) == "channel" else 1))  # per block / part
     consts = jnp.asarray(CONSTS)

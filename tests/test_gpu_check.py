@@ -72,3 +72,19 @@ def test_gpu_check_times_calls_the_loop_cannot_hoist():
     assert body_has_dot(chained)
     invariant = jax.jit(lambda x, w: jax.lax.fori_loop(0, 7, lambda i, c: c + f(x, w)[0, 0], 0.0))
     assert not body_has_dot(invariant.lower(x, w).compile().as_text())
+
+
+def test_gpu_check_checks_every_decode_plan_alternative(capsys):
+    """--quant-only's plan sweep (quant.check_quant_plans): each of quant_gemv.alternatives' plans (a lane's words
+    x K's parts) runs and matches the reference (interpret mode here); the GPU run times them."""
+    from gpu_check import quant
+
+    from kernels_pallas import quant_gemv as gemv
+
+    (case,) = quant.QUANT_PLANS_SMOKE
+    kind, fmt, M, K, N, _ = case
+    alternatives = gemv.alternatives(M, K, N, kind, (fmt, 1), words=quant.PLAN_WORDS)
+    assert len(alternatives) >= 4 and {w for w, *_ in alternatives} == set(quant.PLAN_WORDS), alternatives
+    assert quant.check_quant_plans([case], interpret=True, timings=False) == 0
+    out = capsys.readouterr().out
+    assert out.count("max_rel") == len(alternatives) and "FAIL" not in out, out

@@ -170,6 +170,19 @@ def test_plan_fills_the_gpu_at_m1():
                 assert p.programs >= 264, (kind, name, p)
 
 
+def test_plan_words_override():
+    """`words` (a lane's 4-byte words per row, the plan alternative gpu_check times) sets the column tile; a value
+    the kernel has no load for is refused by name."""
+    for words in gemv.WORDS:
+        p = gemv.plan(1, 2048, 512, "int4", (128, 1), words=words, pairs=8)
+        assert (p.cols, p.col_tiles) == (32 * words, 128 // (32 * words)), p
+    assert gemv.plan(1, 2048, 512, "int4", (128, 1), pairs=8).cols == 32  # 8 pairs x 512 columns: one word a lane
+    with pytest.raises(ValueError, match="words .* must be one of \\(1, 2, 4\\), found 3"):
+        gemv.plan(1, 2048, 512, "int4", (128, 1), words=3)
+    with pytest.raises(ValueError, match="splits are plan, half, double, most or a number, found 'lots'"):
+        gemv.alternatives(1, 2048, 512, "int4", (128, 1), splits=("lots",))
+
+
 # (label, kind, M, K, N): the most registers (int4 at 2 rows), the widest grid (lm_head), fp8 at its row limit
 # (sm_90 compiles cost CPU seconds: three; quant_gemv.py's module doc lists more)
 SM90_CASES = [("int4 lm_head M1", "int4", 1, 5120, 248320), ("int4 gate/up M2", "int4", 2, 5120, 17408),

@@ -206,6 +206,9 @@ CASES = [
     ("int4", 64, 3, 300, 42, "f32", {"splits": 2}),
     ("int8", (64, 1), 4, 200, 30, "bf16", {}),
     ("int8", (64, 1), 3, 200, 40, "f32", {"splits": 2}),
+    # the plan alternatives benchmarks/gpu_check times (a lane's words per row): ragged last column tiles
+    ("int4", 32, 3, 300, 520, "f32", {"words": 2}),
+    ("int8", (64, 1), 2, 200, 1040, "f32", {"words": 4, "splits": 2}),
 ]
 
 
@@ -240,7 +243,8 @@ class TestMoeGemvContract(KernelContract):
 
     def kernel(self, c, *args):
         fn, _ = mg.kernel_for(*args, **self._kw(c))
-        tiling = c.case[6] if fn is mg.moe_gemv_pallas else {k: v for k, v in c.case[6].items() if k == "splits"}
+        tiling = c.case[6] if fn is mg.moe_gemv_pallas else {k: v for k, v in c.case[6].items()
+                                                               if k in ("splits", "words")}
         return fn(*args, **self._kw(c), interpret=True, **tiling)
 
     def reference(self, c, *args):
@@ -274,7 +278,9 @@ class TestMoeGemvContract(KernelContract):
         if fn is mg.moe_gemv_pallas:
             p = mg.plan(P, K, N, kind, kw["block"], jnp.dtype(x.dtype).itemsize, **tiling)
         else:
-            p = gemv.plan(1, K, N, kind, kw["block"], pairs=P, splits=tiling.get("splits"))
+            p = gemv.plan(1, K, N, kind, kw["block"], pairs=P, splits=tiling.get("splits"), words=tiling.get("words"))
+            if "words" in tiling:  # the override reached the plan: each lane's words, the column tiles they give
+                assert p.cols == 32 * tiling["words"] and p.col_tiles == cdiv(N // 4, p.cols) > 1, p
         if "splits" in tiling:
             assert p.splits == tiling["splits"], p
         report(f"moe_gemv kernel {kind} {fmt} P{P} K{K} N{N} {dtype} ({fn.__name__}) grid ({P},{p.col_tiles},"
@@ -412,3 +418,32 @@ def test_gpu_check_moe_section_runs_on_cpu(capsys):
     assert check_moe_prefill(MOE_PREFILL_SMOKE[:1], interpret=True, timings=False) == 0
     out = capsys.readouterr().out
     assert "lax.ragged_dot max_rel" in out and "tiles (CPU path) max_rel" in out and "routed kernel max_rel" in out
+
+
+def test_gpu_check_times_the_plan_alternatives(capsys, monkeypatch):
+    """gpu_check's plan sweep (check_moe_plans): every alternative of plan_alternatives is checked against the
+    reference (interpret mode here); with timings (a fake clock: the last alternative fastest, the plan's own 3x
+    slower), the line names the fastest and how far the plan's own choice is from it."""
+    bench = str(ROOT / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from gpu_check import moe as gmoe
+    from gpu_check import plans
+
+    (case,) = gmoe.MOE_PLANS_SMOKE
+    kind, fmt, P, E, K, N, _ = case
+    alternatives = grouped.plan_alternatives(kind, K, N, (fmt, 1), P)
+    assert len(alternatives) >= 4 and sum(own for *_, own in alternatives) == 1, alternatives
+    assert {w for w, *_ in alternatives} == set(gemv.WORDS), alternatives
+    assert gmoe.check_moe_plans([case], interpret=True, timings=False) == 0
+    out = capsys.readouterr().out
+    assert out.count("max_rel") == len(alternatives) and "FAIL" not in out, out
+    own = next(i for i, a in enumerate(alternatives) if a[-1])
+    fastest = len(alternatives) - 1 if own != len(alternatives) - 1 else 0
+    clock = iter([1e-6 if i == fastest else 3e-6 for i in range(len(alternatives))])
+    monkeypatch.setattr(plans, "time_call", lambda *a, **k: next(clock))
+    assert gmoe.check_moe_plans([case], interpret=True, timings=True) == 0
+    line = capsys.readouterr().out
+    w, sp, p, _ = alternatives[fastest]
+    assert f"fastest: {w} word{'s' * (w > 1)} a lane, {sp} K part" in line, line
+    assert "the plan's choice takes 3.00x its time" in line and line.count(" us (") == len(alternatives), line

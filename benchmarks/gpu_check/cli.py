@@ -13,15 +13,26 @@ from .e2e_27b import check_end_to_end_27b
 from .end_to_end import check_end_to_end
 from .long_context import check_long_context_27b
 from .moe import (
+    MOE_PLANS_REAL,
+    MOE_PLANS_SMOKE,
     MOE_PREFILL_REAL,
     MOE_PREFILL_SMOKE,
     MOE_REAL,
     MOE_SMALL,
     MOE_SMOKE,
     check_moe,
+    check_moe_plans,
     check_moe_prefill,
 )
-from .quant import QUANT_REAL, QUANT_SMALL, QUANT_SMOKE, check_quant
+from .quant import (
+    QUANT_PLANS_REAL,
+    QUANT_PLANS_SMOKE,
+    QUANT_REAL,
+    QUANT_SMALL,
+    QUANT_SMOKE,
+    check_quant,
+    check_quant_plans,
+)
 from .tensor_parallel import check_tensor_parallel
 from .windowed import REAL, SMALL, check_kernels
 
@@ -83,15 +94,21 @@ def _run(args, t0, contexts):
     if args.moe_only:
         sec("MoE routed experts, small", lambda: check_moe(MOE_SMOKE if interp else MOE_SMALL, interp, False))
         sec("MoE prefill paths, small", lambda: check_moe_prefill(MOE_PREFILL_SMOKE, interp, False))
+        sec("MoE routed plan alternatives, small", lambda: check_moe_plans(MOE_PLANS_SMOKE, interp, False))
         if not interp:
             sec("MoE routed experts, 35B-A3B experts, timed", lambda: check_moe(MOE_REAL, False, timings=True))
+            sec("MoE routed plan alternatives, 35B-A3B experts, timed",
+                lambda: check_moe_plans(MOE_PLANS_REAL, False, timings=True))
             sec("MoE prefill paths, 35B-A3B experts, timed",
                 lambda: check_moe_prefill(MOE_PREFILL_REAL, False, timings=True))
         return summary(results, t0)
     if args.quant_only:
         sec("quantized matmul, small", lambda: check_quant(QUANT_SMOKE if interp else QUANT_SMALL, interp, False))
+        sec("decode kernel plan alternatives, small", lambda: check_quant_plans(QUANT_PLANS_SMOKE, interp, False))
         if not interp:
             sec("quantized matmul, 27B matrices, timed", lambda: check_quant(QUANT_REAL, False, timings=True))
+            sec("decode kernel plan alternatives, 27B matrices, timed",
+                lambda: check_quant_plans(QUANT_PLANS_REAL, False, timings=True))
         return summary(results, t0)
     if interp:  # the CPU smoke form: the first and the fp8-ring case; the kernel tests cover the rest
         sec("windowed attention, small", lambda: check_kernels([SMALL[0], SMALL[-1]], True, timings=False))
@@ -107,15 +124,21 @@ def _run(args, t0, contexts):
     sec("windowed attention, small", lambda: check_kernels(SMALL, False, timings=False))
     sec("causal attention, small", lambda: check_causal(CAUSAL_SMALL, False, timings=False))
     sec("quantized matmul, small", lambda: check_quant(QUANT_SMALL, False, timings=False))
+    sec("decode kernel plan alternatives, small", lambda: check_quant_plans(QUANT_PLANS_SMOKE, False, timings=False))
     sec("MoE routed experts, small", lambda: check_moe(MOE_SMALL, False, timings=False))
     sec("MoE prefill paths, small", lambda: check_moe_prefill(MOE_PREFILL_SMOKE, False, timings=False))
+    sec("MoE routed plan alternatives, small", lambda: check_moe_plans(MOE_PLANS_SMOKE, False, timings=False))
     sec("windowed attention, real shapes, timed", lambda: check_kernels(REAL, False, timings=True))
     sec("causal attention, 27B long caches, timed", lambda: check_causal(CAUSAL_LONG, False, timings=True))
     sec("end to end, shipped model", lambda: check_end_to_end(args.max_new, thorough=True))
     sec("tensor parallel", lambda: check_tensor_parallel(args.max_new))
     sec("end to end, 27B slice", lambda: check_end_to_end_27b(args.max_new, args.e2e27b_layers))
     sec("quantized matmul, 27B matrices, timed", lambda: check_quant(QUANT_REAL, False, timings=True))
+    sec("decode kernel plan alternatives, 27B matrices, timed",
+        lambda: check_quant_plans(QUANT_PLANS_REAL, False, timings=True))
     sec("MoE routed experts, 35B-A3B experts, timed", lambda: check_moe(MOE_REAL, False, timings=True))
+    sec("MoE routed plan alternatives, 35B-A3B experts, timed",
+        lambda: check_moe_plans(MOE_PLANS_REAL, False, timings=True))
     sec("MoE prefill paths, 35B-A3B experts, timed", lambda: check_moe_prefill(MOE_PREFILL_REAL, False, timings=True))
     if args.budget is not None:  # the long-context prefill only where a budget says how long the lease is
         sec("long context end to end, 27B slice", lambda: check_long_context_27b(contexts=contexts), min_left=60)

@@ -7,6 +7,13 @@ matrices of Qwen3.5-35B-A3B (256 experts; gate / up 2048 -> 512, down 512 -> 204
 and batch 8 (8 and 64 (token, expert) pairs). GB/s counts the bytes the routed product must read: each pair's
 expert (values and scales), x and the output; with the share of HBM and the time 80% of HBM allows.
 
+Plans (`check_moe_plans`): the int8 / int4 experts run quant_gemv's decode kernel over the pairs, whose plan
+(a lane's 4-byte words per row, K's parts) was chosen from sm_90 instruction counts, not from a GPU: at batch 1
+(8 pairs of 0.5 MB experts) it may wait on latency rather than bandwidth (benchmarks/sm90_estimates.py --moe
+shows 4-8 KB in flight per SM, where HBM wants about 25 KB). Every alternative of
+quant_gemv_grouped.plan_alternatives is checked against the reference and, with timings, timed; the line names
+the fastest and how far the plan's own choice is from it: where they differ, quant_gemv.plan should follow.
+
 Prefill (`check_moe_prefill`, issue 38 item 2: "measure lax.ragged_dot, tokamax's ragged dot where it runs, and
 your kernel; keep the fastest"): rows sorted by expert at 35B-A3B's experts for 64 and 512 tokens (512 and 4096
 pairs), every way the product can run, each checked against the gather reference before it is timed:
@@ -27,11 +34,13 @@ import numpy as np
 from kernels_pallas import moe_gemv as mg
 from kernels_pallas import moe_grouped
 from kernels_pallas import quant_gemv as gemv
+from kernels_pallas import quant_gemv_grouped as grouped
 from kernels_pallas.quant_layout import cdiv, padded_k
 from qwen_mtp.extras import tokamax_or_reason
 
 from .budget import out_of_time
 from .common import bandwidth, case_label, max_rel, one_line
+from .plans import sweep
 from .timing import checked_time, time_call
 
 # (kind, int4 group | fp8 block | None, pairs, experts, K, N, x dtype)
@@ -46,6 +55,9 @@ MOE_REAL = [(kind, fmt, P, 256, K, N, "bfloat16") for (K, N) in MOE_SHAPES.value
 MOE_PREFILL_SMOKE = [("plain", None, 24, 8, 64, 48, "float32"), ("int4", 32, 24, 8, 64, 48, "bfloat16")]
 MOE_PREFILL_REAL = [(kind, fmt, T * 8, 256, K, N, "bfloat16") for (K, N) in MOE_SHAPES.values() for T in (64, 512)
                     for kind, fmt in (("plain", None), ("int4", 128), ("fp8", (128, 128)))]
+# the grouped decode kernel's plan alternatives (check_moe_plans): its int8 / int4 cases
+MOE_PLANS_SMOKE = [("int4", 32, 2, 4, 96, 64, "bfloat16")]
+MOE_PLANS_REAL = [c for c in MOE_REAL if c[0] in grouped.GROUPED_KINDS]
 HBM_TARGET = 0.8
 
 
@@ -236,5 +248,41 @@ def check_moe(cases, interpret, timings):
             except Exception as e:  # noqa: BLE001 - a failing baseline is reported, not a failure of the kernel
                 line += f", lax.ragged_dot: {one_line(e, 120)}"
         print(line, flush=True)
+        del x, w, scale
+    return failures
+
+
+def check_moe_plans(cases, interpret, timings):
+    """The grouped decode kernel (int8 / int4 experts) at each plan alternative (module doc): numerics against
+    the gather reference, and with timings each one's time and share of HBM, the fastest and the plan's own."""
+    kind_of_device, bw = bandwidth()
+    failures = 0
+    for i, (kind, fmt, P, E, K, N, dtype) in enumerate(cases):
+        label = case_label(f"moe_gemv plans {kind} {fmt} P{P} E{E} K{K} N{N} {dtype}")
+        if out_of_time(f"{label} and the rest"):
+            break
+        dt = jnp.dtype(dtype)
+        block = _block(kind, fmt, K)
+        try:
+            x, w, scale, ids = _arrays(kind, block, P, E, K, N, dt, jax.random.PRNGKey(200 + i))
+            want = np.asarray(mg.moe_gemv_reference(x, w, scale, ids, kind=kind, k=K, block=block).astype(jnp.float32))
+            alternatives = grouped.plan_alternatives(kind, K, N, block, P)
+        except Exception as e:  # noqa: BLE001 - one case that does not build must not hide the others
+            print(f"{label}: FAIL {one_line(e)}", flush=True)
+            failures += 1
+            continue
+        per_expert = (w.nbytes + (0 if scale is None else scale.nbytes)) // E
+        nbytes = P * per_expert + x.nbytes + P * N * dt.itemsize
+
+        def make(words, splits, kind=kind, P=P, K=K, N=N, block=block):
+            p = gemv.plan(1, K, N, kind, block, pairs=P, words=words, splits=splits)
+            fn = functools.partial(grouped.quant_gemv_grouped_pallas, kind=kind, k=K, block=block, words=words,
+                                   splits=splits, interpret=interpret)
+            return jax.jit(fn), (P, p.col_tiles, p.splits)
+
+        bad, parts = sweep(alternatives, make, (x, w, scale, ids), want, tol=1e-4 if dt == jnp.float32 else 2e-2,
+                           timings=timings, nbytes=nbytes, bw=bw, device=kind_of_device)
+        failures += bad
+        print(f"{label}: {nbytes / 1e6:.1f} MB read; " + "; ".join(parts), flush=True)
         del x, w, scale
     return failures

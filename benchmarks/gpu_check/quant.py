@@ -5,6 +5,8 @@ with whether backend "auto" picks the faster. At decode rows (M <= 64) each line
 beside the tiled kernel (quant_matmul.py), and prints every path's GB/s and share of HBM for the bytes it reads,
 and the time 80% of HBM allows for the quantized bytes."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ from kernels_pallas.quant_layout import cdiv, padded_k
 
 from .budget import out_of_time
 from .common import bandwidth, case_label, max_rel, one_line
+from .plans import sweep
 from .timing import checked_time, time_call
 
 # quantized matmul cases (kind, "channel" | int4 group | fp8 block, M, K, N, x dtype): the CPU smoke form runs
@@ -45,6 +48,10 @@ QUANT_REAL += [("int8", "channel", M, K, N, "bfloat16") for (K, N) in (QUANT_SHA
 QUANT_REAL += [("fp8", "channel", 1, 5120, 17408, "bfloat16"), ("int4", 32, 1, 5120, 17408, "bfloat16"),
                ("int8", "channel", 5, 5120, 17408, "float32"), ("int4", 128, 5, 17408, 5120, "float32")]
 HBM_TARGET = 0.8  # issue 38: decode matmuls at >= 80% of HBM
+# the FMA decode kernel's plan alternatives at M = 1 (check_quant_plans, plans.py): a lane's words x K's parts
+QUANT_PLANS_SMOKE = [("int4", 32, 1, 96, 64, "bfloat16")]
+QUANT_PLANS_REAL = [(kind, fmt, 1, K, N, "bfloat16") for kind, fmt in QUANT_FORMATS for (K, N) in QUANT_SHAPES.values()]
+PLAN_WORDS = (2, 4)  # at M = 1 the plan loads 4 words (16 bytes) a lane; 1 word is the MoE sweep's business
 
 
 def _quant_inputs(kind, fmt, M, K, N, dtype, seed):
@@ -212,3 +219,39 @@ def _timings(kind, block, M, K, N, dt, x, q, scale, kern, ref, gv, tc, bw, devic
                  else f", qwix: {t_q}")
         del w
     return line
+
+
+def check_quant_plans(cases, interpret, timings):
+    """The FMA decode kernel at each plan alternative (plans.py: PLAN_WORDS x K's parts plan / half / double)
+    against the XLA reference, and with timings each one's time and share of HBM, the fastest and the plan's own."""
+    kind_of_device, bw = bandwidth()
+    failures = 0
+    for i, (kind, fmt, M, K, N, dtype) in enumerate(cases):
+        label = case_label(f"quant_gemv plans {kind} {fmt} M{M} K{K} N{N} {dtype}")
+        if out_of_time(f"{label} and the rest"):
+            break
+        dt = jnp.dtype(dtype)
+        try:
+            x, q, scale, block = _quant_inputs(kind, fmt, M, K, N, dt, 300 + i)
+            ref = jax.jit(lambda x, q, s, kind=kind, K=K, block=block: qmm.quant_matmul_reference(
+                x, q, s, kind=kind, k=K, block=block))
+            want = np.asarray(ref(x, q, scale).astype(jnp.float32))
+            alternatives = gemv.alternatives(M, K, N, kind, block, words=PLAN_WORDS)
+        except Exception as e:  # noqa: BLE001 - one case that does not build must not hide the others
+            print(f"{label}: FAIL {one_line(e)}", flush=True)
+            failures += 1
+            continue
+        nbytes = q.nbytes + scale.nbytes + x.nbytes + M * N * dt.itemsize
+
+        def make(words, splits, kind=kind, M=M, K=K, N=N, block=block):
+            p = gemv.plan(M, K, N, kind, block, words=words, splits=splits)
+            fn = functools.partial(gemv.quant_gemv_pallas, kind=kind, k=K, block=block, words=words, splits=splits,
+                                   interpret=interpret)
+            return jax.jit(fn), (p.col_tiles, p.splits)
+
+        bad, parts = sweep(alternatives, make, (x, q, scale), want, tol=1e-4 if dt == jnp.float32 else 2e-2,
+                           timings=timings, nbytes=nbytes, bw=bw, device=kind_of_device)
+        failures += bad
+        print(f"{label}: {nbytes / 1e6:.1f} MB read; " + "; ".join(parts), flush=True)
+        del x, q, scale
+    return failures
