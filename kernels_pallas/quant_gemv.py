@@ -53,7 +53,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas.quant_gemv_plan import (  # noqa: F401 (the plan's names, re-exported: gemv.plan, gemv.WORDS)
+from kernels_pallas.quant_gemv_plan import (
     MIN_STEPS_PER_SPLIT,
     MOST_PER_SM,
     SUB_ROWS,
@@ -66,6 +66,12 @@ from kernels_pallas.quant_gemv_plan import (  # noqa: F401 (the plan's names, re
     reads_words,
     vector_words,
 )
+
+# the kernel, and its plan's names (quant_gemv_plan.py) re-exported: callers write gemv.plan, gemv.WORDS
+__all__ = ["CONSTS", "DTYPES", "MAX_ELEMENTS", "MAX_GRID", "MAX_ROWS", "MIN_STEPS_PER_SPLIT", "MOST_PER_SM",
+           "ROWS_FMA", "SUB_ROWS", "TARGET_PROGRAMS", "WORDS", "Plan", "alternatives", "as_words",
+           "block_sums_of_x", "gemv_kernel", "mode", "plan", "quant_gemv_pallas", "reads_words", "rows_of_x",
+           "unsupported_reason", "vector_words"]
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_ROWS = 16  # decode rows: the kernel takes M <= 16

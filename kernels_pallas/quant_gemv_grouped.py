@@ -20,16 +20,13 @@ from kernels_pallas.quant_gemv import (
     CONSTS,
     MAX_ELEMENTS,
     MAX_GRID,
-    WORDS,
-    alternatives,
     as_words,
     block_sums_of_x,
     gemv_kernel,
-    mode,
-    plan,
     rows_of_x,
     unsupported_reason,
 )
+from kernels_pallas.quant_gemv_plan import WORDS, alternatives, mode, plan
 
 
 GROUPED_KINDS = ("int8", "int4")

@@ -24,9 +24,9 @@ from flax import struct
 
 from qwen_mtp.head.tree import attend_tree
 from qwen_mtp.trunk.attention import output, project_qkv, write_kv
-from qwen_mtp.trunk.gdn import HIGHEST, unit_lower_inverse, verify_gated_delta_rule
+from qwen_mtp.trunk.gdn import HIGHEST, gated_output, rule_inputs, unit_lower_inverse, verify_gated_delta_rule
 from qwen_mtp.trunk.mlp import feed_forward
-from qwen_mtp.trunk.ops import embed_rows, gated_rmsnorm, l2norm, linear, rmsnorm_1pw
+from qwen_mtp.trunk.ops import embed_rows, linear, rmsnorm_1pw
 from qwen_mtp.trunk.state import GDNState, KVCache, to_cache
 
 
@@ -131,23 +131,10 @@ def window_index(depth, anc, K: int):
 
 def tree_gdn_layer(x, w, cfg, st: GDNState, layout):
     """gdn.gdn_layer over the tree rows (x [B, N1, H], input-normed). Returns (out, TreeGDN)."""
-    B, T, _ = x.shape
-    nk, nv, dk, dv = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim
     qkv, xc = tree_conv(linear(x, w.in_proj_qkv), st.conv, w.conv, layout.depth, layout.anc)
-    z = linear(x, w.in_proj_z).reshape(B, T, nv, dv)
-    b = linear(x, w.in_proj_b)
-    a = linear(x, w.in_proj_a)
-    kd = cfg.gdn_key_dim
-    f32 = lambda t: t.astype(jnp.float32)
-    q = l2norm(f32(qkv[..., :kd].reshape(B, T, nk, dk))) * dk ** -0.5
-    k = l2norm(f32(qkv[..., kd:2 * kd].reshape(B, T, nk, dk)))
-    v = f32(qkv[..., 2 * kd:].reshape(B, T, nv, dv))
-    q, k = (jnp.repeat(t, nv // nk, axis=2) for t in (q, k))
-    beta = f32(jax.nn.sigmoid(b))
-    g = -jnp.exp(f32(w.A_log)) * jax.nn.softplus(f32(a) + f32(w.dt_bias))
+    q, k, v, z, beta, g = rule_inputs(x, qkv, w, cfg)
     core, (G, k_all, delta) = tree_core(q, k, v, g, beta, st.rec, layout.mask, layout.depth, layout.anc.shape[-1] - 1)
-    core = gated_rmsnorm(core.astype(x.dtype), z, w.norm, cfg.rms_norm_eps)
-    return linear(core.reshape(B, T, nv * dv), w.out_proj), TreeGDN(xc, st.rec, G, k_all, delta)
+    return gated_output(core, z, w, cfg, x.dtype), TreeGDN(xc, st.rec, G, k_all, delta)
 
 
 def tree_attention_layer(x, w, cfg, cache: KVCache, pos, layout):

@@ -164,26 +164,41 @@ def conv_window_at(xc, count, width):
     return jax.vmap(lambda r, n: jax.lax.dynamic_slice_in_dim(r, n, width, axis=0))(xc, count)
 
 
-def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode: str):
-    """x [B, T, H] (already input-normed). mode: "chunk" (prefill), "chunk_fast" (training: the chunk form
-    with the all-matmul doubling inverse), "step" (decode) or "verify" (a speculative verify: the second
-    result is a GDNVerify, from which rollback.select_states builds the GDNState after the accepted position)."""
+def rule_inputs(x, qkv, w: GDNWeights, cfg: ModelConfig):
+    """The gated delta rule's inputs from the input-normed rows x [B, T, H] and their convolved qkv projection
+    [B, T, 2 key_dim + value_dim]: q (l2-normed, times dk^-1/2), k (l2-normed) and v as f32 [B, T, nv, d], each
+    key head serving nv/nk CONSECUTIVE value heads; z [B, T, nv, dv] (the output gate, x's dtype); beta and the
+    log decay g, f32 [B, T, nv]. gdn_layer and the tree verify (decoding/tree_verify.py) share it."""
     B, T, _ = x.shape
     nk, nv, dk, dv = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim
-    qkv, window = causal_conv(linear(x, w.in_proj_qkv), st.conv, w.conv)
     z = linear(x, w.in_proj_z).reshape(B, T, nv, dv)
     b = linear(x, w.in_proj_b)
     a = linear(x, w.in_proj_a)
-
     kd = cfg.gdn_key_dim
     f32 = lambda t: t.astype(jnp.float32)
     q = l2norm(f32(qkv[..., :kd].reshape(B, T, nk, dk))) * dk ** -0.5
     k = l2norm(f32(qkv[..., kd:2 * kd].reshape(B, T, nk, dk)))
     v = f32(qkv[..., 2 * kd:].reshape(B, T, nv, dv))
-    # each key head serves nv/nk CONSECUTIVE value heads
     q, k = (jnp.repeat(t, nv // nk, axis=2) for t in (q, k))
     beta = f32(jax.nn.sigmoid(b))
     g = -jnp.exp(f32(w.A_log)) * jax.nn.softplus(f32(a) + f32(w.dt_bias))
+    return q, k, v, z, beta, g
+
+
+def gated_output(core, z, w: GDNWeights, cfg: ModelConfig, dtype):
+    """The rule's output core [B, T, nv, dv] -> [B, T, H]: gated RMSNorm by z in `dtype`, then out_proj."""
+    B, T = core.shape[:2]
+    core = gated_rmsnorm(core.astype(dtype), z, w.norm, cfg.rms_norm_eps)
+    return linear(core.reshape(B, T, -1), w.out_proj)
+
+
+def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode: str):
+    """x [B, T, H] (already input-normed). mode: "chunk" (prefill), "chunk_fast" (training: the chunk form
+    with the all-matmul doubling inverse), "step" (decode) or "verify" (a speculative verify: the second
+    result is a GDNVerify, from which rollback.select_states builds the GDNState after the accepted position)."""
+    T = x.shape[1]
+    qkv, window = causal_conv(linear(x, w.in_proj_qkv), st.conv, w.conv)
+    q, k, v, z, beta, g = rule_inputs(x, qkv, w, cfg)
     valid = (jnp.arange(T)[None, :] < n_valid[:, None])[..., None]
     beta, g = jnp.where(valid, beta, 0.0), jnp.where(valid, g, 0.0)
 
@@ -196,8 +211,7 @@ def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode
         core, (G, k_all, delta) = verify_gated_delta_rule(q, k, v, g, beta, st.rec)
     else:
         raise ValueError(f"gdn_layer: mode expected one of chunk, chunk_fast, step, verify; found {mode!r}")
-    core = gated_rmsnorm(core.astype(x.dtype), z, w.norm, cfg.rms_norm_eps)
-    out = linear(core.reshape(B, T, nv * dv), w.out_proj)
+    out = gated_output(core, z, w, cfg, x.dtype)
     if mode == "verify":
         return out, GDNVerify(window, st.rec, G, k_all, delta)
     return out, GDNState(conv_window_at(window, n_valid, st.conv.shape[1]), rec)
