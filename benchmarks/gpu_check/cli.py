@@ -41,7 +41,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=sys.modules[__package__].__doc__.split("\n\n")[0])
     ap.add_argument("--interpret", action="store_true", help="kernels in interpret mode (CPU smoke test)")
     ap.add_argument("--max-new", type=int, default=128, help="new tokens per end-to-end run")
-    ap.add_argument("--quant-only", action="store_true", help="only the quantized-matmul checks (item 5)")
+    ap.add_argument("--quant-only", action="store_true",
+                    help="only the quantized-matmul checks (item 5); the --*-only flags combine: each part named runs, "
+                         "in the order quant, moe, long, tp, e2e27b")
     ap.add_argument("--long-only", action="store_true", help="only the causal attention checks (item 8)")
     ap.add_argument("--moe-only", action="store_true",
                     help="only the MoE experts checks (moe.py): routed at decode, grouped at prefill")
@@ -79,36 +81,39 @@ def _run(args, t0, contexts):
     results = []
     sec = lambda name, fn, min_left=0.0: section(results, name, fn, min_left=min_left)
     interp = args.interpret
-    if args.long_only:
-        sec("causal attention, small", lambda: check_causal(CAUSAL_SMALL, interp, timings=False))
-        if not interp:
-            sec("causal attention, 27B long caches, timed", lambda: check_causal(CAUSAL_LONG, False, timings=True))
-            sec("long context end to end, 27B slice", lambda: check_long_context_27b(contexts=contexts))
-        return summary(results, t0)
-    if args.tp_only or args.e2e27b_only:
-        if args.tp_only:
-            sec("tensor parallel", lambda: check_tensor_parallel(args.max_new))
-        if args.e2e27b_only:
-            sec("end to end, 27B slice", lambda: check_end_to_end_27b(args.max_new, args.e2e27b_layers))
-        return summary(results, t0)
-    if args.moe_only:
-        sec("MoE routed experts, small", lambda: check_moe(MOE_SMOKE if interp else MOE_SMALL, interp, False))
-        sec("MoE prefill paths, small", lambda: check_moe_prefill(MOE_PREFILL_SMOKE, interp, False))
-        sec("MoE routed plan alternatives, small", lambda: check_moe_plans(MOE_PLANS_SMOKE, interp, False))
-        if not interp:
-            sec("MoE routed experts, 35B-A3B experts, timed", lambda: check_moe(MOE_REAL, False, timings=True))
-            sec("MoE routed plan alternatives, 35B-A3B experts, timed",
-                lambda: check_moe_plans(MOE_PLANS_REAL, False, timings=True))
-            sec("MoE prefill paths, 35B-A3B experts, timed",
-                lambda: check_moe_prefill(MOE_PREFILL_REAL, False, timings=True))
-        return summary(results, t0)
-    if args.quant_only:
-        sec("quantized matmul, small", lambda: check_quant(QUANT_SMOKE if interp else QUANT_SMALL, interp, False))
-        sec("decode kernel plan alternatives, small", lambda: check_quant_plans(QUANT_PLANS_SMOKE, interp, False))
-        if not interp:
-            sec("quantized matmul, 27B matrices, timed", lambda: check_quant(QUANT_REAL, False, timings=True))
-            sec("decode kernel plan alternatives, 27B matrices, timed",
-                lambda: check_quant_plans(QUANT_PLANS_REAL, False, timings=True))
+    parts = [name for name in ("quant", "moe", "long", "tp", "e2e27b") if getattr(args, f"{name}_only")]
+    if parts:  # the --*-only flags combine (one command on a short lease): the numerics of every part named, then
+        # the timed sections, each in the order quant, moe, long, tp, e2e27b
+        small = {"quant": [("quantized matmul, small",
+                            lambda: check_quant(QUANT_SMOKE if interp else QUANT_SMALL, interp, False)),
+                           ("decode kernel plan alternatives, small",
+                            lambda: check_quant_plans(QUANT_PLANS_SMOKE, interp, False))],
+                 "moe": [("MoE routed experts, small",
+                          lambda: check_moe(MOE_SMOKE if interp else MOE_SMALL, interp, False)),
+                         ("MoE prefill paths, small", lambda: check_moe_prefill(MOE_PREFILL_SMOKE, interp, False)),
+                         ("MoE routed plan alternatives, small",
+                          lambda: check_moe_plans(MOE_PLANS_SMOKE, interp, False))],
+                 "long": [("causal attention, small", lambda: check_causal(CAUSAL_SMALL, interp, timings=False))]}
+        timed = {"quant": [("quantized matmul, 27B matrices, timed", lambda: check_quant(QUANT_REAL, False, True)),
+                           ("decode kernel plan alternatives, 27B matrices, timed",
+                            lambda: check_quant_plans(QUANT_PLANS_REAL, False, timings=True))],
+                 "moe": [("MoE routed experts, 35B-A3B experts, timed", lambda: check_moe(MOE_REAL, False, True)),
+                         ("MoE routed plan alternatives, 35B-A3B experts, timed",
+                          lambda: check_moe_plans(MOE_PLANS_REAL, False, timings=True)),
+                         ("MoE prefill paths, 35B-A3B experts, timed",
+                          lambda: check_moe_prefill(MOE_PREFILL_REAL, False, timings=True))],
+                 "long": [("causal attention, 27B long caches, timed",
+                           lambda: check_causal(CAUSAL_LONG, False, timings=True)),
+                          ("long context end to end, 27B slice", lambda: check_long_context_27b(contexts=contexts))],
+                 "tp": [("tensor parallel", lambda: check_tensor_parallel(args.max_new))],
+                 "e2e27b": [("end to end, 27B slice",
+                             lambda: check_end_to_end_27b(args.max_new, args.e2e27b_layers))]}
+        for name in parts:
+            for title, fn in small.get(name, []):
+                sec(title, fn)
+        for name in parts:  # in the --interpret smoke form only the parts that run on CPU (tp, e2e27b)
+            for title, fn in timed[name] if not interp or name in ("tp", "e2e27b") else []:
+                sec(title, fn)
         return summary(results, t0)
     if interp:  # the CPU smoke form: the first and the fp8-ring case; the kernel tests cover the rest
         sec("windowed attention, small", lambda: check_kernels([SMALL[0], SMALL[-1]], True, timings=False))
