@@ -3,6 +3,7 @@
 caches with the positions set, the bytes they read, the published-AL TPOT, the Wind-MTP paper's table, the cached
 start in a second process), and the budget / memory refusals that name what they skip."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -24,6 +25,8 @@ def test_short_form_runs_every_part(capsys):
     assert "== 35B-A3B-int4: 4 layers + MTP head, int4 g128 (lm_head, MTP head too) weights" in out
     for label in ("plain", "k1 native", "k1 windowed W32 S4"):
         assert f"  {label}: compiled in " in out, label
+    kernels = {int(m) for m in re.findall(r"compiled in [\d.]+ s, (\d+) kernels a (?:step|round)", out)}
+    assert len(kernels) >= 2 and min(kernels) > 20, kernels  # a 4-layer step launches dozens; a round more
     assert "draft vocab" not in out and "(again" not in out
     for ctx in (64, 256):
         assert f"35B-A3B-int4 at {ctx} cached positions" in out
@@ -63,3 +66,26 @@ def test_reads_charge_an_moe_only_its_routed_experts():
     per = reads.kv_per_position(cfg, 2)
     assert native["kv"] - windowed["kv"] == 3 * (3001 - 36) * per
     assert native["weights"] == windowed["weights"]
+
+
+def test_launches_count_a_loops_kernels():
+    """launches.per_iteration: the decode loop's body and condition, a nested loop's body times its known trip
+    count. Two programs that differ only in the nested loop's trips (3, 6) differ by 3 x the nested body and
+    condition."""
+    import jax
+    import jax.numpy as jnp
+    from gpu_scale import launches
+
+    def text(trips):
+        def f(x, w, n):
+            def body(c):
+                i, x = c
+                x = jax.lax.fori_loop(0, trips, lambda j, y: jnp.sin(y @ w), jnp.tanh(x @ w))
+                return i + 1, x
+            return jnp.exp(jax.lax.while_loop(lambda c: c[0] < n, body, (0, x))[1])
+        return jax.jit(f).lower(jnp.ones((8, 8)), jnp.ones((8, 8)), 5).compile().as_text()
+
+    three, six = launches.per_iteration(text(3)), launches.per_iteration(text(6))
+    inner = (six - three) / 3  # the nested loop's kernels an iteration (on this CPU 4)
+    assert inner == int(inner) >= 2 and three - 3 * inner >= 3, (three, six)  # + the outer body's own, once
+    assert launches.per_iteration("ENTRY %main (x: f32[]) -> f32[] {\n  ROOT %x = f32[] parameter(0)\n}") == 0

@@ -27,9 +27,11 @@ For each model, one at a time (device memory checked before anything is allocate
 The order: plain, k = 3 native and k = 3 windowed on every run first, then (each model made again: seconds)
 the draft-vocabulary rounds and the other k. --budget (seconds) fits it to a lease: a part not expected to end
 within its model's share of what is left is skipped and named, and the last line counts the skipped parts. Each
-part prints its per-context times as it ends; the tables (bytes, roofline, AL) follow at the end.
+part prints its per-context times as it ends, with the kernels one step / round launches (counted in the compiled
+program); the tables (bytes, roofline, AL) follow at the end, the plain step's with the time it takes beyond its
+bytes' time at peak, per kernel: what launches may explain where a step falls short of the roofline.
 
 Modules: cli (flags, plan, budget, the second process), models (runs, configs, peak bandwidths, memory, weights,
 random caches), programs (the decode loops lowered from abstract inputs, timed), reads (bytes per step and per
-round), report (the tables).
+round), launches (kernels per step from the compiled HLO), report (the tables).
 """

@@ -13,7 +13,7 @@ import time
 
 import jax
 
-from . import report
+from . import launches, report
 from .models import (
     RUNS,
     build_model,
@@ -138,7 +138,8 @@ def run_model(name, plan, a, p, budget, share_end, results):
     print(f"== {name}{' (again, for the next cases)' if again else ''}: {cfg.num_layers} layers + MTP head, "
           f"{report.weights_line(model, wparts)}, made on the device in {build_s:.1f} s; caches of {slots} "
           "positions filled with random values", flush=True)
-    res = results.setdefault(name, {"cfg": cfg, "slots": slots, "plain": {}, "rounds": {}, "compile": {}, "parts": wparts})
+    res = results.setdefault(name, {"cfg": cfg, "slots": slots, "plain": {}, "rounds": {}, "compile": {},
+                                    "kernels": {}, "parts": wparts})
     failures, compile_est, state, native_head = 0, max(res["compile"].values(), default=0.0), state0, head0
     dv_model = None
     cap_plain, cap_spec = p["steps"] + 4, (p["rounds"] + 2) * (ks + 1) + 8
@@ -151,6 +152,7 @@ def run_model(name, plan, a, p, budget, share_end, results):
             compiled, secs = compile_case(cfg, dtype, quant, case, B, slots, cap)
             compile_est = max(compile_est, secs)
             res["compile"][case.label] = secs
+            res["kernels"][case.label] = kernels = launches.per_iteration(compiled.as_text())
             weights = model.weights
             if case.draft_vocab:
                 dv_model = dv_model or draft_vocab_model(model, case.draft_vocab)
@@ -172,7 +174,8 @@ def run_model(name, plan, a, p, budget, share_end, results):
                 line.append(f"{ctx}: {1e3 * sec:.3f} ms")
             if case.window is None:
                 native_head = head
-            print(f"  {case.label}: compiled in {secs:.1f} s; per {'step' if not case.k else 'round'} "
+            print(f"  {case.label}: compiled in {secs:.1f} s, {kernels} kernels a {'step' if not case.k else 'round'}"
+                  f" (launches.py); per {'step' if not case.k else 'round'} "
                   + ", ".join(line), flush=True)
         except Exception as e:  # noqa: BLE001 - one part that fails must not hide the others
             failures += 1

@@ -52,6 +52,12 @@ def model_table(name, res, ctxs, ks, p, batch, bw, dtype):
             print(f"    plain TPOT {1e3 * step:8.3f} ms; a step reads {gb(total)} (weights {gb(r['weights'])}"
                   f"{' with routed experts only' if parts['experts'] else ''} + KV {gb(r['kv'])} + GDN states "
                   f"{gb(r['state'])}): {_share(total, step, bw)}{' of peak' if bw else ''}", flush=True)
+            kernels = res.get("kernels", {}).get("plain")
+            if kernels and bw:
+                beyond = step - total / bw
+                print(f"    {kernels} kernels a step (launches.py, from the compiled HLO): the step takes "
+                      f"{1e3 * beyond:.3f} ms beyond its bytes' time at peak, {1e6 * beyond / kernels:.2f} us a kernel",
+                      flush=True)
         if rounds:
             print(f"    {'round':38s} {'ms':>8s} {'plain steps':>11s} {uname + ' read':>8s} {'GB/s, % peak':>15s}  "
                   f"TPOT at the published AL ({AL_SOURCE})", flush=True)
