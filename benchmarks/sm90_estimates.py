@@ -160,9 +160,10 @@ def main(argv=None) -> int:
     ap.add_argument("--moe", action="store_true",
                     help="the routed MoE decode kernel at 35B-A3B's experts, one row per plan alternative")
     ap.add_argument("--pairs", default="8,64", help="--moe: (token, expert) pairs (default: batch 1 and 8 at top-8)")
-    ap.add_argument("--words", default="1,2,4", help="--moe: a lane's 4-byte words per row to compare (default: 1,2,4)")
+    ap.add_argument("--words", default="1,2,4", help="--moe: a lane's 4-byte words per row (default: 1,2,4)")
     ap.add_argument("--moe-splits", default="plan",
-                    help="--moe: K parts to compare: plan (the plan's cut), most (one loop step a part), or a number")
+                    help="--moe: K parts to compare: plan (the plan's cut), most (up to 16 programs a SM), half, double "
+                         "or a number")
     a = ap.parse_args(argv)
     if a.moe:
         if a.formats == ap.get_default("formats"):

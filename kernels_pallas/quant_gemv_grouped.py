@@ -51,9 +51,9 @@ def grouped_unsupported_reason(x, q, scale, ids, *, kind: str, k: int, block):
 
 
 def plan_alternatives(kind: str, k: int, N: int, block, pairs: int, words=WORDS, splits=("plan", "most")) -> list:
-    """quant_gemv.plan_alternatives over `pairs` (token, expert) pairs, M = 1: a lane's words x K's parts "plan"
-    and "most" (up to quant_gemv.MOST_PER_SM programs a SM: the most loads in flight; at batch 1 the kernel may
-    wait on latency, not bandwidth). benchmarks/gpu_check --moe-only times them, sm90_estimates.py --moe
+    """quant_gemv_plan.alternatives over `pairs` (token, expert) pairs, M = 1: a lane's words x K's parts "plan"
+    and "most" (up to quant_gemv_plan.MOST_PER_SM programs a SM: the most loads in flight; at batch 1 the kernel
+    may wait on latency, not bandwidth). benchmarks/gpu_check --moe-only times them, sm90_estimates.py --moe
     compiles them."""
     return alternatives(1, k, N, kind, block, pairs=pairs, words=words, splits=splits)
 
@@ -64,7 +64,7 @@ def quant_gemv_grouped_pallas(x, q, scale, ids, *, kind: str, k: int, block, spl
     """The routed MoE product at decode on this module's kernel (kernels_pallas/moe_gemv.py's signature):
     out[p] = x[p] @ (q[ids[p]], scale[ids[p]]) -> [P, N], one program per (pair, column tile, K part), each
     reading only its pair's expert, with the conversion and the launch of the M = 1 decode kernel. splits, rows
-    and words override the plan (quant_gemv.plan). Inputs must pass moe_gemv.check_inputs and
+    and words override the plan (quant_gemv_plan.plan). Inputs must pass moe_gemv.check_inputs and
     grouped_unsupported_reason."""
     block = tuple(block)
     P, N = x.shape[0], q.shape[2]

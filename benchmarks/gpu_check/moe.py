@@ -12,7 +12,8 @@ Plans (`check_moe_plans`): the int8 / int4 experts run quant_gemv's decode kerne
 (8 pairs of 0.5 MB experts) it may wait on latency rather than bandwidth (benchmarks/sm90_estimates.py --moe
 shows 4-8 KB in flight per SM, where HBM wants about 25 KB). Every alternative of
 quant_gemv_grouped.plan_alternatives is checked against the reference and, with timings, timed; the line names
-the fastest and how far the plan's own choice is from it: where they differ, quant_gemv.plan should follow.
+the fastest and how far the plan's own choice is from it: where they differ, quant_gemv_plan.plan should
+follow.
 
 Prefill (`check_moe_prefill`, issue 38 item 2: "measure lax.ragged_dot, tokamax's ragged dot where it runs, and
 your kernel; keep the fastest"): rows sorted by expert at 35B-A3B's experts for 64 and 512 tokens (512 and 4096

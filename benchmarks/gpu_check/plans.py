@@ -43,7 +43,7 @@ def sweep(alternatives, make, args, want, *, tol, timings, nbytes, bw, device):
             parts.append(f"{name}{' [plan]' if name == own_name else ''} {1e6 * t:.1f} us "
                          f"({nbytes / t / 1e9:.0f} GB/s{frac})")
         verdict = "as the plan chooses" if fastest == own_name else (
-            f"the plan's choice takes {times[own_name] / times[fastest]:.2f}x its time: quant_gemv.plan should "
+            f"the plan's choice takes {times[own_name] / times[fastest]:.2f}x its time: quant_gemv_plan.plan should "
             "follow" if own_name in times else "the plan's own choice did not run")
         parts.append(f"fastest: {fastest}, {verdict}")
     return failures, parts
