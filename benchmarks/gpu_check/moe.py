@@ -83,6 +83,17 @@ def _arrays(kind, block, P, E, K, N, dtype, key):
     return x, q, scale, ids
 
 
+def _case(kind, fmt, P, E, K, N, dtype, seed, sort=False):
+    """(x's dtype, block, x, w, scale, ids, the gather reference's answer as f32 numpy): one case's inputs, made on
+    the device; ids sorted for the prefill paths (rows grouped by expert)."""
+    dt = jnp.dtype(dtype)
+    block = _block(kind, fmt, K)
+    x, w, scale, ids = _arrays(kind, block, P, E, K, N, dt, jax.random.PRNGKey(seed))
+    ids = jnp.sort(ids) if sort else ids
+    want = np.asarray(mg.moe_gemv_reference(x, w, scale, ids, kind=kind, k=K, block=block).astype(jnp.float32))
+    return dt, block, x, w, scale, ids, want
+
+
 def _ragged(kind, K, block):
     """The grouped path over every expert: rows sorted by expert, quant.grouped_dot(impl="ragged")
     (lax.ragged_dot; int4 and fp8 blocks dequantize all experts first), back in pair order."""
@@ -130,13 +141,9 @@ def check_moe_prefill(cases, interpret, timings):
         label = case_label(f"moe prefill {kind} {fmt} pairs {P} E{E} K{K} N{N} {dtype}")
         if out_of_time(f"{label} and the rest"):
             break
-        dt = jnp.dtype(dtype)
-        block = _block(kind, fmt, K)
         try:
-            x, w, scale, ids = _arrays(kind, block, P, E, K, N, dt, jax.random.PRNGKey(100 + i))
-            ids = jnp.sort(ids)
+            dt, block, x, w, scale, ids, want = _case(kind, fmt, P, E, K, N, dtype, 100 + i, sort=True)
             sizes = jnp.bincount(ids, length=E).astype(jnp.int32)
-            want = np.asarray(mg.moe_gemv_reference(x, w, scale, ids, kind=kind, k=K, block=block).astype(jnp.float32))
         except Exception as e:  # noqa: BLE001 - one case that does not build must not hide the others
             print(f"{label}: FAIL {one_line(e)}", flush=True)
             failures += 1
@@ -262,11 +269,8 @@ def check_moe_plans(cases, interpret, timings):
         label = case_label(f"moe_gemv plans {kind} {fmt} P{P} E{E} K{K} N{N} {dtype}")
         if out_of_time(f"{label} and the rest"):
             break
-        dt = jnp.dtype(dtype)
-        block = _block(kind, fmt, K)
         try:
-            x, w, scale, ids = _arrays(kind, block, P, E, K, N, dt, jax.random.PRNGKey(200 + i))
-            want = np.asarray(mg.moe_gemv_reference(x, w, scale, ids, kind=kind, k=K, block=block).astype(jnp.float32))
+            dt, block, x, w, scale, ids, want = _case(kind, fmt, P, E, K, N, dtype, 200 + i)
             alternatives = grouped.plan_alternatives(kind, K, N, block, P)
         except Exception as e:  # noqa: BLE001 - one case that does not build must not hide the others
             print(f"{label}: FAIL {one_line(e)}", flush=True)
