@@ -250,12 +250,8 @@ def windowed_attend_pallas(q, ring_k, ring_v, new_k, new_v, start, window: int, 
                   pl.BlockSpec((None, L, None, hd), lambda b, h, r, s: (b, 0, h, 0)),
                   tile(Tn, lambda b, h, r, s: (b, h, 0, 0)),
                   tile(Tn, lambda b, h, r, s: (b, h, 0, 0))],
-        out_specs=[pl.BlockSpec((None, None, None, bm, hd), lambda b, h, r, s: (b, h, s, r, 0)),
-                   pl.BlockSpec((None, None, None, bm), lambda b, h, r, s: (b, h, s, r)),
-                   pl.BlockSpec((None, None, None, bm), lambda b, h, r, s: (b, h, s, r))],
-        out_shape=[jax.ShapeDtypeStruct((B, nkv, n_split, M, hd), jnp.float32),
-                   jax.ShapeDtypeStruct((B, nkv, n_split, M), jnp.float32),
-                   jax.ShapeDtypeStruct((B, nkv, n_split, M), jnp.float32)],
+        out_specs=split_specs(bm, hd),
+        out_shape=split_shapes(B, nkv, n_split, M, hd),
         compiler_params=plt.CompilerParams(num_warps=p.num_warps, num_stages=p.num_stages),
         interpret=interpret,
         name="windowed_draft_attention",
@@ -263,6 +259,22 @@ def windowed_attend_pallas(q, ring_k, ring_v, new_k, new_v, start, window: int, 
     out = combine_splits(acc, m_i, l_i)  # [B, nkv, M, hd] f32
     out = out[:, :, :T * G].astype(q.dtype).reshape(B, nkv, T, G, hd)
     return jnp.moveaxis(out, 1, 2).reshape(B, T, nh, hd)
+
+
+def split_specs(bm, hd):
+    """The out_specs of a kernel on grid (batch, kv head, row tile, K part) writing per-part online-softmax
+    results: acc [B, nkv, parts, M, hd], m and l [B, nkv, parts, M], each program its tile of bm rows
+    (combine_splits merges them; causal_attention.py shares it)."""
+    return [pl.BlockSpec((None, None, None, bm, hd), lambda b, h, r, s: (b, h, s, r, 0)),
+            pl.BlockSpec((None, None, None, bm), lambda b, h, r, s: (b, h, s, r)),
+            pl.BlockSpec((None, None, None, bm), lambda b, h, r, s: (b, h, s, r))]
+
+
+def split_shapes(B, nkv, parts, M, hd):
+    """The out_shape of split_specs' outputs, f32."""
+    return [jax.ShapeDtypeStruct((B, nkv, parts, M, hd), jnp.float32),
+            jax.ShapeDtypeStruct((B, nkv, parts, M), jnp.float32),
+            jax.ShapeDtypeStruct((B, nkv, parts, M), jnp.float32)]
 
 
 def combine_splits(acc, m, l):
