@@ -92,7 +92,8 @@ def test_gpu_check_checks_every_decode_plan_alternative(capsys):
 
 def test_only_flags_combine_numerics_first(capsys):
     """The --*-only flags combine into one command (a short lease): every named part's numerics sections, then
-    their timed ones (the --interpret form has none but tp / e2e27b's); a spent budget names each as skipped."""
+    each part's main timed section, then the rest (the --interpret form has none but tp / e2e27b's); a spent
+    budget names each as skipped."""
     def skipped(argv):
         assert cli.main(argv + ["--budget", "1e-9"]) == 0
         return [line[3:-len(": skipped, the --budget is spent")] for line in capsys.readouterr().out.splitlines()
@@ -102,6 +103,6 @@ def test_only_flags_combine_numerics_first(capsys):
              "MoE prefill paths, small", "MoE routed plan alternatives, small"]
     assert skipped(["--interpret", "--moe-only", "--quant-only", "--long-only"]) == small + ["causal attention, small"]
     assert skipped(["--moe-only", "--quant-only"]) == small + [  # the device form (nothing runs: the budget is spent)
-        "quantized matmul, 27B matrices, timed", "decode kernel plan alternatives, 27B matrices, timed",
-        "MoE routed experts, 35B-A3B experts, timed", "MoE routed plan alternatives, 35B-A3B experts, timed",
+        "quantized matmul, 27B matrices, timed", "MoE routed experts, 35B-A3B experts, timed",  # main timings first
+        "decode kernel plan alternatives, 27B matrices, timed", "MoE routed plan alternatives, 35B-A3B experts, timed",
         "MoE prefill paths, 35B-A3B experts, timed"]

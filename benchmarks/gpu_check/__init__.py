@@ -56,7 +56,7 @@
    whose caches do not fit is refused before allocating and reported). `--long-only` runs just this part; the
    full run includes the end-to-end form only under `--budget` (its 1M prefill alone took 144 s on an H200).
 The --*-only flags combine into one command (`--quant-only --moe-only`: the numerics of every part named run
-first, then their timed sections). Exits non-zero if any check fails. Each part runs on when another raises (its error in one line), and a summary of
+first, then each part's main timings, then the rest: the plan sweeps, prefill, the long prefill). Exits non-zero if any check fails. Each part runs on when another raises (its error in one line), and a summary of
 the parts closes the output. `--budget SECONDS` fits the run to a lease: parts and cases not started by then are
 skipped and named, and the full run then ends with item 8's end-to-end 27B prefill at `--long-contexts` (128K,
 then 1M while at least 150 s are left). On the lent H200:

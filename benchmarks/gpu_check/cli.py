@@ -83,7 +83,7 @@ def _run(args, t0, contexts):
     interp = args.interpret
     parts = [name for name in ("quant", "moe", "long", "tp", "e2e27b") if getattr(args, f"{name}_only")]
     if parts:  # the --*-only flags combine (one command on a short lease): the numerics of every part named, then
-        # the timed sections, each in the order quant, moe, long, tp, e2e27b
+        # the timed sections, parts in the order quant, moe, long, tp, e2e27b
         small = {"quant": [("quantized matmul, small",
                             lambda: check_quant(QUANT_SMOKE if interp else QUANT_SMALL, interp, False)),
                            ("decode kernel plan alternatives, small",
@@ -111,9 +111,14 @@ def _run(args, t0, contexts):
         for name in parts:
             for title, fn in small.get(name, []):
                 sec(title, fn)
-        for name in parts:  # in the --interpret smoke form only the parts that run on CPU (tp, e2e27b)
-            for title, fn in timed[name] if not interp or name in ("tp", "e2e27b") else []:
-                sec(title, fn)
+        # the first timed section of every part named, then the rest (plan sweeps, prefill, the long prefill): a
+        # --budget cuts the sweeps before a part's main timings; in the --interpret smoke form only the parts that
+        # run on CPU (tp, e2e27b)
+        timed = {name: timed[name] if not interp or name in ("tp", "e2e27b") else [] for name in parts}
+        for first in (True, False):
+            for name in parts:
+                for title, fn in timed[name][:1] if first else timed[name][1:]:
+                    sec(title, fn)
         return summary(results, t0)
     if interp:  # the CPU smoke form: the first and the fp8-ring case; the kernel tests cover the rest
         sec("windowed attention, small", lambda: check_kernels([SMALL[0], SMALL[-1]], True, timings=False))
