@@ -144,9 +144,9 @@ def _run(args, t0, contexts):
     sec("tensor parallel", lambda: check_tensor_parallel(args.max_new))
     sec("end to end, 27B slice", lambda: check_end_to_end_27b(args.max_new, args.e2e27b_layers))
     sec("quantized matmul, 27B matrices, timed", lambda: check_quant(QUANT_REAL, False, timings=True))
+    sec("MoE routed experts, 35B-A3B experts, timed", lambda: check_moe(MOE_REAL, False, timings=True))
     sec("decode kernel plan alternatives, 27B matrices, timed",
         lambda: check_quant_plans(QUANT_PLANS_REAL, False, timings=True))
-    sec("MoE routed experts, 35B-A3B experts, timed", lambda: check_moe(MOE_REAL, False, timings=True))
     sec("MoE routed plan alternatives, 35B-A3B experts, timed",
         lambda: check_moe_plans(MOE_PLANS_REAL, False, timings=True))
     sec("MoE prefill paths, 35B-A3B experts, timed", lambda: check_moe_prefill(MOE_PREFILL_REAL, False, timings=True))
