@@ -25,7 +25,8 @@ def test_short_form_runs_every_part(capsys):
     assert "== 35B-A3B-int4: 4 layers + MTP head, int4 g128 (lm_head, MTP head too) weights" in out
     for label in ("plain", "k1 native", "k1 windowed W32 S4"):
         assert f"  {label}: compiled in " in out, label
-    kernels = {int(m) for m in re.findall(r"compiled in [\d.]+ s, (\d+) kernels a (?:step|round)", out)}
+    kernels = {int(m) for m in re.findall(r"compiled in [\d.]+ s, (\d+) kernels \(fusion \d+[^)]*\) a "
+                                          r"(?:step|round)", out)}
     assert len(kernels) >= 2 and min(kernels) > 20, kernels  # a 4-layer step launches dozens; a round more
     assert "draft vocab" not in out and "(again" not in out
     for ctx in (64, 256):
@@ -85,7 +86,8 @@ def test_launches_count_a_loops_kernels():
             return jnp.exp(jax.lax.while_loop(lambda c: c[0] < n, body, (0, x))[1])
         return jax.jit(f).lower(jnp.ones((8, 8)), jnp.ones((8, 8)), 5).compile().as_text()
 
-    three, six = launches.per_iteration(text(3)), launches.per_iteration(text(6))
+    three, six = launches.per_iteration(text(3)).total(), launches.per_iteration(text(6)).total()
     inner = (six - three) / 3  # the nested loop's kernels an iteration (on this CPU 4)
     assert inner == int(inner) >= 2 and three - 3 * inner >= 3, (three, six)  # + the outer body's own, once
-    assert launches.per_iteration("ENTRY %main (x: f32[]) -> f32[] {\n  ROOT %x = f32[] parameter(0)\n}") == 0
+    assert launches.per_iteration("ENTRY %main (x: f32[]) -> f32[] {\n  ROOT %x = f32[] parameter(0)\n}").total() == 0
+    assert launches.describe(launches.per_iteration(text(3))).startswith(f"{three} kernels (fusion ")

@@ -152,7 +152,8 @@ def run_model(name, plan, a, p, budget, share_end, results):
             compiled, secs = compile_case(cfg, dtype, quant, case, B, slots, cap)
             compile_est = max(compile_est, secs)
             res["compile"][case.label] = secs
-            res["kernels"][case.label] = kernels = launches.per_iteration(compiled.as_text())
+            kernels = launches.per_iteration(compiled.as_text())
+            res["kernels"][case.label] = kernels.total()
             weights = model.weights
             if case.draft_vocab:
                 dv_model = dv_model or draft_vocab_model(model, case.draft_vocab)
@@ -174,8 +175,8 @@ def run_model(name, plan, a, p, budget, share_end, results):
                 line.append(f"{ctx}: {1e3 * sec:.3f} ms")
             if case.window is None:
                 native_head = head
-            print(f"  {case.label}: compiled in {secs:.1f} s, {kernels} kernels a {'step' if not case.k else 'round'}"
-                  f" (launches.py); per {'step' if not case.k else 'round'} "
+            print(f"  {case.label}: compiled in {secs:.1f} s, {launches.describe(kernels)} a "
+                  f"{'step' if not case.k else 'round'} (launches.py); per {'step' if not case.k else 'round'} "
                   + ", ".join(line), flush=True)
         except Exception as e:  # noqa: BLE001 - one part that fails must not hide the others
             failures += 1

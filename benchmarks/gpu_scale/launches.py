@@ -6,6 +6,7 @@ nothing. An approximation from the program's text, not a profile: it tells how m
 bytes' time at the HBM peak the launches may explain (report.py prints the time beyond the bytes per kernel)."""
 
 import re
+from collections import Counter
 
 FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "opt-barrier",
         "add-dependency", "partition-id", "replica-id"}
@@ -55,36 +56,48 @@ def _trip(line: str) -> int:
     return int(m.group(1)) if m else 1
 
 
-def count(comps: dict, name: str, seen=()) -> int:
-    """Kernels one run of computation `name` launches (module doc)."""
+def count(comps: dict, name: str, seen=()) -> Counter:
+    """Kernels one run of computation `name` launches (module doc), by opcode (a fusion, a custom-call, ...)."""
+    n = Counter()
     if name in seen or name not in comps:
-        return 0
+        return n
     seen = seen + (name,)
-    n = 0
     for line in comps[name]:
         op = opcode(line)
         if op in FREE or op.endswith("-done") or op.endswith("-update"):
             continue
         if op == "while":
-            body, cond = _called(line, "body"), _called(line, "condition")
-            n += _trip(line) * sum(count(comps, c, seen) for c in body + cond)
+            trips = _trip(line)
+            for c in _called(line, "body") + _called(line, "condition"):
+                n.update({k: trips * v for k, v in count(comps, c, seen).items()})
         elif op == "conditional":
             branches = _called(line, "branch_computations") or (
                 _called(line, "true_computation") + _called(line, "false_computation"))
-            n += max((count(comps, c, seen) for c in branches), default=0)
+            n.update(max((count(comps, c, seen) for c in branches), key=lambda b: b.total(), default=Counter()))
         elif op == "call":
-            n += sum(count(comps, c, seen) for c in _called(line, "to_apply"))
+            for c in _called(line, "to_apply"):
+                n.update(count(comps, c, seen))
         else:
-            n += 1
+            n[op] += 1
     return n
 
 
-def per_iteration(hlo: str) -> int:
-    """Kernels one iteration of the program's decode loop launches: the entry's while loop with the most of them
-    (its body and its condition, which runs each iteration too). 0 if the entry holds no loop."""
+def per_iteration(hlo: str) -> Counter:
+    """Kernels one iteration of the program's decode loop launches, by opcode: the entry's while loop with the
+    most of them (its body and its condition, which runs each iteration too). Empty if the entry holds no loop."""
     comps, entry = computations(hlo)
-    best = 0
+    best = Counter()
     for line in comps.get(entry, []):
         if opcode(line) == "while":
-            best = max(best, sum(count(comps, c) for c in _called(line, "body") + _called(line, "condition")))
+            got = Counter()
+            for c in _called(line, "body") + _called(line, "condition"):
+                got.update(count(comps, c))
+            best = max(best, got, key=lambda b: b.total())
     return best
+
+
+def describe(kernels: Counter) -> str:
+    """'N kernels (fusion a, custom-call b, ...)', the most frequent opcodes first."""
+    top = ", ".join(f"{op} {n}" for op, n in kernels.most_common(4))
+    rest = kernels.total() - sum(n for _, n in kernels.most_common(4))
+    return f"{kernels.total()} kernels ({top}{f', other {rest}' if rest else ''})"
