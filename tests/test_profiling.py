@@ -85,7 +85,9 @@ def test_calls_sit_in_step_markers(spec_trace):
 
 def test_top_ops_carry_their_phase(spec_trace):
     logdir, _, texts, _, _ = spec_trace
-    rows = top_ops(logdir, 10, texts)
+    # generate's own programs (texts); eager helpers outside them (jax.random's key split, a device_put's
+    # staging) carry no phase, and on a loaded host one preempted mid-op can outlast a real op of the round
+    rows = [r for r in top_ops(logdir, 40, texts) if r[0] in texts][:10]
     assert len(rows) == 10 and all(ph not in ("?", "(no metadata)") for *_, ph, _ in rows), rows
     assert all(ms >= 0 for _, _, ms, *_ in rows)
     assert all(ph == "?" for *_, ph, _ in top_ops(logdir, 5))  # without the programs' texts: no phases
