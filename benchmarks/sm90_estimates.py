@@ -128,18 +128,25 @@ def moe_main(a) -> int:
         if r["error"]:
             print(f"| {kind} | {label} | {P} | {words} | compile error: {r['error'][-200:]} | | | | | | |")
             continue
-        ctas = ctas_per_sm(r["registers"], r["shared"], warps, programs)
-        flight = f"{ctas * values * BYTES_PER_VALUE[kind] / 1024:.1f} KB ({ctas} CTA{'s' * (ctas > 1)})"
-        budget = LANE_INSTRUCTIONS_PER_S * BYTES_PER_VALUE[kind] / a.bandwidth
-        spill = "" if r["local"] == 0 else f" ({r['local']} B spilled)"
-        if r["loops"]:
-            per_value = r["loops"][0]["instructions"] * 32 * warps / values
-            cost = f"{per_value:.2f} | {budget:.2f} | {min(1.0, budget / per_value):.0%}"
-        else:  # one loop step a program: the compiler drops the loop, nothing to count per iteration
-            cost = f"(no loop) | {budget:.2f} | "
-        print(f"| {kind} | {label} | {P} | {words} | {grid} | {r['registers']}{spill} | {cost} | {flight} | "
-              f"{'**yes**' if own else ''} |")
+        cells = _cells(r, kind, warps, values, programs, 1, a.bandwidth, kb_digits=1)
+        print(f"| {kind} | {label} | {P} | {words} | {grid} | {cells} | {'**yes**' if own else ''} |")
     return 0
+
+
+def _cells(r, kind, warps, values, programs, ahead, bandwidth, kb_digits=0) -> str:
+    """A compiled kernel's table cells: registers (and any spill) | instructions per stored value | the budget |
+    the estimated share of HBM | the bytes in flight per SM (`ahead` loop steps' loads of `values` values, times
+    the CTAs an SM holds)."""
+    ctas = ctas_per_sm(r["registers"], r["shared"], warps, programs)
+    flight = f"{ctas * ahead * values * BYTES_PER_VALUE[kind] / 1024:.{kb_digits}f} KB ({ctas} CTA{'s' * (ctas > 1)})"
+    budget = LANE_INSTRUCTIONS_PER_S * BYTES_PER_VALUE[kind] / bandwidth
+    spill = "" if r["local"] == 0 else f" ({r['local']} B spilled)"
+    if r["loops"]:
+        per_value = r["loops"][0]["instructions"] * 32 * warps / values
+        cost = f"{per_value:.2f} | {budget:.2f} | {min(1.0, budget / per_value):.0%}"
+    else:  # one loop step a program: the compiler drops the loop, nothing to count per iteration
+        cost = f"(no loop) | {budget:.2f} | "
+    return f"{r['registers']}{spill} | {cost} | {flight}"
 
 
 def ctas_per_sm(registers, shared, num_warps, programs):
@@ -162,8 +169,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", default="8,64", help="--moe: (token, expert) pairs (default: batch 1 and 8 at top-8)")
     ap.add_argument("--words", default="1,2,4", help="--moe: a lane's 4-byte words per row (default: 1,2,4)")
     ap.add_argument("--moe-splits", default="plan",
-                    help="--moe: K parts to compare: plan (the plan's cut), most (up to 16 programs a SM), half, double "
-                         "or a number")
+                    help="--moe: K parts to compare: plan (the plan's cut), most (up to 16 programs a SM), half, "
+                         "double or a number")
     a = ap.parse_args(argv)
     if a.moe:
         if a.formats == ap.get_default("formats"):
@@ -193,14 +200,8 @@ def main(argv=None) -> int:
         if r["error"]:
             print(f"| {kind} | {M} | {name} | compile error: {r['error'][-200:]} | | | | | |")
             continue
-        ctas = ctas_per_sm(r["registers"], r["shared"], warps, programs)
-        flight = f"{ctas * ahead * values * BYTES_PER_VALUE[kind] / 1024:.0f} KB ({ctas} CTA{'s' * (ctas > 1)})"
-        per_value = r["loops"][0]["instructions"] * 32 * warps / values
-        budget = LANE_INSTRUCTIONS_PER_S * BYTES_PER_VALUE[kind] / a.bandwidth
-        spill = "" if r["local"] == 0 else f" ({r['local']} B spilled)"
-        print(f"| {kind} | {M} | {name} | {r['registers']}{spill} | {per_value:.2f} | {budget:.2f} | "
-              f"{min(1.0, budget / per_value):.0%} | {flight} | {'**' if pick == name else ''}{pick}"
-              f"{'**' if pick == name else ''} |")
+        print(f"| {kind} | {M} | {name} | {_cells(r, kind, warps, values, programs, ahead, a.bandwidth)} | "
+              f"{'**' if pick == name else ''}{pick}{'**' if pick == name else ''} |")
     return 0
 
 

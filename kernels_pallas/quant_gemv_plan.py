@@ -120,8 +120,8 @@ def alternatives(M, K, N, kind, block, *, pairs=1, words=WORDS, splits=("plan", 
     out, seen = [], set()
     for w in words:
         base = plan(M, K, N, kind, block, pairs=pairs, words=w)
+        most = min(base.steps, cdiv(MOST_PER_SM * SMS, pairs * base.col_tiles))
         for sp in splits:
-            most = min(base.steps, cdiv(MOST_PER_SM * SMS, pairs * base.col_tiles))
             n = {"plan": base.splits, "half": max(1, base.splits // 2), "double": 2 * base.splits,
                  "most": most}.get(sp) if isinstance(sp, str) else int(sp)
             if n is None:

@@ -94,6 +94,13 @@ def _case(kind, fmt, P, E, K, N, dtype, seed, sort=False):
     return dt, block, x, w, scale, ids, want
 
 
+def _routed_bytes(x, w, scale, experts_read, N, dt):
+    """The bytes a routed product must move: `experts_read` experts' values and scales (w [E, ...]), x and the
+    output [P, N] (module doc)."""
+    per_expert = (w.nbytes + (0 if scale is None else scale.nbytes)) // w.shape[0]
+    return experts_read * per_expert + x.nbytes + x.shape[0] * N * dt.itemsize
+
+
 def _ragged(kind, K, block):
     """The grouped path over every expert: rows sorted by expert, quant.grouped_dot(impl="ragged")
     (lax.ragged_dot; int4 and fp8 blocks dequantize all experts first), back in pair order."""
@@ -178,8 +185,7 @@ def check_moe_prefill(cases, interpret, timings):
                 line.append(f"{name} max_rel {t:.1e} OK")
         if timings and times:
             distinct = int(np.unique(np.asarray(ids)).size)
-            per_expert = (w.nbytes + (0 if scale is None else scale.nbytes)) // E
-            nbytes = distinct * per_expert + x.nbytes + P * N * dt.itemsize
+            nbytes = _routed_bytes(x, w, scale, distinct, N, dt)
             fastest = min(times, key=times.get)
             line = [f"{nbytes / 1e6:.1f} MB read ({distinct} distinct experts)"] + (
                 [f"{HBM_TARGET:.0%} of HBM = {1e6 * nbytes / (HBM_TARGET * bw):.1f} us"] if bw else []) + line
@@ -237,8 +243,7 @@ def check_moe(cases, interpret, timings):
                     f"{p.rows} rows per load, max_rel {rel:.1e}; moe_gemv's own kernel max_rel {rel_own:.1e}")
         line += " OK" if ok else " FAIL"
         if timings:
-            per_expert = (w.nbytes + (0 if scale is None else scale.nbytes)) // E
-            nbytes = P * per_expert + x.nbytes + P * N * dt.itemsize
+            nbytes = _routed_bytes(x, w, scale, P, N, dt)
             t_k, t_r = time_call(kern, x, w, scale, ids), time_call(ref, x, w, scale, ids)
             frac = (f" = {100 * nbytes / t_k / bw:.0f}% of {kind_of_device}'s {bw / 1e12:.2f} TB/s; "
                      f"{HBM_TARGET:.0%} of HBM = {1e6 * nbytes / (HBM_TARGET * bw):.1f} us") if bw else ""
@@ -276,8 +281,7 @@ def check_moe_plans(cases, interpret, timings):
             print(f"{label}: FAIL {one_line(e)}", flush=True)
             failures += 1
             continue
-        per_expert = (w.nbytes + (0 if scale is None else scale.nbytes)) // E
-        nbytes = P * per_expert + x.nbytes + P * N * dt.itemsize
+        nbytes = _routed_bytes(x, w, scale, P, N, dt)
 
         def make(words, splits, kind=kind, P=P, K=K, N=N, block=block):
             p = gemv.plan(1, K, N, kind, block, pairs=P, words=words, splits=splits)

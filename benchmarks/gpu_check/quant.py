@@ -115,6 +115,11 @@ def _qwix_time(kind, block, x, w, dt):
         return f"not used ({one_line(e, 120)})"
 
 
+def _read_bytes(x, q, scale, N, dt):
+    """The bytes a quantized matmul moves: its values and scales, x and the output [M, N], each once."""
+    return q.nbytes + scale.nbytes + x.nbytes + x.shape[0] * N * dt.itemsize
+
+
 def _rate(nbytes, t, bw, device):
     """'X GB/s = Y% of <device>'s Z TB/s' for nbytes read in t seconds."""
     frac = f" = {100 * nbytes / t / bw:.0f}% of {device}'s {bw / 1e12:.2f} TB/s" if bw else ""
@@ -182,7 +187,7 @@ def check_quant(cases, interpret, timings):
 
 def _timings(kind, block, M, K, N, dt, x, q, scale, kern, ref, gv, tc, bw, device, bf16_dot, seed):
     """The timed part of one case's line: each path's us, GB/s and share of HBM, which backend "auto" picks."""
-    nbytes = q.nbytes + scale.nbytes + x.nbytes + M * N * dt.itemsize
+    nbytes = _read_bytes(x, q, scale, N, dt)
     line = f"; {nbytes / 1e6:.1f} MB read"
     if bw:
         line += f", {HBM_TARGET:.0%} of HBM = {1e6 * nbytes / (HBM_TARGET * bw):.1f} us"
@@ -241,7 +246,7 @@ def check_quant_plans(cases, interpret, timings):
             print(f"{label}: FAIL {one_line(e)}", flush=True)
             failures += 1
             continue
-        nbytes = q.nbytes + scale.nbytes + x.nbytes + M * N * dt.itemsize
+        nbytes = _read_bytes(x, q, scale, N, dt)
 
         def make(words, splits, kind=kind, M=M, K=K, N=N, block=block):
             p = gemv.plan(M, K, N, kind, block, words=words, splits=splits)
