@@ -22,6 +22,8 @@ def test_short_form_runs_every_part(capsys):
     assert cli.main(["--short", "--runs", "35B-A3B-int4", "--k", "1", "--contexts", "64,256", "--draft-vocab", "0"]) == 0
     out = capsys.readouterr().out
     assert "FAIL" not in out and out.rstrip().splitlines()[-1].startswith("OK: 0 failures")
+    assert re.search(r"launch probe: a chain of \d+ tiny dependent kernels a loop iteration .*: [\d.]+ us a kernel",
+                     out)
     assert "== 35B-A3B-int4: 4 layers + MTP head, int4 g128 (lm_head, MTP head too) weights" in out
     for label in ("plain", "k1 native", "k1 windowed W32 S4"):
         assert f"  {label}: compiled in " in out, label
@@ -91,3 +93,25 @@ def test_launches_count_a_loops_kernels():
     assert inner == int(inner) >= 2 and three - 3 * inner >= 3, (three, six)  # + the outer body's own, once
     assert launches.per_iteration("ENTRY %main (x: f32[]) -> f32[] {\n  ROOT %x = f32[] parameter(0)\n}").total() == 0
     assert launches.describe(launches.per_iteration(text(3))).startswith(f"{three} kernels (fusion ")
+
+
+def test_plain_step_line_reads_the_gap_against_kernels_and_the_launch_probe(capsys):
+    """report.model_table on a device of known peak: the time beyond the bytes' time, per kernel, and what the
+    kernels cost at the launch probe's time a kernel; compile_only's launch budget for a step at 85% of peak."""
+    from gpu_scale import report
+    from gpu_scale.compile_only import launch_budget_us
+    from gpu_scale.models import abstract_weights, config
+
+    cfg = config("Qwen3.5-27B", True, 4096)
+    parts = reads.weight_parts(abstract_weights(cfg, "bfloat16", None), cfg)
+    total = sum(reads.step_reads(parts, cfg, 1, 64, 2).values())
+    bw = 1e9  # 1 GB/s: the step's bytes take total ns; it is timed 0.5 ms beyond them
+    res = {"cfg": cfg, "parts": parts, "plain": {64: total / bw + 5e-4}, "rounds": {}, "kernels": {"plain": 100}}
+    report.model_table("27B-bf16", res, [64], [3], {}, 1, bw, "bfloat16", per_kernel=2e-6)
+    out = capsys.readouterr().out
+    assert "100 kernels a step (launches.py, from the compiled HLO): the step takes 0.500 ms beyond its bytes' " \
+           "time at peak, 5.00 us a kernel; at the launch probe's 2.00 us a kernel they take 0.200 ms" in out, out
+    report.model_table("27B-bf16", res, [64], [3], {}, 1, bw, "bfloat16")
+    assert "launch probe" not in capsys.readouterr().out
+    # 10 ms of bytes at 85%: 11.765 ms, so 1.765 ms for 1000 kernels
+    assert abs(launch_budget_us(10e-3 * 4.8e12, 4.8e12, 1000) - 1.7647) < 1e-3

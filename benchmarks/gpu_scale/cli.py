@@ -13,7 +13,7 @@ import time
 
 import jax
 
-from . import launches, report
+from . import launch_probe, launches, report
 from .models import (
     RUNS,
     build_model,
@@ -55,6 +55,10 @@ def parse(argv):
     ap.add_argument("--compile-cache", default=None, help="jax's persistent compile cache folder (default: a new "
                     "empty one, so the first compile is a real one)")
     ap.add_argument("--no-cached-start", action="store_true", help="skip the second process")
+    ap.add_argument("--compile-for", choices=("H100", "H200"), default=None,
+                    help="compile every program for this GPU on this machine (no GPU needed: XLA's GPU compiler "
+                    "run deviceless, pip install -e '.[gpu-compile]') and print the kernels a step launches; "
+                    "nothing runs (compile_only.py)")
     ap.add_argument("--cached-child", default=None, help=argparse.SUPPRESS)  # JSON: what the second process lowers
     a = ap.parse_args(argv)
     if a.draft_vocab is not None and a.draft_vocab < 0:
@@ -240,6 +244,18 @@ def main(argv=None):
     p = dict(SHORT if a.short else GPU)
     if a.draft_vocab is not None:
         p["draft_vocab"] = a.draft_vocab
+    if a.compile_for:
+        from qwen_mtp.tools import gpu_compile
+
+        from . import compile_only
+
+        gpu_compile.prepare()
+        budget = Budget(a.budget, 0.0)
+        failures = compile_only.run(a, p, budget, cases(a.ks, p))
+        tail = f"; {len(budget.skipped)} parts skipped for the --budget" if budget.skipped else ""
+        print(f"{'FAIL' if failures else 'OK'}: {failures} failures in {time.perf_counter() - t0:.0f} s{tail}",
+              flush=True)
+        return 1 if failures else 0
     import qwen_mtp
 
     cache_dir = a.compile_cache or tempfile.mkdtemp(prefix="gpu_scale_jax_cache_")
@@ -251,6 +267,9 @@ def main(argv=None):
           f"{a.budget:.0f} s, batch 1, bf16 activations; compile cache {cache_dir}", flush=True)
     reserve = 0.0 if a.no_cached_start else RESERVE_CACHED[a.short]
     budget = Budget(a.budget, reserve)
+    per_kernel, n, secs = launch_probe.measure()
+    print(f"launch probe: a chain of {n} tiny dependent kernels a loop iteration (launch_probe.py; its compile "
+          f"{secs:.1f} s): {1e6 * per_kernel:.2f} us a kernel", flush=True)
     runs = a.runs.split(",")
     results, failures = {}, 0
     every = cases(a.ks, p)
@@ -273,7 +292,7 @@ def main(argv=None):
                 print(f"== {name}: FAIL {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
             gc.collect()  # the model and its caches are gone before the next one is made
     for name, res in results.items():
-        report.model_table(name, res, res.get("ctxs", []), a.ks, p, 1, bw, "bfloat16")
+        report.model_table(name, res, res.get("ctxs", []), a.ks, p, 1, bw, "bfloat16", per_kernel=per_kernel)
     report.paper_table(results, a.ctxs, a.ks, p, bw)
     if a.no_cached_start:
         print("cached start: not run (--no-cached-start)", flush=True)

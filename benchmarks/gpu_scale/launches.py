@@ -101,3 +101,51 @@ def describe(kernels: Counter) -> str:
     top = ", ".join(f"{op} {n}" for op, n in kernels.most_common(4))
     rest = kernels.total() - sum(n for _, n in kernels.most_common(4))
     return f"{kernels.total()} kernels ({top}{f', other {rest}' if rest else ''})"
+
+
+def _shape_bytes(line: str) -> int:
+    m = re.search(r"= (\w+)\[([\d,]*)\]", line)
+    if not m:
+        return 0
+    size = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
+    n = 1
+    for d in filter(None, m.group(2).split(",")):
+        n *= int(d)
+    return n * size.get(m.group(1), 4)
+
+
+def concatenations(hlo: str, min_bytes: int = 4 << 20) -> list:
+    """The concatenations of at least `min_bytes` that run inside the decode loop (per_iteration's loop, nested
+    loops, branches and calls included), as (result type, bytes): a concatenate, or a fusion whose root is one.
+    In a decode step that is a weight copied at every iteration (the rows' own values are far smaller)."""
+    comps, entry = computations(hlo)
+    found = []
+
+    def walk(name, seen):
+        if name in seen or name not in comps:
+            return
+        seen = seen + (name,)
+        for line in comps[name]:
+            op = opcode(line)
+            key = {"while": "body", "call": "to_apply", "conditional": "branch_computations"}.get(op)
+            if key:
+                for c in _called(line, key) + _called(line, "true_computation") + _called(line, "false_computation"):
+                    walk(c, seen)
+                continue
+            root = ""
+            if op == "fusion":
+                body = comps.get((_called(line, "calls") or [""])[0], [])
+                root = next((opcode(x) for x in body if x.lstrip().startswith("ROOT")), "")
+            if "concatenate" in (op, root) and _shape_bytes(line) >= min_bytes:
+                found.append((line.split(" = ", 1)[1].split(" ", 1)[0], _shape_bytes(line)))
+
+    best, most = None, -1
+    for line in comps.get(entry, []):
+        if opcode(line) == "while":
+            n = sum(count(comps, c).total() for c in _called(line, "body"))
+            if n > most:
+                best, most = line, n
+    if best is not None:
+        for c in _called(best, "body"):
+            walk(c, ())
+    return found

@@ -97,19 +97,24 @@ def abstract_inputs(cfg, dtype, quant, case: Case, batch: int, slots: int, cap: 
     return sds((w, state, head, carry, eos, i32, i32))
 
 
-def compile_case(cfg, dtype, quant, case: Case, batch: int, slots: int, cap: int):
-    """(the compiled loop, seconds to trace, lower and compile it)."""
+def compile_case(cfg, dtype, quant, case: Case, batch: int, slots: int, cap: int, target=None):
+    """(the compiled loop, seconds to trace, lower and compile it). target: a GPU of
+    qwen_mtp.tools.gpu_compile.TARGETS to compile for on this machine instead (compile_only.py)."""
     from qwen_mtp.decoding.sampling import Sampling
 
     args = abstract_inputs(cfg, dtype, quant, case, batch, slots, cap)
+    if target is not None:
+        from qwen_mtp.tools import gpu_compile
+
+        args = gpu_compile.place(args, target)
     t = time.perf_counter()
     fn = loop(case, batch)
     if not case.k:
         w, state, carry, eos, pad, max_new, until = args
-        lowered = fn.lower(w, cfg, state, carry, eos, pad, max_new, until, False, Sampling())
+        lowered = fn.trace(w, cfg, state, carry, eos, pad, max_new, until, False, Sampling()).lower()
     else:
         w, state, head, carry, eos, max_new, until = args
-        lowered = fn.lower(w, cfg, state, head, carry, eos, max_new, until, case.spec, Sampling())
+        lowered = fn.trace(w, cfg, state, head, carry, eos, max_new, until, case.spec, Sampling()).lower()
     compiled = lowered.compile()
     return compiled, time.perf_counter() - t
 

@@ -36,7 +36,8 @@ def _share(nbytes, sec, bw):
     return (f"{gbs:5.0f} GB/s" if gbs >= 10 else f"{gbs:5.2f} GB/s") + (f" = {100 * gbs * 1e9 / bw:3.0f}%" if bw else "")
 
 
-def model_table(name, res, ctxs, ks, p, batch, bw, dtype):
+def model_table(name, res, ctxs, ks, p, batch, bw, dtype, per_kernel=None):
+    """per_kernel: launch_probe's seconds a tiny dependent kernel takes on this device (None: not measured)."""
     cfg, parts = res["cfg"], res["parts"]
     item = 2 if dtype == "bfloat16" else 4
     unit, uname = (1e9, "GB") if sum(parts.values()) >= 1e8 else (1e6, "MB")  # MB: the short form's tiny models
@@ -55,9 +56,11 @@ def model_table(name, res, ctxs, ks, p, batch, bw, dtype):
             kernels = res.get("kernels", {}).get("plain")
             if kernels and bw:
                 beyond = step - total / bw
+                probe = (f"; at the launch probe's {1e6 * per_kernel:.2f} us a kernel they take "
+                         f"{1e3 * kernels * per_kernel:.3f} ms" if per_kernel else "")
                 print(f"    {kernels} kernels a step (launches.py, from the compiled HLO): the step takes "
-                      f"{1e3 * beyond:.3f} ms beyond its bytes' time at peak, {1e6 * beyond / kernels:.2f} us a kernel",
-                      flush=True)
+                      f"{1e3 * beyond:.3f} ms beyond its bytes' time at peak, {1e6 * beyond / kernels:.2f} us a "
+                      f"kernel{probe}", flush=True)
         if rounds:
             print(f"    {'round':38s} {'ms':>8s} {'plain steps':>11s} {uname + ' read':>8s} {'GB/s, % peak':>15s}  "
                   f"TPOT at the published AL ({AL_SOURCE})", flush=True)

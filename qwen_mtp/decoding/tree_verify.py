@@ -24,9 +24,16 @@ from flax import struct
 
 from qwen_mtp.head.tree import attend_tree
 from qwen_mtp.trunk.attention import output, project_qkv, write_kv
-from qwen_mtp.trunk.gdn import HIGHEST, gated_output, rule_inputs, unit_lower_inverse, verify_gated_delta_rule
+from qwen_mtp.trunk.gdn import (
+    HIGHEST,
+    gated_output,
+    in_projections,
+    rule_inputs,
+    unit_lower_inverse,
+    verify_gated_delta_rule,
+)
 from qwen_mtp.trunk.mlp import feed_forward
-from qwen_mtp.trunk.ops import embed_rows, linear, rmsnorm_1pw
+from qwen_mtp.trunk.ops import embed_rows, rmsnorm_1pw
 from qwen_mtp.trunk.state import GDNState, KVCache, to_cache
 
 
@@ -131,8 +138,9 @@ def window_index(depth, anc, K: int):
 
 def tree_gdn_layer(x, w, cfg, st: GDNState, layout):
     """gdn.gdn_layer over the tree rows (x [B, N1, H], input-normed). Returns (out, TreeGDN)."""
-    qkv, xc = tree_conv(linear(x, w.in_proj_qkv), st.conv, w.conv, layout.depth, layout.anc)
-    q, k, v, z, beta, g = rule_inputs(x, qkv, w, cfg)
+    pre, z, b, a = in_projections(x, w)
+    qkv, xc = tree_conv(pre, st.conv, w.conv, layout.depth, layout.anc)
+    q, k, v, z, beta, g = rule_inputs(qkv, z, b, a, w, cfg)
     core, (G, k_all, delta) = tree_core(q, k, v, g, beta, st.rec, layout.mask, layout.depth, layout.anc.shape[-1] - 1)
     return gated_output(core, z, w, cfg, x.dtype), TreeGDN(xc, st.rec, G, k_all, delta)
 

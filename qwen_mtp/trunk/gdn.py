@@ -164,16 +164,26 @@ def conv_window_at(xc, count, width):
     return jax.vmap(lambda r, n: jax.lax.dynamic_slice_in_dim(r, n, width, axis=0))(xc, count)
 
 
-def rule_inputs(x, qkv, w: GDNWeights, cfg: ModelConfig):
-    """The gated delta rule's inputs from the input-normed rows x [B, T, H] and their convolved qkv projection
-    [B, T, 2 key_dim + value_dim]: q (l2-normed, times dk^-1/2), k (l2-normed) and v as f32 [B, T, nv, d], each
-    key head serving nv/nk CONSECUTIVE value heads; z [B, T, nv, dv] (the output gate, x's dtype); beta and the
-    log decay g, f32 [B, T, nv]. gdn_layer and the tree verify (decoding/tree_verify.py) share it."""
-    B, T, _ = x.shape
+def in_projections(x, w: GDNWeights):
+    """The input-normed rows x [B, T, H] through the four in-projections: (qkv before the conv, z, b, a). The
+    dots take x from three copies out of one optimization barrier (qkv's, z's, and one for the small b and a) so
+    that XLA's dot merger cannot see one shared operand: over k + 1 rows it merged all four into one dot over the
+    four weights concatenated inside the program, and that concatenation copied every GDN layer's in-projections
+    at every speculative round (Qwen3.5-27B bf16: 169 MB read and written a layer, 16 GB a round over 48 layers).
+    b and a may still merge (a 2 x H x nv concatenation, 1 MB at 27B); at one row they run as one kernel.
+    tests/test_gpu_compile.py: no weight of 4 MB or more is concatenated in a decode loop compiled for an H200."""
+    x_qkv, x_z, x_ba = jax.lax.optimization_barrier((x, x, x))
+    return linear(x_qkv, w.in_proj_qkv), linear(x_z, w.in_proj_z), linear(x_ba, w.in_proj_b), linear(x_ba, w.in_proj_a)
+
+
+def rule_inputs(qkv, z, b, a, w: GDNWeights, cfg: ModelConfig):
+    """The gated delta rule's inputs from the convolved qkv projection [B, T, 2 key_dim + value_dim] and the z, b,
+    a projections of the same rows (in_projections): q (l2-normed, times dk^-1/2), k (l2-normed) and v as f32
+    [B, T, nv, d], each key head serving nv/nk CONSECUTIVE value heads; z [B, T, nv, dv] (the output gate);
+    beta and the log decay g, f32 [B, T, nv]. gdn_layer and the tree verify (decoding/tree_verify.py) share it."""
+    B, T, _ = qkv.shape
     nk, nv, dk, dv = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim
-    z = linear(x, w.in_proj_z).reshape(B, T, nv, dv)
-    b = linear(x, w.in_proj_b)
-    a = linear(x, w.in_proj_a)
+    z = z.reshape(B, T, nv, dv)
     kd = cfg.gdn_key_dim
     f32 = lambda t: t.astype(jnp.float32)
     q = l2norm(f32(qkv[..., :kd].reshape(B, T, nk, dk))) * dk ** -0.5
@@ -197,8 +207,9 @@ def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode
     with the all-matmul doubling inverse), "step" (decode) or "verify" (a speculative verify: the second
     result is a GDNVerify, from which rollback.select_states builds the GDNState after the accepted position)."""
     T = x.shape[1]
-    qkv, window = causal_conv(linear(x, w.in_proj_qkv), st.conv, w.conv)
-    q, k, v, z, beta, g = rule_inputs(x, qkv, w, cfg)
+    pre, z, b, a = in_projections(x, w)
+    qkv, window = causal_conv(pre, st.conv, w.conv)
+    q, k, v, z, beta, g = rule_inputs(qkv, z, b, a, w, cfg)
     valid = (jnp.arange(T)[None, :] < n_valid[:, None])[..., None]
     beta, g = jnp.where(valid, beta, 0.0), jnp.where(valid, g, 0.0)
 

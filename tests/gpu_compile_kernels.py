@@ -1,0 +1,117 @@
+"""Every Pallas kernel family at real Qwen3.5 shapes, compiled for an H200 by XLA's own GPU compiler on this CPU
+(qwen_mtp.tools.gpu_compile): run by tests/test_gpu_compile.py in the environment that has jax's CUDA plugin
+(`python tests/gpu_compile_kernels.py`, from the repository). The shapes and argument builders are the cuda
+export tests' (test_export_cuda.py, test_moe_routed.py), which prove the same programs lower; this proves XLA
+compiles them, each Triton kernel through XLA's Triton and ptxas. One JSON line per case: its label, the Pallas
+kernels found in the compiled program (by name), the seconds, or the error. With --loops: the decode loops'
+weight concatenations instead (`loops`)."""
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from qwen_mtp.tools import gpu_compile  # noqa: E402
+
+gpu_compile.prepare()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+
+def cases():
+    """(label, jitted fn, args, static kwargs, the kernel names the program must hold)."""
+    from kernels_pallas.causal_attention import causal_attend
+    from kernels_pallas.windowed_attention import windowed_attend, windowed_attend_pallas
+    from qwen_mtp.trunk import mlp
+    from tests.test_export_cuda import QUANT_REAL, REAL_HEADS, _causal_args, _kernel_args, _quant_args, _quant_fn
+    from tests.test_moe_routed import _moe_shapes
+
+    out = []
+    for kind in ("int8", "int4", "fp8"):  # backend auto: the FMA decode kernel at 1 row, the tensor-core one at 5
+        for name, (K, N) in QUANT_REAL.items():
+            for M, suffix in ((1, ""), (5, "_mma")):
+                args, block = _quant_args(kind, M, K, N, jnp.bfloat16)
+                out.append((f"quant {kind} {name} M{M}", _quant_fn(kind, K, block), args, {},
+                            {f"quant_matmul_{kind}{suffix}": 1}))
+    args, block = _quant_args("fp8", 5, 5120, 17408, jnp.bfloat16, fmt="channel")
+    out.append(("quant fp8 per channel gate/up M5", _quant_fn("fp8", 5120, block), args, {},
+                {"quant_matmul_fp8_mma": 1}))
+    moe = jax.jit(mlp.moe, static_argnums=2)
+    for name, quant, tokens in (("Qwen3.5-35B-A3B", None, 1), ("Qwen3.5-35B-A3B", "int8", 1),
+                                ("Qwen3.5-35B-A3B", "int4", 1), ("Qwen3.5-35B-A3B", "fp8", 1),
+                                ("Qwen3.5-35B-A3B", "int4", 8), ("Qwen3.5-397B-A17B", None, 1)):
+        cfg, args = _moe_shapes(name, quant, tokens)
+        out.append((f"moe {name} {quant or 'bf16'} {tokens} token(s)", moe, (*args, cfg), {},
+                    {f"moe_gemv_{quant or 'plain'}": 3}))  # gate, up, down
+    for model, (nh, nkv) in REAL_HEADS.items():  # a draft step at W 4032 S 64; the k = 8 refill at B 8, W 8192
+        for B, T, W, S in ((1, 1, 4032, 64), (8, 9, 8192, 128)):
+            args = _kernel_args(B, T, nh, nkv, 256, S + W + max(T - 1, 1), jnp.bfloat16)
+            fn = jax.jit(lambda *a, W=W, S=S: windowed_attend(*a, W, S))
+            out.append((f"windowed attention {model} B{B} T{T} W{W} S{S}", fn, args, {},
+                        {"windowed_draft_attention": 1}))
+    for b, t, S, kv in ((1, 256, 131072, None), (1, 1, 1 << 20, None), (8, 9, 131072, None),
+                        (1, 9, 131072, jnp.float8_e4m3fn)):
+        args = _causal_args(b, t, 24, 4, 256, S, jnp.bfloat16, kv)
+        label = f"causal attention 27B B{b} T{t} S{S}" + (" fp8 cache" if kv else "")
+        out.append((label, jax.jit(causal_attend), args, {}, {"causal_attention": 1}))
+    # a launch the rules never pick (K / V blocks of 128 slots, 3 stages: over one block's shared memory): XLA
+    # must refuse it, or the compile is not reaching the kernels' machine code (want None: an error)
+    args = _kernel_args(1, 1, 24, 4, 256, 64 + 4032 + 1, jnp.bfloat16)
+    fn = jax.jit(lambda *a: windowed_attend_pallas(*a, 4032, 64, block_k=128, num_stages=3))
+    out.append(("windowed attention 27B draft step, K / V blocks of 128 at 3 stages (too big)", fn, args, {}, None))
+    return out
+
+
+def loops(target):
+    """--loops: the k = 1 native round of 4 real-width layers (3 GDN, 1 attention) of 27B and 35B-A3B in bf16,
+    compiled for `target`: the concatenations of 4 MB or more inside the loop (benchmarks/gpu_scale/launches.py)
+    and the kernels an iteration; then 27B's again with the GDN in-projections as they were before
+    gdn.in_projections (four dots on one x), which XLA merged over the weights concatenated in the loop: the
+    probe must find those."""
+    import dataclasses
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from gpu_scale import launches
+    from gpu_scale.programs import Case, compile_case
+
+    from qwen_mtp.tools import real_shapes
+    from qwen_mtp.trunk import gdn
+    from qwen_mtp.trunk.ops import linear
+
+    def one(label, name):
+        cfg = real_shapes.config(name)
+        cfg = dataclasses.replace(cfg, layer_types=cfg.layer_types[:4])
+        t = time.perf_counter()
+        hlo = compile_case(cfg, "bfloat16", None, Case(1), 1, 256, 64, target=target)[0].as_text()
+        print(json.dumps({"label": label, "concatenations": launches.concatenations(hlo),
+                          "kernels": launches.per_iteration(hlo).total(), "seconds": time.perf_counter() - t}),
+              flush=True)
+
+    one("27B k1 native", "Qwen3.5-27B")
+    one("35B-A3B k1 native", "Qwen3.5-35B-A3B")
+    gdn.in_projections = lambda x, w: tuple(linear(x, m) for m in (w.in_proj_qkv, w.in_proj_z, w.in_proj_b,
+                                                                    w.in_proj_a))
+    jax.clear_caches()  # the loop was traced with the fixed function
+    one("27B k1 native, the in-projections on one x (before the fix)", "Qwen3.5-27B")
+
+
+def main():
+    target = sys.argv[1] if len(sys.argv) > 1 else "H200"
+    if "--loops" in sys.argv:
+        return loops(target)
+    for label, fn, args, static, want in cases():
+        t = time.perf_counter()
+        try:
+            hlo = gpu_compile.compile_for(fn, *args, target=target, **static).as_text()
+            got = dict(gpu_compile.pallas_kernels(hlo))
+            print(json.dumps({"label": label, "kernels": got, "want": want, "seconds": time.perf_counter() - t}),
+                  flush=True)
+        except Exception as e:  # noqa: BLE001 - report every case
+            print(json.dumps({"label": label, "error": f"{type(e).__name__}: {str(e)[:500]}"}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

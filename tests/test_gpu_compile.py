@@ -1,0 +1,139 @@
+"""qwen_mtp.tools.gpu_compile: programs compiled for an H200 by XLA's own GPU compiler on this CPU, deviceless.
+
+Beyond tests/test_export_cuda.py (jax.export: the lowering, up to where XLA takes over) and the `triton`
+package's sm_90 compile of the kernels' IR (a close proxy): here XLA itself compiles the programs for sm_90,
+fusion and scheduling included, each Pallas kernel through XLA's Triton and ptxas to machine code. It needs jax's
+CUDA plugin, which lives in an environment of its own (.ci/run makes .venv-gpu-compile; beside a CPU jax the
+plugin would look for the missing GPU in every process): the compiles run there, in subprocesses."""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MAKE = ("python3 -m venv --system-site-packages .venv-gpu-compile && .venv-gpu-compile/bin/python -m pip install "
+        "-e '.[gpu-compile]'")
+
+
+def gpu_compile_python():
+    """The python that has jax's CUDA plugin: QWEN_MTP_GPU_COMPILE_PYTHON, else the repository's
+    .venv-gpu-compile, else this one if it has the plugin; None when there is none."""
+    if os.environ.get("QWEN_MTP_GPU_COMPILE_PYTHON"):
+        return os.environ["QWEN_MTP_GPU_COMPILE_PYTHON"]
+    venv = REPO / ".venv-gpu-compile" / "bin" / "python"
+    if venv.exists():
+        return str(venv)
+    return sys.executable if importlib.util.find_spec("jax_plugins.xla_cuda12") else None
+
+
+@pytest.fixture(scope="module")
+def python():
+    py = gpu_compile_python()
+    if py is None:
+        why = f"compiling for a GPU on this CPU needs jax's CUDA plugin: {MAKE}"
+        if os.environ.get("QWEN_MTP_REQUIRE_SM90") == "1":  # CI makes the environment and requires these tests
+            pytest.fail(why)
+        pytest.skip(why)
+    return py
+
+
+def _run(python, *args, timeout=900):
+    out = subprocess.run([python, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
+    assert out.returncode == 0, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
+    return out.stdout
+
+
+def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
+    """tests/gpu_compile_kernels.py: each Pallas kernel family at real Qwen3.5 shapes (quantized matmuls of 27B
+    in every format at 1 and 5 rows, the routed MoE experts of 35B-A3B and 397B-A17B, windowed and causal
+    attention) compiles for an H200 and holds its kernel; a launch over one block's shared memory is refused by
+    XLA's compile (the probe reaches the machine code)."""
+    rows = [json.loads(x) for x in _run(python, "tests/gpu_compile_kernels.py", "H200").splitlines()
+            if x.startswith("{")]
+    assert len(rows) == 36, [r["label"] for r in rows]
+    *good, bad = rows
+    assert "error" in bad and "Shared memory size limit exceeded" in bad["error"], bad
+    for r in good:
+        assert "error" not in r, r
+        assert r["kernels"] == r["want"], r
+        report(f"XLA sm_90 compile (deviceless, H200), {r['label']}: {r['kernels']} in {r['seconds']:.1f} s")
+    families = {k for r in good for k in r["kernels"]}
+    assert {"quant_matmul_int8", "quant_matmul_int4_mma", "quant_matmul_fp8", "moe_gemv_int4", "moe_gemv_plain",
+            "windowed_draft_attention", "causal_attention"} <= families, families
+
+
+def test_decode_programs_compile_for_h200(python):
+    """gpu_scale --compile-for H200, short form: the plain step and the k = 1 rounds (native, Wind-MTP) of a
+    dense bf16 model and an int4 MoE compile for the GPU; each line counts the kernels the program launches and
+    names its Pallas kernels (the quantized matmuls, the routed experts, both attentions: chosen for cuda)."""
+    out = _run(python, "benchmarks/gpu_scale", "--compile-for", "H200", "--short", "--runs", "27B-bf16,35B-A3B-int4",
+               "--k", "1", "--draft-vocab", "0", "--budget", "600")
+    assert out.rstrip().splitlines()[-1].startswith("OK: 0 failures"), out
+    assert "XLA's GPU compiler on this host, deviceless" in out
+    probe = re.search(r"launch probe \(launch_probe.py\) compiled for H200: (\d+) kernels \(fusion", out)
+    assert probe and 256 <= int(probe.group(1)) <= 260, out  # the chain stays unfused for the GPU: one per link
+    got = {}
+    for block in out.split("== ")[1:]:
+        name = block.split(":")[0]
+        for m in re.finditer(r"^  (.+?): compiled for H200 in [\d.]+ s; (\d+) kernels \(fusion \d+[^)]*\) a "
+                             r"(step|round); Pallas kernels: (.+); temp", block, re.M):
+            got[(name, m.group(1))] = (int(m.group(2)), m.group(4))
+    assert set(got) == {(n, c) for n in ("27B-bf16", "35B-A3B-int4")
+                        for c in ("plain", "k1 native", "k1 windowed W32 S4")}, (got, out)
+    for (name, case), (kernels, pallas) in got.items():
+        assert kernels > 20, (name, case, kernels)  # a 4-layer step launches dozens
+        assert ("windowed_draft_attention" in pallas) == ("windowed" in case), (name, case, pallas)
+        assert "causal_attention" in pallas, (name, case, pallas)
+        if name == "35B-A3B-int4":
+            assert "moe_gemv_int4" in pallas and "quant_matmul_int4" in pallas, (name, case, pallas)
+    assert got[("27B-bf16", "k1 native")][0] > got[("27B-bf16", "plain")][0]
+    assert out.count("concatenations of 4 MB or more in the loop: none") == 6, out
+    assert out.count("launch budget: ") == 2  # one per model, from its plain step
+
+
+def test_no_weight_is_concatenated_in_a_decode_loop(python, report):
+    """A speculative round of 4 real-width layers of 27B and of 35B-A3B (bf16) compiled for an H200 holds no
+    concatenation of 4 MB or more in its loop. Before gdn.in_projections, XLA's dot merger joined the four GDN
+    in-projections over their weights concatenated in the loop: a copy of 169 MB (27B) per GDN layer at every
+    round, 16 GB a round at full depth. The same program with the four dots on one x shows the probe finds it."""
+    rows = {r["label"]: r for r in (json.loads(x) for x in _run(python, "tests/gpu_compile_kernels.py", "H200",
+                                                                   "--loops").splitlines() if x.startswith("{"))}
+    assert rows["27B k1 native"]["concatenations"] == [], rows
+    assert rows["35B-A3B k1 native"]["concatenations"] == [], rows
+    before = rows["27B k1 native, the in-projections on one x (before the fix)"]["concatenations"]
+    assert [b for _, b in before] == [5120 * 16480 * 2] * 3, before  # one per GDN layer: qkv | z | b | a
+    for label, r in rows.items():
+        cats = r["concatenations"]
+        report(f"XLA sm_90 compile (deviceless, H200), {label}: {r['kernels']} kernels a round, weight "
+               f"concatenations in the loop {len(cats)} ({sum(b for _, b in cats) / 1e6:.0f} MB)")
+
+
+def test_targets_and_a_missing_plugin_say_what_is_wrong(monkeypatch):
+    """In this process (no plugin registered, or one registered too late): the error names what to install."""
+    from jax.experimental import topologies
+
+    from qwen_mtp.errors import ArgumentError
+    from qwen_mtp.tools import gpu_compile
+
+    text = gpu_compile.target_config("H200")
+    assert "core_count: 132" in text and "memory_bandwidth: 4800000000000" in text and "major: 9" in text
+    with pytest.raises(ArgumentError, match="'target': expected one of \\['H100', 'H200'\\], found 'A100'"):
+        gpu_compile.target_config("A100")
+
+    def refuse(*a, **k):
+        raise NotImplementedError("topology not implemented for cuda")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", refuse)
+    gpu_compile.device.cache_clear()
+    try:
+        with pytest.raises(gpu_compile.GpuCompileUnavailable, match=r"compiling for H100: expected jax's CUDA "
+                           r"plugin .* found NotImplementedError: topology not implemented .*gpu-compile"):
+            gpu_compile.device("H100")
+    finally:
+        gpu_compile.device.cache_clear()
