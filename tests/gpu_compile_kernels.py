@@ -68,9 +68,9 @@ def cases():
 def loops(target):
     """--loops: the k = 1 native round of 4 real-width layers (3 GDN, 1 attention) of 27B and 35B-A3B in bf16,
     compiled for `target`: the concatenations of 4 MB or more inside the loop (benchmarks/gpu_scale/launches.py)
-    and the kernels an iteration; then 27B's again with the GDN in-projections as they were before
-    gdn.in_projections (four dots on one x), which XLA merged over the weights concatenated in the loop: the
-    probe must find those."""
+    and the kernels an iteration; then 27B's again with the verify's (I + L)^-1 rows in a loop, as before
+    gdn.UNROLL_ROWS, and with the GDN in-projections as they were before gdn.in_projections (four dots on one x),
+    which XLA merged over the weights concatenated in the loop: the probe must find those."""
     import dataclasses
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -92,6 +92,10 @@ def loops(target):
 
     one("27B k1 native", "Qwen3.5-27B")
     one("35B-A3B k1 native", "Qwen3.5-35B-A3B")
+    unroll, gdn.UNROLL_ROWS = gdn.UNROLL_ROWS, 0
+    jax.clear_caches()
+    one("27B k1 native, the verify's inverse as a loop (UNROLL_ROWS 0)", "Qwen3.5-27B")
+    gdn.UNROLL_ROWS = unroll
     gdn.in_projections = lambda x, w: tuple(linear(x, m) for m in (w.in_proj_qkv, w.in_proj_z, w.in_proj_b,
                                                                     w.in_proj_a))
     jax.clear_caches()  # the loop was traced with the fixed function

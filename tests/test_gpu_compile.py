@@ -99,15 +99,20 @@ def test_decode_programs_compile_for_h200(python):
 
 def test_no_weight_is_concatenated_in_a_decode_loop(python, report):
     """A speculative round of 4 real-width layers of 27B and of 35B-A3B (bf16) compiled for an H200 holds no
-    concatenation of 4 MB or more in its loop. Before gdn.in_projections, XLA's dot merger joined the four GDN
-    in-projections over their weights concatenated in the loop: a copy of 169 MB (27B) per GDN layer at every
-    round, 16 GB a round at full depth. The same program with the four dots on one x shows the probe finds it."""
+    concatenation of 4 MB or more in its loop, and launches fewer kernels than with the verify's row loop.
+    Before gdn.in_projections, XLA's dot merger joined the four GDN in-projections over their weights
+    concatenated in the loop: a copy of 169 MB (27B) per GDN layer at every round, 16 GB a round at full depth.
+    The same program with the four dots on one x shows the probe finds it."""
     rows = {r["label"]: r for r in (json.loads(x) for x in _run(python, "tests/gpu_compile_kernels.py", "H200",
                                                                    "--loops").splitlines() if x.startswith("{"))}
     assert rows["27B k1 native"]["concatenations"] == [], rows
     assert rows["35B-A3B k1 native"]["concatenations"] == [], rows
     before = rows["27B k1 native, the in-projections on one x (before the fix)"]["concatenations"]
     assert [b for _, b in before] == [5120 * 16480 * 2] * 3, before  # one per GDN layer: qkv | z | b | a
+    # the verify's (I + L)^-1 unrolled (gdn.UNROLL_ROWS): at least 8 kernels fewer a GDN layer than its row loop
+    # (the 3 GDN layers: 167 against 199 when written)
+    looped = rows["27B k1 native, the verify's inverse as a loop (UNROLL_ROWS 0)"]["kernels"]
+    assert rows["27B k1 native"]["kernels"] + 3 * 8 <= looped, rows
     for label, r in rows.items():
         cats = r["concatenations"]
         report(f"XLA sm_90 compile (deviceless, H200), {label}: {r['kernels']} kernels a round, weight "

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.ops import gated_rmsnorm, l2norm, linear
+from qwen_mtp.trunk.quant import QuantArray
 from qwen_mtp.trunk.state import GDNState, GDNVerify
 from qwen_mtp.trunk.weights import GDNWeights
 
@@ -175,8 +176,13 @@ def in_projections(x, w: GDNWeights):
     four weights concatenated inside the program, and that concatenation copied every GDN layer's in-projections
     at every speculative round (Qwen3.5-27B bf16: 169 MB read and written a layer, 16 GB a round over 48 layers).
     b and a may still merge (a 2 x H x nv concatenation, 1 MB at 27B); at one row they run as one kernel.
-    tests/test_gpu_compile.py: no weight of 4 MB or more is concatenated in a decode loop compiled for an H200."""
-    x_qkv, x_z, x_ba = jax.lax.optimization_barrier((x, x, x))
+    tests/test_gpu_compile.py: no weight of 4 MB or more is concatenated in a decode loop compiled for an H200.
+    With qkv and z both quantized there is no dot of theirs to merge (a QuantArray's product is a kernel) and one
+    x keeps one preparation of it for both kernels (three copies cost a 27B int4 step 3 kernels a GDN layer)."""
+    if isinstance(w.in_proj_qkv, QuantArray) and isinstance(w.in_proj_z, QuantArray):
+        x_qkv = x_z = x_ba = x
+    else:
+        x_qkv, x_z, x_ba = jax.lax.optimization_barrier((x, x, x))
     return linear(x_qkv, w.in_proj_qkv), linear(x_z, w.in_proj_z), linear(x_ba, w.in_proj_b), linear(x_ba, w.in_proj_a)
 
 
