@@ -4,7 +4,7 @@
 export tests' (test_export_cuda.py, test_moe_routed.py), which prove the same programs lower; this proves XLA
 compiles them, each Triton kernel through XLA's Triton and ptxas. One JSON line per case: its label, the Pallas
 kernels found in the compiled program (by name), the seconds, or the error. With --loops: the decode loops'
-weight concatenations instead (`loops`)."""
+weight concatenations instead (`loops`); with --mesh: a tensor-parallel round's collectives (`mesh`)."""
 
 import json
 import os
@@ -102,10 +102,57 @@ def loops(target):
     one("27B k1 native, the in-projections on one x (before the fix)", "Qwen3.5-27B")
 
 
+def mesh(target):
+    """--mesh: the k = 3 round of 4 real-width 27B layers (bf16) tensor parallel over 8 compile-only GPUs
+    (mesh data 1 x model 8, the shardings generate gives), compiled with the collectives XLA's partitioner
+    writes: each collective in the loop with its bytes; then with the MTP head's embedding lookup left free, as
+    before ops.embed_rows pinned its rows (the probe must find the table's all-to-all)."""
+    import dataclasses
+
+    import numpy as np
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from gpu_scale import launches
+
+    from qwen_mtp.decoding.sampling import Sampling
+    from qwen_mtp.decoding.speculative import SpecConfig, spec_decode
+    from qwen_mtp.head import mtp
+    from qwen_mtp.tools import real_shapes
+    from qwen_mtp.tools.lowering import spec_decode_args
+
+    grid = jax.sharding.Mesh(np.array(gpu_compile.devices(target, 8)).reshape(1, 8), ("data", "model"))
+    cfg = real_shapes.config("Qwen3.5-27B")
+    cfg = dataclasses.replace(cfg, layer_types=cfg.layer_types[:4])
+    spec, sampling = SpecConfig(k=3), Sampling()
+
+    def one(label):
+        t = time.perf_counter()
+        args = spec_decode_args(cfg, jnp.bfloat16, spec, batch=1, cache_len=4096, cap=64, mesh=grid,
+                                sampling=sampling)
+        with jax.set_mesh(grid):
+            hlo = spec_decode.trace(args[0], cfg, *args[1:], spec=spec, sampling=sampling).lower().compile().as_text()
+        print(json.dumps({"label": label, "collectives": launches.collectives(hlo),
+                          "seconds": time.perf_counter() - t}), flush=True)
+
+    one("27B k3 native, model 8")
+    fixed = mtp.embed_rows
+
+    def free(embed, tokens):  # ops.embed_rows without its sharding constraint
+        embed, tokens = jax.lax.optimization_barrier((embed, tokens))
+        return embed[tokens]
+
+    mtp.embed_rows = free
+    jax.clear_caches()
+    one("27B k3 native, model 8, the head's embedding rows left free (before the fix)")
+    mtp.embed_rows = fixed
+
+
 def main():
     target = sys.argv[1] if len(sys.argv) > 1 else "H200"
     if "--loops" in sys.argv:
         return loops(target)
+    if "--mesh" in sys.argv:
+        return mesh(target)
     for label, fn, args, static, want in cases():
         t = time.perf_counter()
         try:

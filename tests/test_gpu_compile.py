@@ -119,6 +119,23 @@ def test_no_weight_is_concatenated_in_a_decode_loop(python, report):
                f"concatenations in the loop {len(cats)} ({sum(b for _, b in cats) / 1e6:.0f} MB)")
 
 
+def test_a_tensor_parallel_round_moves_no_weight(python, report):
+    """The k = 3 round of 4 real-width 27B layers over 8 compile-only H200s (model 8): XLA's partitioner writes
+    its collectives, and none inside the loop moves more than 1 MB (activations: the largest is 80 KB). Before
+    ops.embed_rows took the rows per shard, the draft's embedding lookup re-split the whole 1.27 GB table with an
+    all-to-all at every draft step: the same program with the lookup left free shows the probe finds it."""
+    rows = {r["label"]: r for r in (json.loads(x) for x in _run(python, "tests/gpu_compile_kernels.py", "H200",
+                                                                   "--mesh").splitlines() if x.startswith("{"))}
+    fixed = rows["27B k3 native, model 8"]["collectives"]
+    free = rows["27B k3 native, model 8, the head's embedding rows left free (before the fix)"]["collectives"]
+    assert fixed and max(b for _, b in fixed) <= 1 << 20, sorted(fixed, key=lambda c: -c[1])[:3]
+    assert ["all-to-all", 248320 * 5120 * 2 // 8] in free, sorted(free, key=lambda c: -c[1])[:3]
+    for label, r in rows.items():
+        c = r["collectives"]
+        report(f"XLA compile for 8 H200s (deviceless), {label}: {len(c)} collectives in the loop, "
+               f"{sum(b for _, b in c) / 1e6:.1f} MB, the largest {max(b for _, b in c) / 1e6:.2f} MB")
+
+
 def test_targets_and_a_missing_plugin_say_what_is_wrong(monkeypatch):
     """In this process (no plugin registered, or one registered too late): the error names what to install."""
     from jax.experimental import topologies
@@ -135,10 +152,10 @@ def test_targets_and_a_missing_plugin_say_what_is_wrong(monkeypatch):
         raise NotImplementedError("topology not implemented for cuda")
 
     monkeypatch.setattr(topologies, "get_topology_desc", refuse)
-    gpu_compile.device.cache_clear()
+    gpu_compile.devices.cache_clear()
     try:
         with pytest.raises(gpu_compile.GpuCompileUnavailable, match=r"compiling for H100: expected jax's CUDA "
                            r"plugin .* found NotImplementedError: topology not implemented .*gpu-compile"):
             gpu_compile.device("H100")
     finally:
-        gpu_compile.device.cache_clear()
+        gpu_compile.devices.cache_clear()

@@ -114,12 +114,11 @@ def _shape_bytes(line: str) -> int:
     return n * size.get(m.group(1), 4)
 
 
-def concatenations(hlo: str, min_bytes: int = 4 << 20) -> list:
-    """The concatenations of at least `min_bytes` that run inside the decode loop (per_iteration's loop, nested
-    loops, branches and calls included), as (result type, bytes): a concatenate, or a fusion whose root is one.
-    In a decode step that is a weight copied at every iteration (the rows' own values are far smaller)."""
+def loop_instructions(hlo: str):
+    """(the instruction line, the comps) of every instruction that runs inside the decode loop (per_iteration's
+    loop; nested loops, branches and calls included), each once."""
     comps, entry = computations(hlo)
-    found = []
+    out = []
 
     def walk(name, seen):
         if name in seen or name not in comps:
@@ -131,13 +130,8 @@ def concatenations(hlo: str, min_bytes: int = 4 << 20) -> list:
             if key:
                 for c in _called(line, key) + _called(line, "true_computation") + _called(line, "false_computation"):
                     walk(c, seen)
-                continue
-            root = ""
-            if op == "fusion":
-                body = comps.get((_called(line, "calls") or [""])[0], [])
-                root = next((opcode(x) for x in body if x.lstrip().startswith("ROOT")), "")
-            if "concatenate" in (op, root) and _shape_bytes(line) >= min_bytes:
-                found.append((line.split(" = ", 1)[1].split(" ", 1)[0], _shape_bytes(line)))
+            else:
+                out.append(line)
 
     best, most = None, -1
     for line in comps.get(entry, []):
@@ -148,4 +142,36 @@ def concatenations(hlo: str, min_bytes: int = 4 << 20) -> list:
     if best is not None:
         for c in _called(best, "body"):
             walk(c, ())
+    return out, comps
+
+
+def concatenations(hlo: str, min_bytes: int = 4 << 20) -> list:
+    """The concatenations of at least `min_bytes` that run inside the decode loop, as (result type, bytes): a
+    concatenate, or a fusion whose root is one. In a decode step that is a weight copied at every iteration (the
+    rows' own values are far smaller)."""
+    lines, comps = loop_instructions(hlo)
+    found = []
+    for line in lines:
+        op, root = opcode(line), ""
+        if op == "fusion":
+            body = comps.get((_called(line, "calls") or [""])[0], [])
+            root = next((opcode(x) for x in body if x.lstrip().startswith("ROOT")), "")
+        if "concatenate" in (op, root) and _shape_bytes(line) >= min_bytes:
+            found.append((line.split(" = ", 1)[1].split(" ", 1)[0], _shape_bytes(line)))
+    return found
+
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def collectives(hlo: str) -> list:
+    """The collectives inside the decode loop, as (opcode without -start, bytes of the largest array in its
+    result: for an async start, the tuple of operand and result)."""
+    lines, _ = loop_instructions(hlo)
+    found = []
+    for line in lines:
+        op = opcode(line).removesuffix("-start")
+        if op in COLLECTIVES:
+            types = re.findall(r"(\w+)\[([\d,]*)\]", line.split(" = ", 1)[1].split(op, 1)[0])
+            found.append((op, max((_shape_bytes(f"= {t}[{d}]") for t, d in types), default=0)))
     return found

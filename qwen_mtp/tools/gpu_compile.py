@@ -5,6 +5,7 @@
     compiled = gpu_compile.compile_for(jitted_fn, *args, target="H200", **static_kwargs)
     compiled.as_text()                             # the optimised GPU HLO: fusions, gemms, Pallas kernels
     gpu_compile.pallas_kernels(compiled.as_text()) # Counter of the Pallas kernels in it, by name
+    gpu_compile.devices("H200", 8)                 # 8 compile-only H200s: a mesh over them, a sharded program
 
 `jax.export` (tools/lowering.py) stops where XLA takes over; this goes all the way: the CUDA plugin of the pinned
 jax release compiles for a compile-only device described by a target config (TARGETS: the published figures of
@@ -72,21 +73,27 @@ def target_config(target: str) -> str:
             f'device_description_str: "{t["name"]}"\n')
 
 
-@functools.lru_cache(maxsize=None)
 def device(target: str = "H200"):
     """The compile-only device of `target` (GpuCompileUnavailable when this environment has no CUDA plugin)."""
+    return devices(target, 1)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def devices(target: str = "H200", count: int = 1) -> tuple:
+    """`count` compile-only devices of `target` on one host (a mesh over them compiles a sharded program with
+    the collectives XLA's partitioner writes; GpuCompileUnavailable when there is no CUDA plugin)."""
     text = target_config(target)
     try:
         from jax.experimental import topologies
 
-        topo = topologies.get_topology_desc("cuda", "cuda", target_config=text, topology="1x1x1")
+        topo = topologies.get_topology_desc("cuda", "cuda", target_config=text, topology=f"1x1x{count}")
     except Exception as e:  # noqa: BLE001 - any failure here means the same thing: no plugin to compile with
         raise GpuCompileUnavailable(
             f"compiling for {target}: expected jax's CUDA plugin registered in this process (JAX_PLATFORMS="
             f"{os.environ.get('JAX_PLATFORMS', '<unset>')}), found {type(e).__name__}: "
             f"{str(e).splitlines()[0][:200] if str(e) else ''}; install it with {INSTALL}, and start the process "
             "with JAX_PLATFORMS=cpu (gpu_compile.prepare())") from e
-    return topo.devices[0]
+    return tuple(topo.devices)
 
 
 def place(tree, target: str = "H200"):

@@ -26,8 +26,9 @@ program asks for: the arguments' shardings, which kernel calls sit inside a manu
 operand shapes (a split weight's local slice: the region takes it in the sharding it is stored in), and which
 collectives the program writes itself (the psum of a row-parallel matmul, an all_reduce inside its region; no
 all_gather). What it cannot show is what the partitioner adds for the ops outside the regions (all-gathers,
-all-to-alls, permutes chosen by sharding propagation): that needs the compiled program, which on this machine
-only the cpu lowering of the same program gives (manual_report's docstring).
+all-to-alls, permutes chosen by sharding propagation): that needs the compiled program, which the cpu lowering
+of the same program gives for CPUs (manual_report's docstring) and tools/gpu_compile.py for GPUs (a mesh over
+gpu_compile.devices("H200", n), XLA's GPU partitioner run on this machine).
 """
 
 from __future__ import annotations

@@ -10,8 +10,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.masked_attention import precision_for  # the one precision rule
+from kernels_pallas.per_shard import active_mesh, batch_axis
 from qwen_mtp.trunk.quant import QuantArray
 from qwen_mtp.trunk.quant import linear as quant_linear
 
@@ -81,9 +83,30 @@ def embed_rows(embed, tokens):
     decode loops, the draft scan) the table is loop-invariant, so XLA hoisted the cast of the WHOLE table out of
     the loop: at the Qwen3.5-0.8B shape a 1 GB f32 copy of the 248320 x 1024 bf16 embedding (430 ms on this
     CPU, longer than a plain decode step) at every call of a decode program or draft. Tied to the ids, which
-    change at every step, the barrier's output is not invariant and the cast stays fused with the gather."""
+    change at every step, the barrier's output is not invariant and the cast stays fused with the gather.
+
+    Under a ('data', 'model') mesh whose model axis splits the table's rows (sharding.py's `vocab`), each shard
+    takes the ids that fall in its own rows and one psum over model joins them: a [..., H] all-reduce. Left to
+    the partitioner, the MTP head's lookup (its fc's input rows split over model) re-split the WHOLE table from
+    vocab rows to hidden columns with an all-to-all inside the draft loop, where the barrier keeps it from being
+    hoisted (27B over 8 GPUs: 318 MB at every draft step), and pinning the rows replicated made it gather the
+    whole table instead (2.5 GB); found compiling for 8 H200s on a CPU (tools/gpu_compile.py,
+    tests/test_gpu_compile.py)."""
     embed, tokens = jax.lax.optimization_barrier((embed, tokens))
-    return embed[tokens]
+    mesh = active_mesh()
+    split = mesh.shape["model"] if mesh is not None else 1
+    if split == 1 or embed.shape[0] % split or tokens.ndim == 0:
+        return embed[tokens]
+    n = embed.shape[0] // split
+    ids_spec = P(batch_axis(mesh, tokens.shape[0]), *[None] * (tokens.ndim - 1))
+
+    def local(table, ids):
+        i = ids - jax.lax.axis_index("model") * n
+        inside = ((i >= 0) & (i < n))[..., None]
+        return jax.lax.psum(jnp.where(inside, table[jnp.clip(i, 0, n - 1)], jnp.zeros((), table.dtype)), "model")
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P("model", None), ids_spec), out_specs=P(*ids_spec, None),
+                         check_vma=False)(embed, tokens)
 
 
 def rmsnorm_1pw(x, w, eps):
