@@ -68,7 +68,9 @@ def cases():
 def loops(target):
     """--loops: the k = 1 native round of 4 real-width layers (3 GDN, 1 attention) of 27B and 35B-A3B in bf16,
     compiled for `target`: the concatenations of 4 MB or more inside the loop (benchmarks/gpu_scale/launches.py)
-    and the kernels an iteration; then 27B's again with the verify's (I + L)^-1 rows in a loop, as before
+    and the products of 1 MB or more written out (launches.products), and the kernels an iteration; 35B-A3B's
+    plain step, and again without ops.VECTOR_DOT_MAX's two rows; then 27B's round with the verify's (I + L)^-1
+    rows in a loop, as before
     gdn.UNROLL_ROWS, and with the GDN in-projections as they were before gdn.in_projections (four dots on one x),
     which XLA merged over the weights concatenated in the loop: the probe must find those."""
     import dataclasses
@@ -81,17 +83,24 @@ def loops(target):
     from qwen_mtp.trunk import gdn
     from qwen_mtp.trunk.ops import linear
 
-    def one(label, name):
+    def one(label, name, k=1):
         cfg = real_shapes.config(name)
         cfg = dataclasses.replace(cfg, layer_types=cfg.layer_types[:4])
         t = time.perf_counter()
-        hlo = compile_case(cfg, "bfloat16", None, Case(1), 1, 256, 64, target=target)[0].as_text()
+        hlo = compile_case(cfg, "bfloat16", None, Case(k), 1, 256, 64, target=target)[0].as_text()
         print(json.dumps({"label": label, "concatenations": launches.concatenations(hlo),
-                          "kernels": launches.per_iteration(hlo).total(), "seconds": time.perf_counter() - t}),
-              flush=True)
+                          "products": launches.products(hlo), "kernels": launches.per_iteration(hlo).total(),
+                          "seconds": time.perf_counter() - t}), flush=True)
 
     one("27B k1 native", "Qwen3.5-27B")
     one("35B-A3B k1 native", "Qwen3.5-35B-A3B")
+    one("35B-A3B plain", "Qwen3.5-35B-A3B", k=0)
+    from qwen_mtp.trunk import ops
+
+    vector_max, ops.VECTOR_DOT_MAX = ops.VECTOR_DOT_MAX, 0
+    jax.clear_caches()
+    one("35B-A3B plain, one row through every weight (VECTOR_DOT_MAX 0)", "Qwen3.5-35B-A3B", k=0)
+    ops.VECTOR_DOT_MAX = vector_max
     unroll, gdn.UNROLL_ROWS = gdn.UNROLL_ROWS, 0
     jax.clear_caches()
     one("27B k1 native, the verify's inverse as a loop (UNROLL_ROWS 0)", "Qwen3.5-27B")

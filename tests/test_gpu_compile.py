@@ -94,12 +94,14 @@ def test_decode_programs_compile_for_h200(python):
             assert "moe_gemv_int4" in pallas and "quant_matmul_int4" in pallas, (name, case, pallas)
     assert got[("27B-bf16", "k1 native")][0] > got[("27B-bf16", "plain")][0]
     assert out.count("concatenations of 4 MB or more in the loop: none") == 6, out
+    assert out.count("products of 1 MB or more written out: none") == 6, out
     assert out.count("launch budget: ") == 2  # one per model, from its plain step
 
 
-def test_no_weight_is_concatenated_in_a_decode_loop(python, report):
+def test_no_weight_is_copied_in_a_decode_loop(python, report):
     """A speculative round of 4 real-width layers of 27B and of 35B-A3B (bf16) compiled for an H200 holds no
-    concatenation of 4 MB or more in its loop, and launches fewer kernels than with the verify's row loop.
+    concatenation of 4 MB or more in its loop, nor does 35B-A3B's plain step write out a weight-sized product,
+    and a round launches fewer kernels than with the verify's row loop.
     Before gdn.in_projections, XLA's dot merger joined the four GDN in-projections over their weights
     concatenated in the loop: a copy of 169 MB (27B) per GDN layer at every round, 16 GB a round at full depth.
     The same program with the four dots on one x shows the probe finds it."""
@@ -109,14 +111,21 @@ def test_no_weight_is_concatenated_in_a_decode_loop(python, report):
     assert rows["35B-A3B k1 native"]["concatenations"] == [], rows
     before = rows["27B k1 native, the in-projections on one x (before the fix)"]["concatenations"]
     assert [b for _, b in before] == [5120 * 16480 * 2] * 3, before  # one per GDN layer: qkv | z | b | a
+    # no weight-sized product written out (a strength-reduced dot, ops.VECTOR_DOT_MAX); without the two rows,
+    # 35B-A3B's plain step writes out its GDN out_proj's (f32 4096 x 2048, 32 MB) among others
+    for label in ("27B k1 native", "35B-A3B k1 native", "35B-A3B plain"):
+        assert rows[label]["products"] == [], (label, rows[label]["products"])
+    one_row = rows["35B-A3B plain, one row through every weight (VECTOR_DOT_MAX 0)"]["products"]
+    assert ["f32[4096,2048]{1,0}", 4096 * 2048 * 4] in one_row and sum(b for _, b in one_row) > 100e6, one_row
     # the verify's (I + L)^-1 unrolled (gdn.UNROLL_ROWS): at least 8 kernels fewer a GDN layer than its row loop
     # (the 3 GDN layers: 167 against 199 when written)
     looped = rows["27B k1 native, the verify's inverse as a loop (UNROLL_ROWS 0)"]["kernels"]
     assert rows["27B k1 native"]["kernels"] + 3 * 8 <= looped, rows
     for label, r in rows.items():
         cats = r["concatenations"]
-        report(f"XLA sm_90 compile (deviceless, H200), {label}: {r['kernels']} kernels a round, weight "
-               f"concatenations in the loop {len(cats)} ({sum(b for _, b in cats) / 1e6:.0f} MB)")
+        report(f"XLA sm_90 compile (deviceless, H200), {label}: {r['kernels']} kernels an iteration, weight "
+               f"concatenations in the loop {len(cats)} ({sum(b for _, b in cats) / 1e6:.0f} MB), products "
+               f"written out {len(r['products'])} ({sum(b for _, b in r['products']) / 1e6:.0f} MB)")
 
 
 def test_a_tensor_parallel_round_moves_no_weight(python, report):

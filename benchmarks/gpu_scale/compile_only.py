@@ -2,7 +2,8 @@
 own GPU compiler run deviceless (qwen_mtp.tools.gpu_compile), at full depth, nothing run. Per program: the
 compile seconds on this host, the kernels one step / round launches in the program a GPU would run (launches.py),
 the Pallas kernels among them, the device memory it asks for beyond its arguments (XLA's temp buffers), and the
-concatenations of 4 MB or more inside its loop (launches.concatenations: a weight copied at every step). Per
+concatenations of 4 MB or more inside its loop (launches.concatenations: a weight copied at every step) and the
+weight-sized products it writes out (launches.products: a dot split into a multiply and a reduce). Per
 model: the bytes a plain step reads, their time at the target's peak bandwidth, and what is left per kernel for
 launch and tail time if the step is to read at 85% of the peak (issue 38's 27B target): a launch budget, the
 figure a GPU run's kernel time per launch (report.py) is read against. No time is measured here."""
@@ -68,12 +69,14 @@ def run(a, p, budget, cases):
                 kernels = launches.per_iteration(hlo)
                 pallas = gpu_compile.pallas_kernels(hlo)
                 temp = getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0)
-                cats = launches.concatenations(hlo)
+                cats, prods = launches.concatenations(hlo), launches.products(hlo)
                 cat = "none" if not cats else f"{len(cats)}, {gb(sum(b for _, b in cats))} (a weight copied each time)"
+                prod = "none" if not prods else f"{len(prods)}, {gb(sum(b for _, b in prods))}"
                 what = "step" if not case.k else "round"
                 print(f"  {case.label}: compiled for {target} in {secs:.1f} s; {launches.describe(kernels)} a {what}"
                       f"; Pallas kernels: {', '.join(f'{k} x{n}' for k, n in sorted(pallas.items())) or 'none'}; "
-                      f"temp {temp / 1e9:.3f} GB; concatenations of 4 MB or more in the loop: {cat}", flush=True)
+                      f"temp {temp / 1e9:.3f} GB; concatenations of 4 MB or more in the loop: {cat}; products of "
+                      f"1 MB or more written out: {prod}", flush=True)
                 if not case.k:
                     n = kernels.total()
                     print(f"    launch budget: {launch_budget_us(step_bytes, bw, n):.2f} us per kernel beyond the "

@@ -161,6 +161,27 @@ def concatenations(hlo: str, min_bytes: int = 4 << 20) -> list:
     return found
 
 
+def products(hlo: str, min_bytes: int = 1 << 20) -> list:
+    """The fusions inside the decode loop whose result is an elementwise multiply (or a tuple of them) of at least
+    `min_bytes`, as (result type, bytes): at decode that is a weight-sized product written out, a dot that XLA
+    strength-reduced into a multiply and a reduce without fusing the two (ops.VECTOR_DOT_MAX)."""
+    lines, comps = loop_instructions(hlo)
+    found = []
+    for line in lines:
+        if opcode(line) != "fusion":
+            continue
+        body = comps.get((_called(line, "calls") or [""])[0], [])
+        root = next((x for x in body if x.lstrip().startswith("ROOT")), "")
+        parts = [root]
+        if root and opcode(root) == "tuple":
+            names = [n.strip().lstrip("%") for n in root.split("tuple(", 1)[1].rsplit(")", 1)[0].split(",")]
+            parts = [x for x in body if x.strip().split(" = ")[0].strip().lstrip("%") in names]
+        for part in parts:
+            if part and opcode(part) == "multiply" and _shape_bytes(part) >= min_bytes:
+                found.append((part.split(" = ", 1)[1].split(" ", 1)[0], _shape_bytes(part)))
+    return found
+
+
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 

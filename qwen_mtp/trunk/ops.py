@@ -31,11 +31,35 @@ DECODE_COMPILER_OPTIONS = {**LOOP_COMPILER_OPTIONS, "xla_cpu_multi_thread_eigen"
 FEW_ROWS = 32
 
 
+# One row through a plain weight of at most VECTOR_DOT_MAX values and at least VECTOR_DOT_MIN_N columns: on a GPU,
+# XLA (0.10.2) rewrites such a vector x matrix dot into a multiply and a reduce over the weight's rows, and for
+# many of these shapes it does not fuse the two: the whole [in, out] product is written out and read back
+# (Qwen3.5-35B-A3B's GDN out_proj, z, attention o_proj, router, shared expert and MTP fc: about 3.4 GB a decode
+# step beside its 6.1 GB of weights; compiled for an H200 on a CPU, tools/gpu_compile.py). Two rows are a
+# matrix product, which XLA runs as one gemm reading the weight once; `linear` adds a row of zeros there.
+VECTOR_DOT_MAX = 10_000_000
+VECTOR_DOT_MIN_N = 256
+
+
 def linear(x, w):
-    """x [..., in] @ w [in, out] -> [..., out], in x's dtype. w: a plain array or a QuantArray."""
+    """x [..., in] @ w [in, out] -> [..., out], in x's dtype. w: a plain array or a QuantArray. One row through
+    a mid-sized plain weight goes through the product as two rows (the second zeros) in a program lowered for
+    cuda (VECTOR_DOT_MAX); elsewhere, and for every other shape, the product is the same single einsum."""
     if isinstance(w, QuantArray):
         return quant_linear(x, w)
+    if math.prod(x.shape[:-1]) == 1 and VECTOR_DOT_MIN_N <= w.shape[-1] and w.size <= VECTOR_DOT_MAX:
+        return jax.lax.platform_dependent(x, w, cuda=_as_two_rows, default=_product)
+    return _product(x, w)
+
+
+def _product(x, w):
     return contract("...i,io->...o", x, w.astype(x.dtype)).astype(x.dtype)
+
+
+def _as_two_rows(x, w):
+    row = x.reshape(1, x.shape[-1])
+    y = _product(jnp.concatenate([row, jnp.zeros_like(row)]), w)[:1]
+    return y.reshape(*x.shape[:-1], w.shape[-1])
 
 
 def logits(x, w):
