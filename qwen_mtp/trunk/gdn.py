@@ -19,7 +19,7 @@ from qwen_mtp.trunk.weights import GDNWeights
 
 HIGHEST = jax.lax.Precision.HIGHEST
 CHUNK = 64
-UNROLL_ROWS = 17  # unit_lower_inverse unrolls its rows up to here (a verify's k + 1); a prefill chunk's 64 loop
+UNROLL_ROWS = 17  # on cuda unit_lower_inverse unrolls its rows up to here (a verify's k + 1); a chunk's 64 loop
 
 
 def _mm(a, b):
@@ -32,18 +32,23 @@ def unit_lower_inverse(L):
     transformers' reference. Not lax.linalg.triangular_solve: on CPU, jaxlib's batched trsm blocks XLA's
     intra-op pool and deadlocks when two run at once (seen in training's backward). Not the doubling product
     (I-L)(I+L^2)...: it is all matmuls but loses ~100x precision on trained weights (max_rel 1.2e-4 vs 7e-7
-    on the shipped model's logits). Up to UNROLL_ROWS rows (a speculative verify's k + 1) the loop is unrolled:
-    the same rows in the same order, which XLA then fuses. Compiled for an H200 (tools/gpu_compile.py), the loop
-    of a 27B k = 3 verify launched 4 kernels a row and a GDN layer; unrolled, the round of 4 real-width layers
-    launches 267 kernels instead of 332."""
+    on the shipped model's logits). Up to UNROLL_ROWS rows (a speculative verify's k + 1), in a program lowered
+    for cuda, the loop is unrolled: the same rows in the same order, which XLA then fuses. Compiled for an H200
+    (tools/gpu_compile.py), the loop of a 27B k = 3 verify launched 4 kernels a row and a GDN layer; unrolled,
+    the round of 4 real-width layers launches 267 kernels instead of 332. On a CPU the loop costs nothing more
+    and compiles faster (a tenth of a spec program's compile)."""
     C = L.shape[-1]
 
-    def row(i, N):
-        r = -L[..., i, :] - jnp.einsum("...j,...jk->...k", L[..., i, :], N, precision=HIGHEST)
-        return N.at[..., i, :].set(r)
+    def solve(L, unroll):
+        def row(i, N):
+            r = -L[..., i, :] - jnp.einsum("...j,...jk->...k", L[..., i, :], N, precision=HIGHEST)
+            return N.at[..., i, :].set(r)
 
-    N = jax.lax.fori_loop(0, C, row, jnp.zeros_like(L), unroll=C <= UNROLL_ROWS)
-    return N + jnp.eye(C, dtype=L.dtype)
+        return jax.lax.fori_loop(0, C, row, jnp.zeros_like(L), unroll=unroll) + jnp.eye(C, dtype=L.dtype)
+
+    if C > UNROLL_ROWS:
+        return solve(L, False)
+    return jax.lax.platform_dependent(L, cuda=lambda L: solve(L, True), default=lambda L: solve(L, False))
 
 
 def doubling_inverse(L):
