@@ -11,7 +11,9 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # gpu_scale (launches, programs)
 
 from qwen_mtp.tools import gpu_compile  # noqa: E402
 
@@ -75,7 +77,6 @@ def loops(target):
     which XLA merged over the weights concatenated in the loop: the probe must find those."""
     import dataclasses
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     from gpu_scale import launches
     from gpu_scale.programs import Case, compile_case
 
@@ -120,7 +121,6 @@ def mesh(target):
 
     import numpy as np
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     from gpu_scale import launches
 
     from qwen_mtp.decoding.sampling import Sampling

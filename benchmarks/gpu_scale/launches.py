@@ -82,18 +82,25 @@ def count(comps: dict, name: str, seen=()) -> Counter:
     return n
 
 
+def _decode_loop(comps: dict, entry) -> tuple:
+    """(the computations one iteration of the decode loop runs: the body and the condition of the entry's while
+    loop that launches the most kernels, those kernels by opcode); ([], empty) if the entry holds no loop."""
+    best = ([], Counter())
+    for line in comps.get(entry, []):
+        if opcode(line) == "while":
+            names = _called(line, "body") + _called(line, "condition")
+            got = Counter()
+            for c in names:
+                got.update(count(comps, c))
+            if got.total() > best[1].total() or not best[0]:
+                best = (names, got)
+    return best
+
+
 def per_iteration(hlo: str) -> Counter:
     """Kernels one iteration of the program's decode loop launches, by opcode: the entry's while loop with the
     most of them (its body and its condition, which runs each iteration too). Empty if the entry holds no loop."""
-    comps, entry = computations(hlo)
-    best = Counter()
-    for line in comps.get(entry, []):
-        if opcode(line) == "while":
-            got = Counter()
-            for c in _called(line, "body") + _called(line, "condition"):
-                got.update(count(comps, c))
-            best = max(best, got, key=lambda b: b.total())
-    return best
+    return _decode_loop(*computations(hlo))[1]
 
 
 def describe(kernels: Counter) -> str:
@@ -115,8 +122,8 @@ def _shape_bytes(line: str) -> int:
 
 
 def loop_instructions(hlo: str):
-    """(the instruction line, the comps) of every instruction that runs inside the decode loop (per_iteration's
-    loop; nested loops, branches and calls included), each once."""
+    """(the instruction lines, the computations) of every instruction that runs inside the decode loop
+    (per_iteration's loop, its body and condition; nested loops, branches and calls included), each once."""
     comps, entry = computations(hlo)
     out = []
 
@@ -133,16 +140,17 @@ def loop_instructions(hlo: str):
             else:
                 out.append(line)
 
-    best, most = None, -1
-    for line in comps.get(entry, []):
-        if opcode(line) == "while":
-            n = sum(count(comps, c).total() for c in _called(line, "body"))
-            if n > most:
-                best, most = line, n
-    if best is not None:
-        for c in _called(best, "body"):
-            walk(c, ())
+    for c in _decode_loop(comps, entry)[0]:
+        walk(c, ())
     return out, comps
+
+
+def _root(line: str, comps: dict) -> str:
+    """The ROOT instruction line of a fusion's computation ("" for anything else)."""
+    if opcode(line) != "fusion":
+        return ""
+    body = comps.get((_called(line, "calls") or [""])[0], [])
+    return next((x for x in body if x.lstrip().startswith("ROOT")), "")
 
 
 def concatenations(hlo: str, min_bytes: int = 4 << 20) -> list:
@@ -152,11 +160,8 @@ def concatenations(hlo: str, min_bytes: int = 4 << 20) -> list:
     lines, comps = loop_instructions(hlo)
     found = []
     for line in lines:
-        op, root = opcode(line), ""
-        if op == "fusion":
-            body = comps.get((_called(line, "calls") or [""])[0], [])
-            root = next((opcode(x) for x in body if x.lstrip().startswith("ROOT")), "")
-        if "concatenate" in (op, root) and _shape_bytes(line) >= min_bytes:
+        root = _root(line, comps)
+        if "concatenate" in (opcode(line), root and opcode(root)) and _shape_bytes(line) >= min_bytes:
             found.append((line.split(" = ", 1)[1].split(" ", 1)[0], _shape_bytes(line)))
     return found
 
@@ -168,16 +173,16 @@ def products(hlo: str, min_bytes: int = 1 << 20) -> list:
     lines, comps = loop_instructions(hlo)
     found = []
     for line in lines:
-        if opcode(line) != "fusion":
+        root = _root(line, comps)
+        if not root:
             continue
-        body = comps.get((_called(line, "calls") or [""])[0], [])
-        root = next((x for x in body if x.lstrip().startswith("ROOT")), "")
         parts = [root]
-        if root and opcode(root) == "tuple":
+        body = comps[_called(line, "calls")[0]]
+        if opcode(root) == "tuple":
             names = [n.strip().lstrip("%") for n in root.split("tuple(", 1)[1].rsplit(")", 1)[0].split(",")]
             parts = [x for x in body if x.strip().split(" = ")[0].strip().lstrip("%") in names]
         for part in parts:
-            if part and opcode(part) == "multiply" and _shape_bytes(part) >= min_bytes:
+            if opcode(part) == "multiply" and _shape_bytes(part) >= min_bytes:
                 found.append((part.split(" = ", 1)[1].split(" ", 1)[0], _shape_bytes(part)))
     return found
 
