@@ -2,7 +2,7 @@
 
 XLA's partitioner splits every einsum, gather and scan of the model by the shardings of its inputs, but a
 Pallas kernel is a custom call it cannot look inside: given sharded operands it would gather them whole
-(a whole weight matrix, for the quantized matmul). So the two kernel call sites ask here first:
+(a whole weight matrix, for the quantized matmul). So the kernel call sites ask here first:
   quant_linear  x [M, K] @ QuantArray [K, N] with N split (column parallel: local, no communication) or K
                 split (row parallel: local partial products, then one psum over `model`, in f32), rows of x
                 split over `data` where they divide;
@@ -13,7 +13,8 @@ Pallas kernel is a custom call it cannot look inside: given sharded operands it 
                 need no routing between devices;
   windowed      the draft head's windowed attention, split over batch rows (`data`) and kv heads (`model`),
                 each shard attending over its own heads of its own rows: no communication;
-  causal        the trunk's and the native head's causal attention over their KV caches, split the same way.
+  causal        the trunk's and the native head's causal attention over their KV caches, split the same way;
+  gdn_rows      the GDN decode step and verify, split over batch rows (`data`) and heads (`model`): local.
 The mesh is the one `generate` runs under (jax.set_mesh(model.mesh)); with none, or nothing split, the kernel
 call is made as it is. Leaf module: the mesh-axis names and the batch rule live here, sharding.py builds on them.
 """
@@ -146,3 +147,38 @@ def causal_before_write(q, k_cache, v_cache, k_new, v_new, q_pos, call):
     causal_attend_before_write), per (row, kv head) shard the same way."""
     return _per_row_and_head(call, (q, k_cache, v_cache, k_new, v_new, q_pos), k_cache.shape[2],
                              lambda t, dax: (t, t, t, t, t, P(dax, None)))
+
+
+
+def gdn_rows(call, qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, num_k_heads: int, *, verify: bool):
+    """The GDN decode step or verify (gdn_step.py, gdn_verify.py) per (row, head) shard: rows over `data`, value
+    heads over `model` where it divides them (sharding.py's v_heads rule), with their key heads: where `model`
+    divides the key heads too, each shard takes its key heads whole; otherwise q and k are repeated per value
+    head first (each value head its own key head). qkv [B, T, C] arrives as sharding.py's `conv` rule splits it
+    (contiguous channels, not heads): its q, k and v parts are cut apart here, so that each shard gets its heads'
+    channels of each, and joined again per shard. call(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid,
+    num_k_heads=) is the dispatch on whole or local operands; it returns (out, state) for the step, (out, G, k,
+    delta) for the verify."""
+    args = (z, b, a, rec, A_log, dt_bias, norm_w, n_valid)
+    mesh = active_mesh()
+    nv, dk = rec.shape[1], rec.shape[2]
+    dax = batch_axis(mesh, qkv.shape[0]) if mesh is not None else None
+    hax = heads_axis(mesh, nv) if mesh is not None else None
+    if dax is None and hax is None:
+        return call(qkv, *args, num_k_heads=num_k_heads)
+    kd = num_k_heads * dk
+    q, k, v = qkv[..., :kd], qkv[..., kd:2 * kd], qkv[..., 2 * kd:]
+    nk = num_k_heads
+    if hax and num_k_heads % mesh.shape["model"]:  # the key heads do not split: one per value head
+        per_head = lambda t: jnp.repeat(t.reshape(*t.shape[:-1], nk, dk), nv // nk, axis=-2).reshape(
+            *t.shape[:-1], nv * dk)
+        q, k, nk = per_head(q), per_head(k), nv
+    nk_local = nk // (mesh.shape["model"] if hax else 1)
+
+    def local(q, k, v, *rest):
+        return call(jnp.concatenate([q, k, v], axis=-1), *rest, num_k_heads=nk_local)
+
+    rows, heads, state = P(dax, None, hax), P(hax), P(dax, hax, None, None)
+    specs = (rows,) * 6 + (state, heads, heads, P(None), P(dax))
+    outs = (rows, P(dax, hax, None), state, state) if verify else (rows, state)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=outs, check_vma=False)(q, k, v, *args)

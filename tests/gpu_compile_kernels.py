@@ -59,6 +59,15 @@ def cases():
         args = _causal_args(b, t, 24, 4, 256, S, jnp.bfloat16, kv)
         label = f"causal attention 27B B{b} T{t} S{S}" + (" fp8 cache" if kv else "")
         out.append((label, jax.jit(causal_attend), args, {}, {"causal_attention": 1}))
+    from kernels_pallas.gdn_step import gdn_step
+    from kernels_pallas.gdn_verify import gdn_verify
+    from tests.test_kernel_gdn_step import REAL_GDN, _real_args
+    for model, B, T in (("27B", 1, None), ("27B", 8, None), ("27B", 1, 4), ("122B-A10B / 397B-A17B", 8, 9)):
+        nk, nv = REAL_GDN[model]
+        fn = gdn_step if T is None else gdn_verify
+        out.append((f"GDN {'step' if T is None else f'verify T{T}'} {model} B{B}",
+                    jax.jit(lambda *a, fn=fn, nk=nk: fn(*a, num_k_heads=nk, eps=1e-6)), _real_args(B, nk, nv,
+                    jnp.bfloat16, T), {}, {"gdn_decode_step" if T is None else "gdn_verify": 1}))
     # a launch the rules never pick (K / V blocks of 128 slots, 3 stages: over one block's shared memory): XLA
     # must refuse it, or the compile is not reaching the kernels' machine code (want None: an error)
     args = _kernel_args(1, 1, 24, 4, 256, 64 + 4032 + 1, jnp.bfloat16)
@@ -71,11 +80,12 @@ def loops(target):
     """--loops: the k = 1 native round of 4 real-width layers (3 GDN, 1 attention) of 27B and 35B-A3B in bf16,
     compiled for `target`: the concatenations of 4 MB or more inside the loop (benchmarks/gpu_scale/launches.py)
     and the products of 1 MB or more written out (launches.products), and the kernels an iteration; 35B-A3B's
-    plain step, and again without ops.VECTOR_DOT_MAX's two rows; then 27B's round with the verify's (I + L)^-1
-    rows in a loop, as before
-    gdn.UNROLL_ROWS, and with the GDN in-projections as they were before gdn.in_projections (four dots on one x),
-    which XLA merged over the weights concatenated in the loop: the probe must find those."""
+    plain step, and again without ops.VECTOR_DOT_MAX's two rows; then 27B's round with the GDN verify in XLA ops
+    (its reference, as before kernels_pallas/gdn_verify.py's kernel), and with the GDN in-projections as they were
+    before gdn.in_projections (four dots on one x), which XLA merged over the weights concatenated in the loop:
+    the probe must find those."""
     import dataclasses
+    import functools
 
     from gpu_scale import launches
     from gpu_scale.programs import Case, compile_case
@@ -102,10 +112,11 @@ def loops(target):
     jax.clear_caches()
     one("35B-A3B plain, one row through every weight (VECTOR_DOT_MAX 0)", "Qwen3.5-35B-A3B", k=0)
     ops.VECTOR_DOT_MAX = vector_max
-    unroll, gdn.UNROLL_ROWS = gdn.UNROLL_ROWS, 0
+    kernel = gdn.gdn_verify
+    gdn.gdn_verify = functools.partial(kernel, backend="reference")
     jax.clear_caches()
-    one("27B k1 native, the verify's inverse as a loop (UNROLL_ROWS 0)", "Qwen3.5-27B")
-    gdn.UNROLL_ROWS = unroll
+    one("27B k1 native, the GDN verify in XLA ops (its reference)", "Qwen3.5-27B")
+    gdn.gdn_verify = kernel
     gdn.in_projections = lambda x, w: tuple(linear(x, m) for m in (w.in_proj_qkv, w.in_proj_z, w.in_proj_b,
                                                                     w.in_proj_a))
     jax.clear_caches()  # the loop was traced with the fixed function

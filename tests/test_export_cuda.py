@@ -53,6 +53,7 @@ from tests.test_kernel_windowed_attention import CASES as INTERPRET_CASES
 
 KERNEL = "windowed_draft_attention"
 CAUSAL = "causal_attention"  # the trunk's and the native head's attention (kernels_pallas/causal_attention.py)
+GDN_STEP, GDN_VERIFY = "gdn_decode_step", "gdn_verify"  # the GDN layers' decode step and verify (gdn_step.py)
 SDS = jax.ShapeDtypeStruct
 i32 = lambda *s: SDS(s, jnp.int32)
 
@@ -171,9 +172,11 @@ def _dense_kernels(calls, cfg):
 
 
 def _check_round_kernels(calls, spec):
-    """A round's kernels: the verify's causal attention (one lowered function for all the trunk's attention
-    layers, whose shapes are the same; a call site per distinct shape) and the head's attention in the draft
-    steps (k > 1) and in the refill, windowed (two shapes: 1 and k + 1 rows) or causal (native)."""
+    """A round's kernels: the verify's GDN kernel and causal attention (one lowered function each for all the
+    trunk's layers of a kind, whose shapes are the same; a call site per distinct shape) and the head's attention
+    in the draft steps (k > 1) and in the refill, windowed (two shapes: 1 and k + 1 rows) or causal (native)."""
+    assert calls.count(GDN_VERIFY) == 1 and GDN_STEP not in calls, calls
+    calls = [c for c in calls if c != GDN_VERIFY]
     assert CAUSAL in calls, calls
     if spec.window is not None:
         assert set(calls) == {CAUSAL, KERNEL} and calls.count(KERNEL) == 1 + (spec.k > 1), calls
@@ -216,8 +219,9 @@ def test_prefill_and_head_fill_lower_for_cuda(name):
 @pytest.mark.parametrize("name", ENTRY_CONFIGS)
 def test_plain_decode_loop_lowers_for_cuda(name):
     cfg, dtype = _config(name)
-    assert _dense_kernels(kernel_calls(_plain_program(cfg, dtype, GREEDY)), cfg) == [CAUSAL]
-    assert _dense_kernels(kernel_calls(_plain_program(cfg, dtype, SAMPLED, keep_logits=True)), cfg) == [CAUSAL]
+    for sampling, keep in ((GREEDY, False), (SAMPLED, True)):
+        calls = _dense_kernels(kernel_calls(_plain_program(cfg, dtype, sampling, keep_logits=keep)), cfg)
+        assert sorted(calls) == [CAUSAL, GDN_STEP], calls
 
 
 @pytest.mark.parametrize("name", ENTRY_CONFIGS)
@@ -251,7 +255,7 @@ def test_repetition_penalty_programs_lower_for_cuda(name):
     assert carry.seen.shape == (B, cfg.vocab_size)
     plain = export_for(plain_decode, weight_shapes(cfg, dtype), cfg, _state(cfg, dtype), carry, i32(1), i32(),
                        i32(), i32(), keep_logits=False, sampling=PENALISED["greedy"])
-    assert kernel_calls(plain) == [CAUSAL]
+    assert sorted(kernel_calls(plain)) == [CAUSAL, GDN_STEP]
     for spec, sampling in ((NATIVE, PENALISED["greedy"]), (WINDOWED, PENALISED["sampled"])):
         _check_round_kernels(kernel_calls(_spec_program(cfg, dtype, spec, sampling)), spec)
 
@@ -475,8 +479,8 @@ def test_quantized_27b_speculative_loop_lowers_for_cuda():
                                   kv_dtype="float8_e4m3fn")
     calls = kernel_calls(exported)
     # the draft steps (1 row) on the FMA decode kernel, the verify (k + 1 rows) on the tensor-core one
-    assert calls.count(KERNEL) == 2 and set(calls) == {KERNEL, CAUSAL, "quant_matmul_int4", "quant_matmul_int4_mma"}, \
-        calls
+    assert calls.count(KERNEL) == 2 and set(calls) == {KERNEL, CAUSAL, GDN_VERIFY, "quant_matmul_int4",
+                                                        "quant_matmul_int4_mma"}, calls
     assert calls.count(CAUSAL) == 1  # the verify's attention (every layer's) reads the fp8 trunk cache too
     text = exported.mlir_module()
     ring = WINDOWED.sinks + WINDOWED.window + WINDOWED.k

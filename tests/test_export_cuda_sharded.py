@@ -69,7 +69,7 @@ def check() -> dict:
 
     report = manual_report(exported)
     names = [k.name for k in report.kernels]
-    assert set(names) == {QMM, QMM + "_mma", KERNEL, CAUSAL} and names.count(KERNEL) == 2, names
+    assert set(names) == {QMM, QMM + "_mma", KERNEL, CAUSAL, "gdn_verify"} and names.count(KERNEL) == 2, names
     assert all(k.manual for k in report.kernels), [k.name for k in report.kernels if not k.manual]
     operands = {t for k in report.kernels for t in k.operands}
 
@@ -101,6 +101,11 @@ def check() -> dict:
     L, kv, hd = spec.sinks + spec.window + spec.k, cfg.num_kv_heads, cfg.head_dim
     ring = f"tensor<{BATCH // DATA}x{L}x{kv // MODEL}x{hd}xf8E4M3FN>"
     assert ring in operands and f"tensor<{BATCH}x{L}x{kv}x{hd}xf8E4M3FN>" not in operands, sorted(operands)
+    # the GDN verify kernel (gdn_verify.py): the recurrent state of this data shard's rows and this model shard's
+    # value heads, never the whole state
+    nv, dk, dv = cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim
+    assert f"tensor<{BATCH // DATA}x{nv // MODEL}x{dk}x{dv}xf32>" in operands, sorted(operands)
+    assert f"tensor<{BATCH}x{nv}x{dk}x{dv}xf32>" not in operands
 
     # collectives written by the program: the row-parallel psums, inside their regions; no all_gather
     assert report.collectives and all(c == ("stablehlo.all_reduce", True) for c in report.collectives), \

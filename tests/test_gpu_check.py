@@ -29,10 +29,10 @@ def test_gpu_check_budget_skips_and_names_what_it_skips(capsys):
     assert cli.main(["--interpret", "--max-new", "8", "--budget", "1e-9"]) == 0
     out = capsys.readouterr().out
     assert "max_rel" not in out and "tokens/s" not in out  # nothing ran
-    for part in ("windowed attention, small", "causal attention, small", "quantized matmul, small",
-                 "end to end, shipped model", "tensor parallel"):
+    for part in ("windowed attention, small", "causal attention, small", "GDN step and verify, small",
+                 "quantized matmul, small", "end to end, shipped model", "tensor parallel"):
         assert f"== {part}: skipped" in out
-    assert out.rstrip().splitlines()[-1].endswith("5 of 5 parts skipped for the --budget")
+    assert out.rstrip().splitlines()[-1].endswith("6 of 6 parts skipped for the --budget")
     from gpu_check import budget  # the run's budget ends with it: a later check in this process runs its cases
     assert not budget.out_of_time("a later check")  # (test_moe_routed calls check_moe in the same worker)
     with pytest.raises(SystemExit):

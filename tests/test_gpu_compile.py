@@ -52,11 +52,11 @@ def _run(python, *args, timeout=900):
 def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
     """tests/gpu_compile_kernels.py: each Pallas kernel family at real Qwen3.5 shapes (quantized matmuls of 27B
     in every format at 1 and 5 rows, the routed MoE experts of 35B-A3B and 397B-A17B, windowed and causal
-    attention) compiles for an H200 and holds its kernel; a launch over one block's shared memory is refused by
+    attention, the GDN decode step and verify) compiles for an H200 and holds its kernel; a launch over one block's shared memory is refused by
     XLA's compile (the probe reaches the machine code)."""
     rows = [json.loads(x) for x in _run(python, "tests/gpu_compile_kernels.py", "H200").splitlines()
             if x.startswith("{")]
-    assert len(rows) == 36, [r["label"] for r in rows]
+    assert len(rows) == 40, [r["label"] for r in rows]
     *good, bad = rows
     assert "error" in bad and "Shared memory size limit exceeded" in bad["error"], bad
     for r in good:
@@ -65,13 +65,14 @@ def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
         report(f"XLA sm_90 compile (deviceless, H200), {r['label']}: {r['kernels']} in {r['seconds']:.1f} s")
     families = {k for r in good for k in r["kernels"]}
     assert {"quant_matmul_int8", "quant_matmul_int4_mma", "quant_matmul_fp8", "moe_gemv_int4", "moe_gemv_plain",
-            "windowed_draft_attention", "causal_attention"} <= families, families
+            "windowed_draft_attention", "causal_attention", "gdn_decode_step", "gdn_verify"} <= families, families
 
 
 def test_decode_programs_compile_for_h200(python):
     """gpu_scale --compile-for H200, short form: the plain step and the k = 1 rounds (native, Wind-MTP) of a
     dense bf16 model and an int4 MoE compile for the GPU; each line counts the kernels the program launches and
-    names its Pallas kernels (the quantized matmuls, the routed experts, both attentions: chosen for cuda)."""
+    names its Pallas kernels (the quantized matmuls, the routed experts, both attentions, the GDN step or verify:
+    chosen for cuda)."""
     out = _run(python, "benchmarks/gpu_scale", "--compile-for", "H200", "--short", "--runs", "27B-bf16,35B-A3B-int4",
                "--k", "1", "--draft-vocab", "0", "--budget", "600")
     assert out.rstrip().splitlines()[-1].startswith("OK: 0 failures"), out
@@ -90,6 +91,7 @@ def test_decode_programs_compile_for_h200(python):
         assert kernels > 20, (name, case, kernels)  # a 4-layer step launches dozens
         assert ("windowed_draft_attention" in pallas) == ("windowed" in case), (name, case, pallas)
         assert "causal_attention" in pallas, (name, case, pallas)
+        assert ("gdn_decode_step" if case == "plain" else "gdn_verify") in pallas, (name, case, pallas)
         if name == "35B-A3B-int4":
             assert "moe_gemv_int4" in pallas and "quant_matmul_int4" in pallas, (name, case, pallas)
     assert got[("27B-bf16", "k1 native")][0] > got[("27B-bf16", "plain")][0]
@@ -101,7 +103,7 @@ def test_decode_programs_compile_for_h200(python):
 def test_no_weight_is_copied_in_a_decode_loop(python, report):
     """A speculative round of 4 real-width layers of 27B and of 35B-A3B (bf16) compiled for an H200 holds no
     concatenation of 4 MB or more in its loop, nor does 35B-A3B's plain step write out a weight-sized product,
-    and a round launches fewer kernels than with the verify's row loop.
+    and a round launches fewer kernels with the GDN verify kernel than with its XLA reference.
     Before gdn.in_projections, XLA's dot merger joined the four GDN in-projections over their weights
     concatenated in the loop: a copy of 169 MB (27B) per GDN layer at every round, 16 GB a round at full depth.
     The same program with the four dots on one x shows the probe finds it."""
@@ -117,10 +119,10 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
         assert rows[label]["products"] == [], (label, rows[label]["products"])
     one_row = rows["35B-A3B plain, one row through every weight (VECTOR_DOT_MAX 0)"]["products"]
     assert ["f32[4096,2048]{1,0}", 4096 * 2048 * 4] in one_row and sum(b for _, b in one_row) > 100e6, one_row
-    # the verify's (I + L)^-1 unrolled (gdn.UNROLL_ROWS): at least 8 kernels fewer a GDN layer than its row loop
-    # (the 3 GDN layers: 167 against 199 when written)
-    looped = rows["27B k1 native, the verify's inverse as a loop (UNROLL_ROWS 0)"]["kernels"]
-    assert rows["27B k1 native"]["kernels"] + 3 * 8 <= looped, rows
+    # the GDN verify as one kernel (kernels_pallas/gdn_verify.py): at least 8 kernels fewer a GDN layer than its
+    # XLA reference (the 3 GDN layers: KERNELS_K1 against XLA_K1 when written)
+    xla_ops = rows["27B k1 native, the GDN verify in XLA ops (its reference)"]["kernels"]
+    assert rows["27B k1 native"]["kernels"] + 3 * 8 <= xla_ops, rows
     for label, r in rows.items():
         cats = r["concatenations"]
         report(f"XLA sm_90 compile (deviceless, H200), {label}: {r['kernels']} kernels an iteration, weight "

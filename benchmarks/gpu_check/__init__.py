@@ -55,6 +55,12 @@
    weights) prefilling a 128K and a 1M-token prompt and decoding 16 tokens: prefill tokens/s and TPOT (a context
    whose caches do not fit is refused before allocating and reported). `--long-only` runs just this part; the
    full run includes the end-to-end form only under `--budget` (its 1M prefill alone took 144 s on an H200).
+9. the GDN decode step and verify kernels (kernels_pallas/gdn_step.py, gdn_verify.py: the rule's step form and
+   the gated norm as one kernel a GDN layer) against their XLA references at small shapes, then at the real
+   GDN heads of 27B, 35B-A3B and 397B-A17B (the step at batch 1 and 8, the verify of k = 3 and 8 drafts), timed
+   beside the references (the XLA kernels they replace), with achieved GB/s (bytes = the f32 state read, and
+   written by the step, and the rows' qkv, z, b, a and output, each moved once). `--gdn-only` runs just this
+   part.
 The --*-only flags combine into one command (`--quant-only --moe-only`: the numerics of every part named run
 first, then each part's main timings, then the rest: the plan sweeps, prefill, the long prefill). Exits non-zero if any check fails. Each part runs on when another raises (its error in one line), and a summary of
 the parts closes the output. `--budget SECONDS` fits the run to a lease: parts and cases not started by then are
@@ -77,7 +83,7 @@ Layout (until 2026-12-05 one script, benchmarks/gpu_check.py, which the first H2
 sections each form runs), `common` (paths, bandwidth, one-line errors, max_rel), `timing` (the chained-loop
 device timer and the checked timing), `budget` (--budget, one section, the summary), one module per item:
 `windowed` (1-3), `end_to_end` (4), `quant` (5), `tensor_parallel` (6), `e2e_27b` (7), `causal` and
-`long_context` (8), and `models` (the small config and the random-weight models of items 6-8).
+`long_context` (8), `gdn` (9), and `models` (the small config and the random-weight models of items 6-8).
 """
 
 

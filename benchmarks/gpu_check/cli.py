@@ -11,6 +11,7 @@ from .budget import section, summary
 from .causal import CAUSAL_LONG, CAUSAL_SMALL, check_causal
 from .e2e_27b import check_end_to_end_27b
 from .end_to_end import check_end_to_end
+from .gdn import GDN_REAL, GDN_SMALL, check_gdn
 from .long_context import check_long_context_27b
 from .moe import (
     MOE_PLANS_REAL,
@@ -43,10 +44,12 @@ def main(argv=None):
     ap.add_argument("--max-new", type=int, default=128, help="new tokens per end-to-end run")
     ap.add_argument("--quant-only", action="store_true",
                     help="only the quantized-matmul checks (item 5); the --*-only flags combine: each part named runs, "
-                         "in the order quant, moe, long, tp, e2e27b")
+                         "in the order quant, moe, gdn, long, tp, e2e27b")
     ap.add_argument("--long-only", action="store_true", help="only the causal attention checks (item 8)")
     ap.add_argument("--moe-only", action="store_true",
                     help="only the MoE experts checks (moe.py): routed at decode, grouped at prefill")
+    ap.add_argument("--gdn-only", action="store_true",
+                    help="only the GDN decode step and verify kernel checks (gdn.py)")
     ap.add_argument("--tp-only", action="store_true", help="only the tensor-parallel check (item 6)")
     ap.add_argument("--e2e27b-only", action="store_true",
                     help="only the end-to-end timing on the Qwen3.5-27B slice (item 7; on CPU a small config)")
@@ -81,9 +84,9 @@ def _run(args, t0, contexts):
     results = []
     sec = lambda name, fn, min_left=0.0: section(results, name, fn, min_left=min_left)
     interp = args.interpret
-    parts = [name for name in ("quant", "moe", "long", "tp", "e2e27b") if getattr(args, f"{name}_only")]
+    parts = [name for name in ("quant", "moe", "gdn", "long", "tp", "e2e27b") if getattr(args, f"{name}_only")]
     if parts:  # the --*-only flags combine (one command on a short lease): the numerics of every part named, then
-        # the timed sections, parts in the order quant, moe, long, tp, e2e27b
+        # the timed sections, parts in the order quant, moe, gdn, long, tp, e2e27b
         small = {"quant": [("quantized matmul, small",
                             lambda: check_quant(QUANT_SMOKE if interp else QUANT_SMALL, interp, False)),
                            ("decode kernel plan alternatives, small",
@@ -93,6 +96,7 @@ def _run(args, t0, contexts):
                          ("MoE prefill paths, small", lambda: check_moe_prefill(MOE_PREFILL_SMOKE, interp, False)),
                          ("MoE routed plan alternatives, small",
                           lambda: check_moe_plans(MOE_PLANS_SMOKE, interp, False))],
+                 "gdn": [("GDN step and verify, small", lambda: check_gdn(GDN_SMALL, interp, timings=False))],
                  "long": [("causal attention, small", lambda: check_causal(CAUSAL_SMALL, interp, timings=False))]}
         timed = {"quant": [("quantized matmul, 27B matrices, timed", lambda: check_quant(QUANT_REAL, False, True)),
                            ("decode kernel plan alternatives, 27B matrices, timed",
@@ -102,6 +106,7 @@ def _run(args, t0, contexts):
                           lambda: check_moe_plans(MOE_PLANS_REAL, False, timings=True)),
                          ("MoE prefill paths, 35B-A3B experts, timed",
                           lambda: check_moe_prefill(MOE_PREFILL_REAL, False, timings=True))],
+                 "gdn": [("GDN step and verify, real shapes, timed", lambda: check_gdn(GDN_REAL, False, True))],
                  "long": [("causal attention, 27B long caches, timed",
                            lambda: check_causal(CAUSAL_LONG, False, timings=True)),
                           ("long context end to end, 27B slice", lambda: check_long_context_27b(contexts=contexts))],
@@ -123,6 +128,7 @@ def _run(args, t0, contexts):
     if interp:  # the CPU smoke form: the first and the fp8-ring case; the kernel tests cover the rest
         sec("windowed attention, small", lambda: check_kernels([SMALL[0], SMALL[-1]], True, timings=False))
         sec("causal attention, small", lambda: check_causal(CAUSAL_SMALL[:1], True, timings=False))
+        sec("GDN step and verify, small", lambda: check_gdn(GDN_SMALL[:2], True, timings=False))
         sec("quantized matmul, small", lambda: check_quant(QUANT_SMOKE, True, timings=False))
         sec("end to end, shipped model", lambda: check_end_to_end(args.max_new, thorough=False))
         sec("tensor parallel", lambda: check_tensor_parallel(args.max_new))
@@ -133,6 +139,7 @@ def _run(args, t0, contexts):
     # token equality with the kernels in the program, then the timings, the costliest last
     sec("windowed attention, small", lambda: check_kernels(SMALL, False, timings=False))
     sec("causal attention, small", lambda: check_causal(CAUSAL_SMALL, False, timings=False))
+    sec("GDN step and verify, small", lambda: check_gdn(GDN_SMALL, False, timings=False))
     sec("quantized matmul, small", lambda: check_quant(QUANT_SMALL, False, timings=False))
     sec("decode kernel plan alternatives, small", lambda: check_quant_plans(QUANT_PLANS_SMOKE, False, timings=False))
     sec("MoE routed experts, small", lambda: check_moe(MOE_SMALL, False, timings=False))
@@ -140,6 +147,7 @@ def _run(args, t0, contexts):
     sec("MoE routed plan alternatives, small", lambda: check_moe_plans(MOE_PLANS_SMOKE, False, timings=False))
     sec("windowed attention, real shapes, timed", lambda: check_kernels(REAL, False, timings=True))
     sec("causal attention, 27B long caches, timed", lambda: check_causal(CAUSAL_LONG, False, timings=True))
+    sec("GDN step and verify, real shapes, timed", lambda: check_gdn(GDN_REAL, False, timings=True))
     sec("end to end, shipped model", lambda: check_end_to_end(args.max_new, thorough=True))
     sec("tensor parallel", lambda: check_tensor_parallel(args.max_new))
     sec("end to end, 27B slice", lambda: check_end_to_end_27b(args.max_new, args.e2e27b_layers))

@@ -8,47 +8,31 @@ small chunk that leaves what the rollback needs (verify_gated_delta_rule). Posit
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import per_shard
+from kernels_pallas.gdn_step import gate_terms, gdn_step, split_heads
+from kernels_pallas.gdn_verify import (  # noqa: F401  (verify_gated_delta_rule: re-exported for tree_verify)
+    gdn_verify,
+    unit_lower_inverse,
+    verify_gated_delta_rule,
+    within_chunk,
+)
 from qwen_mtp.trunk.config import ModelConfig
-from qwen_mtp.trunk.ops import gated_rmsnorm, l2norm, linear
+from qwen_mtp.trunk.ops import gated_rmsnorm, linear
 from qwen_mtp.trunk.quant import QuantArray
 from qwen_mtp.trunk.state import GDNState, GDNVerify
 from qwen_mtp.trunk.weights import GDNWeights
 
 HIGHEST = jax.lax.Precision.HIGHEST
 CHUNK = 64
-UNROLL_ROWS = 17  # on cuda unit_lower_inverse unrolls its rows up to here (a verify's k + 1); a chunk's 64 loop
 
 
 def _mm(a, b):
     return jnp.matmul(a, b, precision=HIGHEST)
-
-
-def unit_lower_inverse(L):
-    """(I + L)^-1 for strictly lower-triangular L [..., C, C], by forward substitution one row at a time:
-    row i of N = (I + L)^-1 - I is -L[i] - L[i] @ N (rows < i of N are final). The same recurrence as
-    transformers' reference. Not lax.linalg.triangular_solve: on CPU, jaxlib's batched trsm blocks XLA's
-    intra-op pool and deadlocks when two run at once (seen in training's backward). Not the doubling product
-    (I-L)(I+L^2)...: it is all matmuls but loses ~100x precision on trained weights (max_rel 1.2e-4 vs 7e-7
-    on the shipped model's logits). Up to UNROLL_ROWS rows (a speculative verify's k + 1), in a program lowered
-    for cuda, the loop is unrolled: the same rows in the same order, which XLA then fuses. Compiled for an H200
-    (tools/gpu_compile.py), the loop of a 27B k = 3 verify launched 4 kernels a row and a GDN layer; unrolled,
-    the round of 4 real-width layers launches 267 kernels instead of 332. On a CPU the loop costs nothing more
-    and compiles faster (a tenth of a spec program's compile)."""
-    C = L.shape[-1]
-
-    def solve(L, unroll):
-        def row(i, N):
-            r = -L[..., i, :] - jnp.einsum("...j,...jk->...k", L[..., i, :], N, precision=HIGHEST)
-            return N.at[..., i, :].set(r)
-
-        return jax.lax.fori_loop(0, C, row, jnp.zeros_like(L), unroll=unroll) + jnp.eye(C, dtype=L.dtype)
-
-    if C > UNROLL_ROWS:
-        return solve(L, False)
-    return jax.lax.platform_dependent(L, cuda=lambda L: solve(L, True), default=lambda L: solve(L, False))
 
 
 def doubling_inverse(L):
@@ -65,19 +49,6 @@ def doubling_inverse(L):
     return inv
 
 
-def _within_chunk(q, k, g, beta, inverse):
-    """The terms of the delta rule inside one chunk, per [..., C, d] block: the cumulative log decay cum
-    [..., C], (I + L)^-1 with L = strictly lower (beta_t k_t . k_s) exp(cum_t - cum_s), and the decayed causal
-    scores (q_t . k_s) exp(cum_t - cum_s) for s <= t [..., C, C]. Shared by the chunked form and the verify."""
-    C = g.shape[-1]
-    cum = jnp.cumsum(g, axis=-1)
-    lower = jnp.tril(jnp.ones((C, C), bool))
-    decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
-    strict = jnp.tril(jnp.ones((C, C), bool), -1)
-    L = jnp.where(strict, _mm(k * beta[..., None], jnp.swapaxes(k, -1, -2)) * decay, 0.0)
-    return cum, inverse(L), _mm(q, jnp.swapaxes(k, -1, -2)) * decay
-
-
 def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk=CHUNK, inverse=None):
     """Chunked gated delta rule. q, k [B, T, h, dk]; v [B, T, h, dv]; g, beta [B, T, h] (all f32);
     state [B, h, dk, dv]. Returns out [B, T, h, dv], final state."""
@@ -91,7 +62,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk=CHUNK, inverse=None):
     q, k, v, g, beta = map(split, (q, k, v, g, beta))
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
 
-    cum, inv, intra = _within_chunk(q, k, g, beta, inverse or unit_lower_inverse)  # cum [B, h, n, C]
+    cum, inv, intra = within_chunk(q, k, g, beta, inverse or unit_lower_inverse)  # cum [B, h, n, C]
     new_v = _mm(inv, v_beta)
     k_cumdecay = _mm(inv, k_beta * jnp.exp(cum)[..., None])
     q_dec = q * jnp.exp(cum)[..., None]
@@ -125,32 +96,6 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
 
     state, out = jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)))
     return jnp.moveaxis(out, 0, 1), state
-
-
-def verify_gated_delta_rule(q, k, v, g, beta, state):
-    """The gated delta rule over T positions (a speculative verify: T = k + 1 <= 17) as one small chunk, without
-    forming the state after each position. Same arguments as the other forms. Returns out [B, T, h, dv] and
-    (G [B, h, T], k [B, h, T, dk], delta [B, h, T, dv]), from which rollback.py rebuilds the state after any
-    position n: exp(G_n) state + sum_{s<=n} exp(G_n - G_s) k_s delta_s^T.
-
-    With G_t = g_0 + .. + g_t, the recurrence S_t = exp(g_t) S_{t-1} + k_t delta_t^T unrolls to
-    S_t = exp(G_t) S + sum_{s<=t} exp(G_t - G_s) k_s delta_s^T, so
-      delta_t = beta_t (v_t - exp(G_t) S^T k_t - sum_{s<t} exp(G_t - G_s) (k_t . k_s) delta_s)
-    is a unit lower-triangular system in the deltas, and o_t = S_t^T q_t needs only S^T q_t and q_t . k_s.
-    It reads the state once (S^T [q; k]) where the step form reads and writes it at every position and would
-    have to keep T copies for the rollback (the Qwen3.5-0.8B GDN core, 18 layers, T = 4, one row, on the
-    project's 2-core CPU, this form and the rebuild of one state: 4.2-6.1 ms against 12.6-15.2 ms for the step
-    form keeping every state, three paired runs). The values are the step form's up to f32 reassociation."""
-    T = k.shape[1]
-    tr = lambda x: jnp.moveaxis(x, 1, 2)  # [B, h, T, ...]
-    q, k, v, g, beta = map(tr, (q, k, v, g, beta))
-    G, inv, intra = _within_chunk(q, k, g, beta, unit_lower_inverse)  # the whole verify as one chunk
-    s_qk = jnp.einsum("bhtk,bhkv->bhtv", jnp.concatenate([q, k], axis=2), state, precision=HIGHEST)
-    s_q, s_k = s_qk[:, :, :T], s_qk[:, :, T:]
-    grow = jnp.exp(G)[..., None]
-    delta = _mm(inv, beta[..., None] * (v - grow * s_k))
-    out = grow * s_q + _mm(intra, delta)
-    return jnp.moveaxis(out, 1, 2), (G, k, delta)
 
 
 def causal_conv(x, conv_state, w_conv):
@@ -197,17 +142,10 @@ def rule_inputs(qkv, z, b, a, w: GDNWeights, cfg: ModelConfig):
     [B, T, nv, d], each key head serving nv/nk CONSECUTIVE value heads; z [B, T, nv, dv] (the output gate);
     beta and the log decay g, f32 [B, T, nv]. gdn_layer and the tree verify (decoding/tree_verify.py) share it."""
     B, T, _ = qkv.shape
-    nk, nv, dk, dv = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim
-    z = z.reshape(B, T, nv, dv)
-    kd = cfg.gdn_key_dim
-    f32 = lambda t: t.astype(jnp.float32)
-    q = l2norm(f32(qkv[..., :kd].reshape(B, T, nk, dk))) * dk ** -0.5
-    k = l2norm(f32(qkv[..., kd:2 * kd].reshape(B, T, nk, dk)))
-    v = f32(qkv[..., 2 * kd:].reshape(B, T, nv, dv))
-    q, k = (jnp.repeat(t, nv // nk, axis=2) for t in (q, k))
-    beta = f32(jax.nn.sigmoid(b))
-    g = -jnp.exp(f32(w.A_log)) * jax.nn.softplus(f32(a) + f32(w.dt_bias))
-    return q, k, v, z, beta, g
+    nv, dk, dv = cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim
+    q, k, v = split_heads(qkv, cfg.gdn_num_k_heads, nv, dk, dv)
+    beta, g = gate_terms(b, a, w.A_log, w.dt_bias)
+    return q, k, v, z.reshape(B, T, nv, dv), beta, g
 
 
 def gated_output(core, z, w: GDNWeights, cfg: ModelConfig, dtype):
@@ -217,13 +155,37 @@ def gated_output(core, z, w: GDNWeights, cfg: ModelConfig, dtype):
     return linear(core.reshape(B, T, -1), w.out_proj)
 
 
+def decode_rows(qkv, z, b, a, w: GDNWeights, cfg: ModelConfig, rec, n_valid, *, verify: bool):
+    """The rule and the gated norm after the conv, as one kernel on cuda (kernels_pallas/gdn_step.py; per shard
+    under a mesh), its XLA reference elsewhere: qkv [B, T, C], z [B, T, nv dv], b / a [B, T, nv]; rows at
+    t >= n_valid are padding. The step (T = 1, verify False) returns (out_proj's input [B, 1, nv dv], the state
+    after it); the verify (gdn_verify.py) (out_proj's input [B, T, nv dv], G, k, delta)."""
+    call = functools.partial(gdn_verify if verify else _one_row, eps=cfg.rms_norm_eps)
+    return per_shard.gdn_rows(call, qkv, z, b, a, rec, w.A_log, w.dt_bias, w.norm, n_valid, cfg.gdn_num_k_heads,
+                              verify=verify)
+
+
+def _one_row(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, *, num_k_heads, eps):
+    """gdn_step over [B, 1, ...] rows (decode_rows' step)."""
+    out, rec = gdn_step(qkv[:, 0], z[:, 0], b[:, 0], a[:, 0], rec, A_log, dt_bias, norm_w, n_valid > 0,
+                        num_k_heads=num_k_heads, eps=eps)
+    return out[:, None], rec
+
+
 def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode: str):
     """x [B, T, H] (already input-normed). mode: "chunk" (prefill), "chunk_fast" (training: the chunk form
-    with the all-matmul doubling inverse), "step" (decode) or "verify" (a speculative verify: the second
-    result is a GDNVerify, from which rollback.select_states builds the GDNState after the accepted position)."""
+    with the all-matmul doubling inverse), "step" (decode: one row a call is decode_rows' kernel) or "verify" (a
+    speculative verify: the second result is a GDNVerify, from which rollback.select_states builds the GDNState
+    after the accepted position)."""
     T = x.shape[1]
     pre, z, b, a = in_projections(x, w)
     qkv, window = causal_conv(pre, st.conv, w.conv)
+    if mode == "step" and T == 1:
+        out, rec = decode_rows(qkv, z, b, a, w, cfg, st.rec, n_valid, verify=False)
+        return linear(out, w.out_proj), GDNState(conv_window_at(window, n_valid, st.conv.shape[1]), rec)
+    if mode == "verify":
+        out, G, k_all, delta = decode_rows(qkv, z, b, a, w, cfg, st.rec, n_valid, verify=True)
+        return linear(out, w.out_proj), GDNVerify(window, st.rec, G, k_all, delta)
     q, k, v, z, beta, g = rule_inputs(qkv, z, b, a, w, cfg)
     valid = (jnp.arange(T)[None, :] < n_valid[:, None])[..., None]
     beta, g = jnp.where(valid, beta, 0.0), jnp.where(valid, g, 0.0)
@@ -233,11 +195,7 @@ def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode
         core, rec = chunk_gated_delta_rule(q, k, v, g, beta, st.rec, inverse=inverse)
     elif mode == "step":
         core, rec = recurrent_gated_delta_rule(q, k, v, g, beta, st.rec)
-    elif mode == "verify":
-        core, (G, k_all, delta) = verify_gated_delta_rule(q, k, v, g, beta, st.rec)
     else:
         raise ValueError(f"gdn_layer: mode expected one of chunk, chunk_fast, step, verify; found {mode!r}")
     out = gated_output(core, z, w, cfg, x.dtype)
-    if mode == "verify":
-        return out, GDNVerify(window, st.rec, G, k_all, delta)
     return out, GDNState(conv_window_at(window, n_valid, st.conv.shape[1]), rec)

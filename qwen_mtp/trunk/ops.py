@@ -1,4 +1,5 @@
-"""Elementary ops shared by every layer: the single matmul helper and the two RMSNorm flavours.
+"""Elementary ops shared by every layer: the single matmul helper and the RMSNorms (the GDN's gated norm and l2 norm
+live beside its decode kernel, kernels_pallas/gdn_step.py, and are re-exported here).
 
 All weight matmuls go through `linear`: a plain matrix runs one einsum, a `quant.QuantArray` runs the quantized
 matmul (kernels_pallas/quant_matmul.py: the Pallas kernel on a GPU, dequantize-then-dot elsewhere).
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from kernels_pallas.gdn_step import gated_rmsnorm, l2norm  # noqa: F401  (shared with the GDN decode kernel)
 from kernels_pallas.masked_attention import precision_for  # the one precision rule
 from kernels_pallas.per_shard import active_mesh, batch_axis
 from qwen_mtp.trunk.quant import QuantArray
@@ -138,15 +140,3 @@ def rmsnorm_1pw(x, w, eps):
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
-
-
-def gated_rmsnorm(x, z, w, eps):
-    """GDN output norm: rmsnorm(x) * w * silu(z) with a plain weight w (not 1 + w)."""
-    xf = x.astype(jnp.float32)
-    y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-    y = w.astype(x.dtype) * y
-    return (y * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
-
-
-def l2norm(x, eps=1e-6):
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)

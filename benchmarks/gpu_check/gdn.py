@@ -1,0 +1,84 @@
+"""The GDN decode step and verify kernels (kernels_pallas/gdn_step.py, gdn_verify.py) against their pure-JAX
+references at the test shapes and at real Qwen3.5 GDN shapes, timed beside the references (XLA's kernels for the
+same step: what the kernel replaces in every GDN layer of a decode step or a verify)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from kernels_pallas.gdn_step import gdn_rows_pallas, gdn_step_reference
+from kernels_pallas.gdn_verify import gdn_verify_reference
+
+from .budget import out_of_time
+from .common import bandwidth, max_rel, one_line
+from .timing import time_call
+
+# (label, B, T (None: the step), key heads, value heads, head dim, dtype)
+GDN_SMALL = [("one head", 1, None, 1, 1, 16, "float32"), ("verify T4, 3 value heads a key head", 3, 4, 2, 6, 16,
+                                                            "float32"),
+             ("step, bf16", 2, None, 2, 8, 32, "bfloat16")]
+GDN_REAL = [("27B step", 1, None, 16, 48, 128, "bfloat16"), ("27B step B8", 8, None, 16, 48, 128, "bfloat16"),
+            ("35B-A3B step", 1, None, 16, 32, 128, "bfloat16"), ("397B-A17B step", 1, None, 16, 64, 128, "bfloat16"),
+            ("27B verify k3", 1, 4, 16, 48, 128, "bfloat16"), ("27B verify k8 B8", 8, 9, 16, 48, 128, "bfloat16"),
+            ("35B-A3B verify k3", 1, 4, 16, 32, 128, "bfloat16"), ("27B step f32", 1, None, 16, 48, 128, "float32")]
+
+
+def _inputs(rng, B, T, nk, nv, d, dt):
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    rows = (B, T or 1)
+    A_log = jnp.log(jnp.asarray(rng.uniform(1, 16, nv), jnp.float32))
+    return (f(*rows, 2 * nk * d + nv * d).astype(dt), f(*rows, nv * d).astype(dt), f(*rows, nv).astype(dt),
+            f(*rows, nv).astype(dt), 0.3 * f(B, nv, d, d), A_log, f(nv), (1 + 0.3 * f(d)).astype(dt),
+            jnp.full((B,), T or 1, jnp.int32))
+
+
+def _reference(verify, nk):
+    """The XLA reference over [B, T, ...] rows, returning the kernel's outputs."""
+    if verify:
+        return lambda *a: gdn_verify_reference(*a, num_k_heads=nk, eps=1e-6)
+
+    def step(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid):
+        out, rec = gdn_step_reference(qkv[:, 0], z[:, 0], b[:, 0], a[:, 0], rec, A_log, dt_bias, norm_w, n_valid > 0,
+                                      num_k_heads=nk, eps=1e-6)
+        return out[:, None], rec
+    return step
+
+
+def check_gdn(cases, interpret, timings):
+    rng = np.random.default_rng(0)
+    kind, bw = bandwidth()
+    failures = 0
+    for label, B, T, nk, nv, d, dtype in cases:
+        if out_of_time(f"GDN {label} and the rest"):
+            break
+        dt = jnp.dtype(dtype)
+        verify = T is not None
+        a = _inputs(rng, B, T, nk, nv, d, dt)
+        kern = jax.jit(lambda *x, nk=nk, verify=verify: gdn_rows_pallas(*x, num_k_heads=nk, eps=1e-6, verify=verify,
+                                                                        interpret=interpret))
+        ref = jax.jit(_reference(verify, nk))
+        want = [np.asarray(x.astype(jnp.float32)) for x in ref(*a)]
+        try:
+            got = [np.asarray(x.astype(jnp.float32)) for x in kern(*a)]
+        except Exception as e:  # one case that does not compile or run must not hide the others
+            print(f"GDN {label}: FAIL {one_line(e)}", flush=True)
+            failures += 1
+            continue
+        rels = [max_rel(g, w) for g, w in zip(got, want)]
+        tol = 1e-4 if dt == jnp.float32 else 2e-2
+        ok = rels[0] < tol and max(rels[1:]) < 1e-4 and all(np.isfinite(g).all() for g in got)
+        failures += not ok
+        what = "out, G, k, delta" if verify else "out, state"
+        line = (f"GDN {label} (B{B} T{T or 1} nk{nk} nv{nv} d{d} {dtype}): grid ({B},{nv}), max_rel {what} "
+                f"{', '.join(f'{r:.1e}' for r in rels)} {'OK' if ok else 'FAIL'}")
+        if timings:
+            t_k, t_r = time_call(kern, *a), time_call(ref, *a)
+            rows = B * (T or 1)
+            state = 4 * B * nv * d * d
+            nbytes = state * (1 if verify else 2) + dt.itemsize * rows * (2 * nk * d + 2 * nv * d + 2 * nv + nv * d)
+            if verify:
+                nbytes += 4 * B * nv * (T or 1) * (1 + 2 * d)  # G, k and delta written
+            frac = f" = {100 * nbytes / t_k / bw:.0f}% of {kind}'s {bw / 1e12:.2f} TB/s" if bw else ""
+            line += (f"; kernel {1e6 * t_k:.1f} us ({nbytes / t_k / 1e9:.0f} GB/s{frac}), XLA reference "
+                     f"{1e6 * t_r:.1f} us, kernel/reference {t_k / t_r:.2f}x")
+        print(line, flush=True)
+    return failures

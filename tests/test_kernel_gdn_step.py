@@ -1,0 +1,193 @@
+"""The Pallas GDN decode-step kernel (interpret mode on CPU) against its pure-JAX reference, and the reference
+against the trunk's other form of the same step (gdn.recurrent_gated_delta_rule + gated_output's norm).
+
+Shapes: key heads serving 1, 3 and 4 value heads each, dk != dv, a padding row (valid False: its state must be
+left bit for bit), batch 1 and 3, f32 and bf16 rows; every tensor random, A_log and dt_bias included, states of
+the size a long decode reaches.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.gdn_step import gdn_step, gdn_step_pallas, gdn_step_reference, unsupported_reason
+from tests.hf_tiny import rel_err
+
+pytest.register_assert_rewrite("kernel_contract")
+from kernel_contract import KernelContract  # noqa: E402  (tests/ is on sys.path, as for conftest.py)
+
+# (B, nk, nv, dk, dv, valid rows)
+CASES = [
+    (1, 1, 1, 16, 16, (True,)),
+    (3, 2, 6, 16, 32, (True, False, True)),  # 3 value heads a key head, dk != dv, a padding row
+    (2, 2, 8, 32, 16, (False, True)),        # 4 value heads a key head
+    (1, 2, 4, 64, 64, (True,)),               # the shipped model's GDN heads
+]
+EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    case: tuple
+    seed: int
+    dtype: object = jnp.float32
+
+
+def _inputs(B, nk, nv, dk, dv, valid, seed, dtype):
+    rng = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    C = 2 * nk * dk + nv * dv
+    A_log = jnp.log(jnp.asarray(rng.uniform(1, 16, nv), jnp.float32))
+    dt_bias = f(nv)
+    return (f(B, C).astype(dtype), f(B, nv * dv).astype(dtype), f(B, nv).astype(dtype), f(B, nv).astype(dtype),
+            f(B, nv, dk, dv), A_log, dt_bias, (1 + 0.3 * f(dv)).astype(dtype), jnp.asarray(valid))
+
+
+class TestGdnStepContract(KernelContract):
+    """The kernel contract (tests/kernel_contract.py) for the GDN decode step. The kernel returns (out, state):
+    the contract compares `out`; check_more compares the state, kept aside by the hooks of the same run."""
+
+    CUSTOM_CALL = "gdn_decode_step"
+    F32_TOL = (1e-5, 1e-6)  # (max_rel, max_abs)
+    _states: dict = {}
+
+    def f32_cases(self):
+        return [Run(c, seed=i) for i, c in enumerate(CASES)]
+
+    def low_precision_cases(self):
+        return [Run(CASES[1], seed=7, dtype=jnp.bfloat16), Run(CASES[3], seed=8, dtype=jnp.bfloat16),
+                Run(CASES[2], seed=9, dtype=jnp.float16)]
+
+    def case_id(self, run):
+        B, nk, nv, dk, dv, _ = run.case
+        return f"B{B}nk{nk}nv{nv}dk{dk}dv{dv}-{jnp.dtype(run.dtype).name}"
+
+    def inputs(self, run):
+        return _inputs(*run.case, seed=run.seed, dtype=run.dtype)
+
+    def kernel(self, run, *args):
+        out, state = gdn_step_pallas(*args, num_k_heads=run.case[1], eps=EPS, interpret=True)
+        self._states[("kernel", run)] = state
+        return out
+
+    def reference(self, run, *args):
+        out, state = gdn_step_reference(*args, num_k_heads=run.case[1], eps=EPS)
+        self._states[("reference", run)] = state
+        return out
+
+    def dispatching(self, run, *args, **kw):
+        return gdn_step(*args, num_k_heads=run.case[1], eps=EPS, **kw)[0]
+
+    def reason(self, run, qkv, z, b, a, rec, *rest):
+        return unsupported_reason(qkv, z, rec, run.case[1])
+
+    def error(self, got, want):
+        return rel_err(got.astype(jnp.float32), want.astype(jnp.float32))
+
+    def tolerance(self, run):
+        return (2e-2,)  # a unit or two of bf16 / f16 rounding of the output (the state is f32: check_more)
+
+    def check_more(self, run, args, got, ref, report):
+        rec, valid = args[4], np.asarray(args[8])
+        state, want = self._states.pop(("kernel", run)), self._states.pop(("reference", run))
+        assert state.dtype == jnp.float32 and state.shape == rec.shape
+        err = rel_err(state, want)
+        assert err[0] < 1e-5, err  # f32 state: only the order of the sums differs
+        np.testing.assert_array_equal(np.asarray(state)[~valid], np.asarray(rec)[~valid])  # padding rows kept
+        assert (np.abs(np.asarray(state) - np.asarray(rec))[valid].min(axis=(-2, -1)) > 0).all()  # each head moved
+        out = np.asarray(got, np.float32)
+        assert (np.abs(out).reshape(out.shape[0], -1).max(axis=1) > 0).all()  # every row read real values
+        report(f"gdn step kernel {run.case[:5]} {jnp.dtype(run.dtype).name}: out max_rel="
+               f"{self.error(got, ref)[0]:.1e}, state max_rel={err[0]:.1e}")
+
+    def unsupported_case(self):
+        return Run((1, 1, 2, 24, 16, (True,)), seed=0), "key head dim 24"
+
+    def more_unsupported_reasons(self):
+        qkv, z, rec = jnp.zeros((1, 2 * 16 + 3 * 16)), jnp.zeros((1, 48)), jnp.zeros((1, 3, 16, 16))
+        return [(unsupported_reason(qkv, z, rec, 2), "not a multiple"),
+                (unsupported_reason(qkv[:, :-1], z, rec, 1), "do not hold"),
+                (unsupported_reason(qkv, z, rec.astype(jnp.bfloat16), 1), "f32 state"),
+                (unsupported_reason(jnp.zeros((1, 2 * 8 + 3 * 8)), jnp.zeros((1, 24)), jnp.zeros((1, 3, 8, 8)), 1),
+                 "head dim 8")]
+
+    def lowering_case(self):
+        return Run(CASES[1], seed=1)
+
+    def auto(self, run):
+        return lambda *args: gdn_step(*args, num_k_heads=run.case[1], eps=EPS)[0]
+
+    def custom_call(self, run):
+        return self.CUSTOM_CALL
+
+
+def test_reference_is_the_trunks_step():
+    """The reference against the trunk's other form of the step: the l2-normed, repeated q / k, the rule's scan
+    (recurrent_gated_delta_rule) and the gated norm of gated_output, f32 (the trunk's decode itself is checked
+    against transformers in test_trunk_oracle.py, through this reference)."""
+    from qwen_mtp.trunk.gdn import recurrent_gated_delta_rule
+    from qwen_mtp.trunk.ops import gated_rmsnorm, l2norm
+
+    B, nk, nv, dk, dv, valid = CASES[1]
+    qkv, z, b, a, rec, A_log, dt_bias, norm_w, ok = _inputs(*CASES[1], seed=3, dtype=jnp.float32)
+    kd = nk * dk
+    q = jnp.repeat(l2norm(qkv[:, :kd].reshape(B, 1, nk, dk)) * dk ** -0.5, nv // nk, axis=2)
+    k = jnp.repeat(l2norm(qkv[:, kd:2 * kd].reshape(B, 1, nk, dk)), nv // nk, axis=2)
+    v = qkv[:, 2 * kd:].reshape(B, 1, nv, dv)
+    beta = jnp.where(ok[:, None], jax.nn.sigmoid(b), 0.0)[:, None]
+    g = jnp.where(ok[:, None], -jnp.exp(A_log) * jax.nn.softplus(a + dt_bias), 0.0)[:, None]
+    core, state = recurrent_gated_delta_rule(q, k, v, g, beta, rec)
+    want = gated_rmsnorm(core[:, 0], z.reshape(B, nv, dv), norm_w, EPS).reshape(B, -1)
+    out, got_state = gdn_step_reference(qkv, z, b, a, rec, A_log, dt_bias, norm_w, ok, num_k_heads=nk, eps=EPS)
+    assert rel_err(out, want)[0] < 1e-6 and rel_err(got_state, state)[0] < 1e-6
+
+
+# (key heads, value heads) of the real models' GDN layers, all at dk = dv = 128
+REAL_GDN = {"27B": (16, 48), "35B-A3B": (16, 32), "122B-A10B / 397B-A17B": (16, 64)}
+
+
+def _real_args(B, nk, nv, dtype, T=None, d=128):
+    S = jax.ShapeDtypeStruct
+    rows = (B,) if T is None else (B, T)
+    return (S(rows + (2 * nk * d + nv * d,), dtype), S(rows + (nv * d,), dtype), S(rows + (nv,), dtype),
+            S(rows + (nv,), dtype), S((B, nv, d, d), jnp.float32), S((nv,), jnp.float32), S((nv,), jnp.float32),
+            S((d,), dtype), S((B,), jnp.bool_ if T is None else jnp.int32))
+
+
+def test_kernel_lowers_and_compiles_for_sm90_at_real_shapes(report):
+    """At every real model's GDN heads (batch 1 and 8, bf16 and f32 rows), the step and the verify of k = 3 and
+    k = 8 drafts (T = 4, 9): the program lowered for cuda holds the kernel, the one lowered for cpu none, and its
+    Triton IR compiles to sm_90 machine code with no shared memory beyond a block's and no register spilled (the
+    [128, 128] f32 state over 8 warps)."""
+    from kernels_pallas.gdn_verify import gdn_verify, verify_reason
+    from qwen_mtp.tools.lowering import SM90_SHARED_LIMIT, compile_sm90, export_for, kernel_calls, triton_kernels
+    from tests.test_export_cuda import require_triton
+
+    cases = [(m, b, jnp.bfloat16, None) for m in REAL_GDN for b in (1, 8)] + [("27B", 1, jnp.float32, None)]
+    cases += [("27B", 1, jnp.bfloat16, 4), ("27B", 8, jnp.bfloat16, 9), ("122B-A10B / 397B-A17B", 1, jnp.bfloat16, 9),
+              ("27B", 1, jnp.float32, 4)]
+    kernels = []
+    for model, b, dtype, T in cases:
+        nk, nv = REAL_GDN[model]
+        args = _real_args(b, nk, nv, dtype, T)
+        if T is None:
+            assert unsupported_reason(args[0], args[1], args[4], nk) is None
+            fn, name = (lambda *a: gdn_step(*a, num_k_heads=nk, eps=EPS)), "gdn_decode_step"  # noqa: B023
+        else:
+            assert verify_reason(args[0], args[1], args[4], nk) is None
+            fn, name = (lambda *a: gdn_verify(*a, num_k_heads=nk, eps=EPS)), "gdn_verify"  # noqa: B023
+        exported = export_for(fn, *args)
+        assert kernel_calls(exported) == [name]
+        assert kernel_calls(export_for(fn, *args, platform="cpu")) == []
+        (kernel,) = triton_kernels(exported)
+        kernels.append(kernel)
+    require_triton()
+    for (model, b, dtype, T), kernel, r in zip(cases, kernels, compile_sm90(kernels)):
+        label = f"{model} B{b} {jnp.dtype(dtype).name} " + ("step" if T is None else f"verify T{T}")
+        assert r["error"] is None, (label, r["error"])
+        report(f"sm_90 compile, GDN {label}: grid {kernel.grid}, {kernel.num_warps} warps, shared "
+               f"{r['shared']} B, {r['registers']} registers, {r['stack']} B spilled")
+        assert r["shared"] <= SM90_SHARED_LIMIT and r["stack"] == 0, (label, r)
