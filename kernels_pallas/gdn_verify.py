@@ -86,16 +86,24 @@ def verify_gated_delta_rule(q, k, v, g, beta, state):
     have to keep T copies for the rollback (the Qwen3.5-0.8B GDN core, 18 layers, T = 4, one row, on the
     project's 2-core CPU, this form and the rebuild of one state: 4.2-6.1 ms against 12.6-15.2 ms for the step
     form keeping every state, three paired runs). The values are the step form's up to f32 reassociation."""
-    T = k.shape[1]
     tr = lambda x: jnp.moveaxis(x, 1, 2)  # [B, h, T, ...]
     q, k, v, g, beta = map(tr, (q, k, v, g, beta))
     G, inv, intra = within_chunk(q, k, g, beta, unit_lower_inverse)  # the whole verify as one chunk
+    out, delta = solve_deltas(q, k, v, beta, G, inv, intra, state)
+    return jnp.moveaxis(out, 1, 2), (G, k, delta)
+
+
+def solve_deltas(q, k, v, beta, G, inv, intra, state):
+    """The deltas and outputs of T rows [B, h, T, ...] from the state read once: delta = (I + L)^-1 beta (v -
+    exp(G) S^T k), out = exp(G) S^T q + intra delta, given G, inv = (I + L)^-1 and the decayed scores intra
+    (verify_gated_delta_rule's chain; decoding/tree_verify.py's tree, whose L and intra follow ancestors).
+    Returns (out, delta)."""
+    T = k.shape[2]
     s_qk = jnp.einsum("bhtk,bhkv->bhtv", jnp.concatenate([q, k], axis=2), state, precision=HIGHEST)
     s_q, s_k = s_qk[:, :, :T], s_qk[:, :, T:]
     grow = jnp.exp(G)[..., None]
     delta = _mm(inv, beta[..., None] * (v - grow * s_k))
-    out = grow * s_q + _mm(intra, delta)
-    return jnp.moveaxis(out, 1, 2), (G, k, delta)
+    return grow * s_q + _mm(intra, delta), delta
 
 
 def gdn_verify_reference(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, *, num_k_heads: int, eps: float):

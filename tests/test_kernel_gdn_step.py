@@ -46,53 +46,79 @@ def _inputs(B, nk, nv, dk, dv, valid, seed, dtype):
             f(B, nv, dk, dv), A_log, dt_bias, (1 + 0.3 * f(dv)).astype(dtype), jnp.asarray(valid))
 
 
-class TestGdnStepContract(KernelContract):
-    """The kernel contract (tests/kernel_contract.py) for the GDN decode step. The kernel returns (out, state):
-    the contract compares `out`; check_more compares the state, kept aside by the hooks of the same run."""
+class GdnContract(KernelContract):
+    """The hooks both GDN kernels' contracts share (this file's step, test_kernel_gdn_verify.py's verify): kernel and
+    reference return (out, *rest); the contract compares `out`, and the hooks keep the rest of the same run aside
+    for check_more (`kept`). A subclass sets KERNEL, REFERENCE, DISPATCH (functions of the inputs, num_k_heads=,
+    eps=), REASON (of qkv, z, rec, num_k_heads) and CUSTOM_CALL, and says where a case keeps its key heads (nk)."""
 
-    CUSTOM_CALL = "gdn_decode_step"
     F32_TOL = (1e-5, 1e-6)  # (max_rel, max_abs)
-    _states: dict = {}
+    _kept: dict = {}
+
+    def nk(self, run) -> int:
+        raise NotImplementedError
 
     def f32_cases(self):
-        return [Run(c, seed=i) for i, c in enumerate(CASES)]
+        return [Run(c, seed=i) for i, c in enumerate(self.CASES)]
 
     def low_precision_cases(self):
-        return [Run(CASES[1], seed=7, dtype=jnp.bfloat16), Run(CASES[3], seed=8, dtype=jnp.bfloat16),
-                Run(CASES[2], seed=9, dtype=jnp.float16)]
-
-    def case_id(self, run):
-        B, nk, nv, dk, dv, _ = run.case
-        return f"B{B}nk{nk}nv{nv}dk{dk}dv{dv}-{jnp.dtype(run.dtype).name}"
+        c = self.CASES
+        return [Run(c[1], seed=7, dtype=jnp.bfloat16), Run(c[3], seed=8, dtype=jnp.bfloat16),
+                Run(c[2], seed=9, dtype=jnp.float16)]
 
     def inputs(self, run):
-        return _inputs(*run.case, seed=run.seed, dtype=run.dtype)
+        return self.INPUTS(*run.case, seed=run.seed, dtype=run.dtype)
+
+    def kept(self, run):
+        """(the kernel's rest, the reference's rest) of this run, taken."""
+        return self._kept.pop(("kernel", run)), self._kept.pop(("reference", run))
 
     def kernel(self, run, *args):
-        out, state = gdn_step_pallas(*args, num_k_heads=run.case[1], eps=EPS, interpret=True)
-        self._states[("kernel", run)] = state
+        out, *rest = self.KERNEL(*args, num_k_heads=self.nk(run), eps=EPS, interpret=True)
+        self._kept[("kernel", run)] = rest
         return out
 
     def reference(self, run, *args):
-        out, state = gdn_step_reference(*args, num_k_heads=run.case[1], eps=EPS)
-        self._states[("reference", run)] = state
+        out, *rest = self.REFERENCE(*args, num_k_heads=self.nk(run), eps=EPS)
+        self._kept[("reference", run)] = rest
         return out
 
     def dispatching(self, run, *args, **kw):
-        return gdn_step(*args, num_k_heads=run.case[1], eps=EPS, **kw)[0]
+        return self.DISPATCH(*args, num_k_heads=self.nk(run), eps=EPS, **kw)[0]
 
     def reason(self, run, qkv, z, b, a, rec, *rest):
-        return unsupported_reason(qkv, z, rec, run.case[1])
+        return self.REASON(qkv, z, rec, self.nk(run))
 
     def error(self, got, want):
         return rel_err(got.astype(jnp.float32), want.astype(jnp.float32))
 
     def tolerance(self, run):
-        return (2e-2,)  # a unit or two of bf16 / f16 rounding of the output (the state is f32: check_more)
+        return (2e-2,)  # a unit or two of bf16 / f16 rounding of the output (the f32 rest: check_more)
+
+    def auto(self, run):
+        return lambda *args: self.DISPATCH(*args, num_k_heads=self.nk(run), eps=EPS)[0]
+
+    def custom_call(self, run):
+        return self.CUSTOM_CALL
+
+
+class TestGdnStepContract(GdnContract):
+    """The kernel contract (tests/kernel_contract.py) for the GDN decode step; check_more compares the state."""
+
+    CUSTOM_CALL = "gdn_decode_step"
+    KERNEL, REFERENCE, DISPATCH = staticmethod(gdn_step_pallas), staticmethod(gdn_step_reference), staticmethod(gdn_step)
+    REASON, CASES, INPUTS = staticmethod(unsupported_reason), CASES, staticmethod(_inputs)
+
+    def nk(self, run):
+        return run.case[1]
+
+    def case_id(self, run):
+        B, nk, nv, dk, dv, _ = run.case
+        return f"B{B}nk{nk}nv{nv}dk{dk}dv{dv}-{jnp.dtype(run.dtype).name}"
 
     def check_more(self, run, args, got, ref, report):
         rec, valid = args[4], np.asarray(args[8])
-        state, want = self._states.pop(("kernel", run)), self._states.pop(("reference", run))
+        (state,), (want,) = self.kept(run)
         assert state.dtype == jnp.float32 and state.shape == rec.shape
         err = rel_err(state, want)
         assert err[0] < 1e-5, err  # f32 state: only the order of the sums differs
@@ -116,12 +142,6 @@ class TestGdnStepContract(KernelContract):
 
     def lowering_case(self):
         return Run(CASES[1], seed=1)
-
-    def auto(self, run):
-        return lambda *args: gdn_step(*args, num_k_heads=run.case[1], eps=EPS)[0]
-
-    def custom_call(self, run):
-        return self.CUSTOM_CALL
 
 
 def test_reference_is_the_trunks_step():

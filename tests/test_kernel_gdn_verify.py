@@ -7,19 +7,16 @@ value heads a key head; padding rows (n_valid < T, and 0: a row that verifies no
 Every tensor random, A_log and dt_bias included.
 """
 
-import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas.gdn_step import gdn_step_pallas
+from kernels_pallas.gdn_step import gdn_rows_pallas, gdn_step_pallas
 from kernels_pallas.gdn_verify import UNROLL_ROWS, gdn_verify, gdn_verify_reference, verify_reason
-from kernels_pallas.gdn_step import gdn_rows_pallas
 from tests.hf_tiny import rel_err
-
-pytest.register_assert_rewrite("kernel_contract")
-from kernel_contract import KernelContract  # noqa: E402  (tests/ is on sys.path, as for conftest.py)
+from tests.test_kernel_gdn_step import EPS, GdnContract, Run
 
 # (B, T, nk, nv, dk, dv, n_valid per row)
 CASES = [
@@ -29,14 +26,6 @@ CASES = [
     (1, 9, 2, 4, 64, 64, (9,)),           # k = 8 at the shipped model's GDN heads
     (2, 17, 1, 3, 16, 16, (17, 11)),      # the most rows the kernel unrolls
 ]
-EPS = 1e-6
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-    case: tuple
-    seed: int
-    dtype: object = jnp.float32
 
 
 def _inputs(B, T, nk, nv, dk, dv, n_valid, seed, dtype):
@@ -49,57 +38,26 @@ def _inputs(B, T, nk, nv, dk, dv, n_valid, seed, dtype):
             jnp.asarray(n_valid, jnp.int32))
 
 
-def _kernel(run, *args):
-    return gdn_rows_pallas(*args, num_k_heads=run.case[2], eps=EPS, verify=True, interpret=True)
+_kernel = functools.partial(gdn_rows_pallas, verify=True)
 
 
-class TestGdnVerifyContract(KernelContract):
-    """The kernel contract (tests/kernel_contract.py) for the GDN verify. The kernel returns (out, G, k, delta):
-    the contract compares `out`; check_more compares the rest, kept aside by the hooks of the same run."""
+class TestGdnVerifyContract(GdnContract):
+    """The kernel contract (tests/kernel_contract.py) for the GDN verify; check_more compares G, k and delta."""
 
     CUSTOM_CALL = "gdn_verify"
-    F32_TOL = (1e-5, 1e-6)
-    _rule: dict = {}
+    KERNEL, REFERENCE, DISPATCH = staticmethod(_kernel), staticmethod(gdn_verify_reference), staticmethod(gdn_verify)
+    REASON, CASES, INPUTS = staticmethod(verify_reason), CASES, staticmethod(_inputs)
 
-    def f32_cases(self):
-        return [Run(c, seed=i) for i, c in enumerate(CASES)]
-
-    def low_precision_cases(self):
-        return [Run(CASES[1], seed=7, dtype=jnp.bfloat16), Run(CASES[3], seed=8, dtype=jnp.bfloat16),
-                Run(CASES[2], seed=9, dtype=jnp.float16)]
+    def nk(self, run):
+        return run.case[2]
 
     def case_id(self, run):
         B, T, nk, nv, dk, dv, n = run.case
         return f"B{B}T{T}nk{nk}nv{nv}dk{dk}dv{dv}n{'-'.join(map(str, n))}-{jnp.dtype(run.dtype).name}"
 
-    def inputs(self, run):
-        return _inputs(*run.case, seed=run.seed, dtype=run.dtype)
-
-    def kernel(self, run, *args):
-        out, *rule = _kernel(run, *args)
-        self._rule[("kernel", run)] = rule
-        return out
-
-    def reference(self, run, *args):
-        out, *rule = gdn_verify_reference(*args, num_k_heads=run.case[2], eps=EPS)
-        self._rule[("reference", run)] = rule
-        return out
-
-    def dispatching(self, run, *args, **kw):
-        return gdn_verify(*args, num_k_heads=run.case[2], eps=EPS, **kw)[0]
-
-    def reason(self, run, qkv, z, b, a, rec, *rest):
-        return verify_reason(qkv, z, rec, run.case[2])
-
-    def error(self, got, want):
-        return rel_err(got.astype(jnp.float32), want.astype(jnp.float32))
-
-    def tolerance(self, run):
-        return (2e-2,)
-
     def check_more(self, run, args, got, ref, report):
         B, T, nk, nv, dk, dv, n_valid = run.case
-        rule, want = self._rule.pop(("kernel", run)), self._rule.pop(("reference", run))
+        rule, want = self.kept(run)
         for name, x, y, shape in zip(("G", "k", "delta"), rule, want, ((B, nv, T), (B, nv, T, dk), (B, nv, T, dv))):
             assert x.dtype == jnp.float32 and x.shape == y.shape == shape, (name, x.shape, y.shape)
             err = rel_err(x, y)
@@ -123,12 +81,6 @@ class TestGdnVerifyContract(KernelContract):
     def lowering_case(self):
         return Run(CASES[1], seed=1)
 
-    def auto(self, run):
-        return lambda *args: gdn_verify(*args, num_k_heads=run.case[2], eps=EPS)[0]
-
-    def custom_call(self, run):
-        return self.CUSTOM_CALL
-
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_rollback_of_the_kernels_verify_is_the_step_kernels_state(dtype):
@@ -141,7 +93,7 @@ def test_rollback_of_the_kernels_verify_is_the_step_kernels_state(dtype):
     B, T, nk, nv, dk, dv = 2, 5, 2, 6, 16, 32
     args = _inputs(B, T, nk, nv, dk, dv, (T, T), seed=21, dtype=dtype)
     qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid = args
-    out, G, k, delta = _kernel(Run((B, T, nk, nv, dk, dv, (T, T)), 0), *args)
+    out, G, k, delta = _kernel(*args, num_k_heads=nk, eps=EPS, interpret=True)
     verified = GDNVerify(None, rec, G, k, delta)
     state = rec
     for n in range(T):

@@ -22,16 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kernels_pallas.gdn_verify import solve_deltas, unit_lower_inverse, verify_gated_delta_rule
 from qwen_mtp.head.tree import attend_tree
 from qwen_mtp.trunk.attention import output, project_qkv, write_kv
-from qwen_mtp.trunk.gdn import (
-    HIGHEST,
-    gated_output,
-    in_projections,
-    rule_inputs,
-    unit_lower_inverse,
-    verify_gated_delta_rule,
-)
+from qwen_mtp.trunk.gdn import HIGHEST, gated_output, in_projections, rule_inputs
 from qwen_mtp.trunk.mlp import feed_forward
 from qwen_mtp.trunk.ops import embed_rows, rmsnorm_1pw
 from qwen_mtp.trunk.state import GDNState, KVCache, to_cache
@@ -57,7 +51,7 @@ def _mm(a, b):
 
 
 def depth_lower_inverse(L, depth, max_depth: int):
-    """(I + L)^-1 for L [B, h, T, T] nonzero only at (node, strict ancestor): gdn.unit_lower_inverse's row
+    """(I + L)^-1 for L [B, h, T, T] nonzero only at (node, strict ancestor): gdn_verify.unit_lower_inverse's row
     recurrence N[i] = -L[i] - L[i] @ N, for all the rows of one depth at once (their ancestors lie at smaller
     depths, already final): max_depth steps instead of T. depth [B, T]."""
     N = jnp.zeros_like(L)
@@ -70,7 +64,7 @@ def depth_lower_inverse(L, depth, max_depth: int):
 def tree_core(q, k, v, g, beta, state, mask, depth=None, max_depth: int = 0):
     """The gated delta rule over a tree. q, k [B, N1, h, dk]; v [B, N1, h, dv]; g, beta [B, N1, h];
     state [B, h, dk, dv]; mask [B, N1, N1] ancestor-or-self (lower triangular); depth [B, N1] with max_depth:
-    the solve runs depth by depth (depth_lower_inverse; None: row by row, gdn.unit_lower_inverse). Returns out
+    the solve runs depth by depth (depth_lower_inverse; None: row by row, gdn_verify.unit_lower_inverse). Returns out
     [B, N1, h, dv] and (G [B, h, N1], k [B, h, N1, dk], delta [B, h, N1, dv])."""
     T = k.shape[1]
     tr = lambda x: jnp.moveaxis(x, 1, 2)
@@ -82,18 +76,14 @@ def tree_core(q, k, v, g, beta, state, mask, depth=None, max_depth: int = 0):
     L = jnp.where(strict, _mm(k * beta[..., None], jnp.swapaxes(k, -1, -2)) * decay, 0.0)
     inv = unit_lower_inverse(L) if depth is None else depth_lower_inverse(L, depth, max_depth)
     intra = _mm(q, jnp.swapaxes(k, -1, -2)) * decay
-    s_qk = jnp.einsum("bhtk,bhkv->bhtv", jnp.concatenate([q, k], axis=2), state, precision=HIGHEST)
-    s_q, s_k = s_qk[:, :, :T], s_qk[:, :, T:]
-    grow = jnp.exp(G)[..., None]
-    delta = _mm(inv, beta[..., None] * (v - grow * s_k))
-    out = grow * s_q + _mm(intra, delta)
+    out, delta = solve_deltas(q, k, v, beta, G, inv, intra, state)
     return jnp.moveaxis(out, 1, 2), (G, k, delta)
 
 
 def per_path_core(q, k, v, g, beta, state, paths):
     """The other form: each root-to-leaf path (paths [P, D + 1] node indices, static numpy, each path's rows
     in depth order, a short path padded by repeating its leaf) run as its own chain verify
-    (gdn.verify_gated_delta_rule); a node's output is taken from the first path through it. Same arguments
+    (gdn_verify.verify_gated_delta_rule); a node's output is taken from the first path through it. Same arguments
     and output as tree_core's first result."""
     paths = np.asarray(paths)
     P, L = paths.shape

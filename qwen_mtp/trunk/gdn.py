@@ -15,12 +15,7 @@ import jax.numpy as jnp
 
 from kernels_pallas import per_shard
 from kernels_pallas.gdn_step import gate_terms, gdn_step, split_heads
-from kernels_pallas.gdn_verify import (  # noqa: F401  (verify_gated_delta_rule: re-exported for tree_verify)
-    gdn_verify,
-    unit_lower_inverse,
-    verify_gated_delta_rule,
-    within_chunk,
-)
+from kernels_pallas.gdn_verify import gdn_verify, unit_lower_inverse, within_chunk
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.ops import gated_rmsnorm, linear
 from qwen_mtp.trunk.quant import QuantArray
