@@ -106,7 +106,8 @@ class TestGdnStepContract(GdnContract):
     """The kernel contract (tests/kernel_contract.py) for the GDN decode step; check_more compares the state."""
 
     CUSTOM_CALL = "gdn_decode_step"
-    KERNEL, REFERENCE, DISPATCH = staticmethod(gdn_step_pallas), staticmethod(gdn_step_reference), staticmethod(gdn_step)
+    KERNEL, REFERENCE = staticmethod(gdn_step_pallas), staticmethod(gdn_step_reference)
+    DISPATCH = staticmethod(gdn_step)
     REASON, CASES, INPUTS = staticmethod(unsupported_reason), CASES, staticmethod(_inputs)
 
     def nk(self, run):
