@@ -98,10 +98,11 @@ def pytest_terminal_summary(terminalreporter):
 SLOW_FIRST = (
     "test_certify.py", "test_shipped_model.py", "test_causal_attention.py", "test_tree.py", "test_notebooks.py",
     "test_moe_routed.py", "test_spec_lossless.py", "test_export_cuda.py", "test_spec_sampling.py",
-    "test_gpu_compile.py", "test_sharding.py", "test_repetition_penalty.py", "test_trunk_oracle.py", "test_program_cache.py",
-    "test_spec_windowed.py", "test_kernel_quant_mma.py", "test_gpu_check.py", "test_startup.py",
-    "test_train_resume.py", "test_random_weights.py", "test_nonfinite.py", "test_kernel_windowed_attention.py",
-    "test_engine.py", "test_serve.py", "test_orbax.py", "test_gpu_scale.py", "test_cpu_fast_paths.py",
+    "test_gpu_compile.py", "test_sharding.py", "test_repetition_penalty.py", "test_trunk_oracle.py",
+    "test_program_cache.py", "test_spec_windowed.py", "test_kernel_quant_mma.py", "test_gpu_check.py",
+    "test_startup.py", "test_kernel_gdn_verify.py", "test_train_resume.py", "test_random_weights.py",
+    "test_nonfinite.py", "test_kernel_windowed_attention.py", "test_engine.py", "test_serve.py", "test_orbax.py",
+    "test_gpu_scale.py", "test_cpu_fast_paths.py",
 )
 
 
