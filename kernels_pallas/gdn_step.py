@@ -20,15 +20,16 @@ form, the speculative verify) share `l2norm`, `gate_terms` and `gated_rmsnorm` w
 Why a kernel: XLA runs this step as about seven kernels a GDN layer (the l2 norms, the gates' final reduce and
 exponentials, the state's decay and update, the output and its gated norm), and at batch 1 each is a few
 microseconds of launch and tail for a few KB of work. Compiled for an H200 on a CPU (tools/gpu_compile.py), the
-plain step of 4 real-width Qwen3.5-27B layers launches 120 kernels with XLA's step and fewer with this one
-(tests/test_gpu_compile.py counts them). One program per (row, value head) holds its [dk, dv] state in
-registers (8 warps: 64 f32 values a thread at dk = dv = 128), reads it once and writes it once, in place
-(input_output_aliases): the state's bytes are the step's floor, as they were for XLA's.
+plain step of 4 real-width Qwen3.5-27B layers (3 GDN) launches 120 kernels with XLA's step and 108 with this one:
+XLA keeps three of its own to hand the kernel z, b and a whole (docs/on-a-gpu.md has the full depth). One program
+per (row, value head) holds its [dk, dv] state in registers (8 warps: 64 f32 values a thread at dk = dv = 128),
+reads it once and writes it once, in place (input_output_aliases): the state's bytes are the step's floor, as they
+were for XLA's.
 
 Backend: kernels_pallas/dispatch.py's rule (the kernel in a program lowered for cuda, the reference elsewhere;
 backend="pallas" with interpret=True runs the kernel on a CPU, as the tests do). Shapes the kernel does not take
 (`unsupported_reason`) fall back to the reference with a one-time warning. Under a mesh the call runs per shard
-(per_shard.gdn_step: rows over `data`, heads over `model`).
+(per_shard.gdn_rows: rows over `data`, value heads over `model`).
 """
 
 from __future__ import annotations
