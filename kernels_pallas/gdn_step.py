@@ -15,7 +15,7 @@ What it computes, per value head h of row b (key head h // (nv / nk)), all in f3
   S = S exp(g);  delta = beta (v - S^T k);  S = S + k delta^T;  o = S^T q
   out = rmsnorm(o in x's dtype) * norm_w * silu(z)          (gated_rmsnorm, below)
 and a padding row gets beta = g = 0, which leaves S as it was. trunk/gdn.py's other modes (prefill's chunked
-form, the speculative verify) share `l2norm`, `gate_terms` and `gated_rmsnorm` with it.
+form, the speculative verify) share `split_heads`, `gate_terms` and `gated_rmsnorm` with it.
 
 Why a kernel: XLA runs this step as about seven kernels a GDN layer (the l2 norms, the gates' final reduce and
 exponentials, the state's decay and update, the output and its gated norm), and at batch 1 each is a few

@@ -150,7 +150,7 @@ def test_reference_is_the_trunks_step():
     (recurrent_gated_delta_rule) and the gated norm of gated_output, f32 (the trunk's decode itself is checked
     against transformers in test_trunk_oracle.py, through this reference)."""
     from qwen_mtp.trunk.gdn import recurrent_gated_delta_rule
-    from qwen_mtp.trunk.ops import gated_rmsnorm, l2norm
+    from kernels_pallas.gdn_step import gated_rmsnorm, l2norm
 
     B, nk, nv, dk, dv, valid = CASES[1]
     qkv, z, b, a, rec, A_log, dt_bias, norm_w, ok = _inputs(*CASES[1], seed=3, dtype=jnp.float32)

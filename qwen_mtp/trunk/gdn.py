@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import per_shard
-from kernels_pallas.gdn_step import gate_terms, gdn_step, split_heads
+from kernels_pallas.gdn_step import gate_terms, gated_rmsnorm, gdn_step, split_heads
 from kernels_pallas.gdn_verify import gdn_verify, unit_lower_inverse, within_chunk
 from qwen_mtp.trunk.config import ModelConfig
-from qwen_mtp.trunk.ops import gated_rmsnorm, linear
+from qwen_mtp.trunk.ops import linear
 from qwen_mtp.trunk.quant import QuantArray
 from qwen_mtp.trunk.state import GDNState, GDNVerify
 from qwen_mtp.trunk.weights import GDNWeights

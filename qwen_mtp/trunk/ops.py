@@ -1,5 +1,5 @@
-"""Elementary ops shared by every layer: the single matmul helper and the RMSNorms (the GDN's gated norm and l2 norm
-live beside its decode kernel, kernels_pallas/gdn_step.py, and are re-exported here).
+"""Elementary ops shared by every layer: the single matmul helper and the RMSNorm (the GDN's gated norm and l2 norm
+live beside its decode kernel, kernels_pallas/gdn_step.py).
 
 All weight matmuls go through `linear`: a plain matrix runs one einsum, a `quant.QuantArray` runs the quantized
 matmul (kernels_pallas/quant_matmul.py: the Pallas kernel on a GPU, dequantize-then-dot elsewhere).
@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from kernels_pallas.gdn_step import gated_rmsnorm, l2norm  # noqa: F401  (shared with the GDN decode kernel)
 from kernels_pallas.masked_attention import precision_for  # the one precision rule
 from kernels_pallas.per_shard import active_mesh, batch_axis
 from qwen_mtp.trunk.quant import QuantArray
