@@ -21,7 +21,7 @@ from qwen_mtp.trunk.config import parse_config
 from qwen_mtp.trunk.random_weights import random_weights
 
 REPO = Path(__file__).resolve().parents[1]
-SHIPPED_ACCEPTED = 300  # seed 161 accepts 556 on the shipped model (465 + 35 + 42 + 14; 574 of 1694 in all)
+SHIPPED_ACCEPTED = 300  # seed 72 accepts 359 on the shipped model (172 + 5 + 182; 365 of 1533 in all)
 
 
 def branching(tree) -> bool:
@@ -50,19 +50,23 @@ def acceptance_problems(rep, least: int = SHIPPED_ACCEPTED) -> list:
 
 
 def test_short_sweep_is_identical_and_drafts_are_accepted(report):
-    """Seed 161's 4 + 3 configurations: a chain at k 8, a static tree with a branch, a window with sinks, a
-    one-depth tree (int8 / int4 weights, fp8 KV among them) on the shipped model; the three families, the MoE one
-    under a tree, one configuration each. What the test needs of the draws is asserted, not assumed."""
-    rep = cert.certify(configs=4, archs=3, cases_per_arch=1, seed=161, max_prompt=128, log=lambda s: None)
+    """Seed 72's 3 + 3 configurations: a branching static tree in a Wind-MTP window of 100, a k = 1 chain (fp8
+    weights and KV), a k = 7 chain (int4 weights) on the shipped model; the three families, one configuration
+    each: the MoE one under a branching tree, Qwen3-Next under a dynamic tree in a window (75 s on this CPU; seed
+    161's 4 + 3 took 142 s). What the test needs of the draws is asserted, not assumed."""
+    rep = cert.certify(configs=3, archs=3, cases_per_arch=1, seed=72, max_prompt=128, log=lambda s: None)
     report(rep.summary())
-    assert rep.configs == 7 and rep.rows >= 7 and rep.tokens > 200
+    assert rep.configs == 6 and rep.rows >= 6 and rep.tokens > 200
     assert rep.failing == [] and rep.divergences == [], [d.case for d in rep.divergences]
     assert rep.identical == rep.configs
     assert rep.loader_mismatches == [] and sum(rep.archs.values()) == 3, rep.archs
     assert {a.split(":")[0] for a in rep.archs} == {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}, rep.archs
     moe = [c for c in rep.cases if "moe" in c["arch"]]
     assert moe and all(c["drafted"] for c in moe), moe  # the MoE architecture's decode ran speculative rounds
-    assert any(c["tree"] for c in moe) and any(c["window"] for c in rep.cases if c["arch"] == "model"), rep.cases
+    assert any(branching(c["tree"]) for c in moe) and any(c["window"] for c in rep.cases if c["arch"] == "model"), \
+        rep.cases
+    described = " ".join(c["case"] for c in rep.cases if c["arch"] == "model")
+    assert all(f in described for f in ("quant=fp8", "quant=int4", "kv=float8_e4m3fn")), described
     assert acceptance_problems(rep) == [], (rep.summary(), rep.cases)
 
 
@@ -96,7 +100,7 @@ def test_near_tie_bound():
 def test_random_architectures_randomise_every_tensor():
     rng = np.random.default_rng(3)
     kinds = set()
-    for i in range(12):
+    for i in range(6):  # indices 0, 1, 2: one of each family; 3 .. 5 drawn
         d = cert.random_arch_config(rng, i)
         name = d.pop("_name")
         cfg = parse_config(d, name)
