@@ -7,6 +7,7 @@ import re
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
@@ -19,8 +20,13 @@ from gpu_scale import cli, reads
 def test_short_form_runs_every_part(capsys):
     """The MoE model in int4 (the path with experts and the traced quantizer), k = 1, two contexts; the draft
     vocabulary's rounds left out here (two more compiles; benchmarks/results' short run has them)."""
+    before = jax.config.jax_compilation_cache_dir
     assert cli.main(["--short", "--runs", "35B-A3B-int4", "--k", "1", "--contexts", "64,256", "--draft-vocab", "0"]) == 0
     out = capsys.readouterr().out
+    # the fresh compile cache it made (its second process read it) is gone, and this process's own is back
+    made = Path(re.search(r"compile cache (\S+)", out).group(1))
+    assert made.name.startswith("gpu_scale_jax_cache_") and not made.exists(), made
+    assert jax.config.jax_compilation_cache_dir == before and before, before
     assert "FAIL" not in out and out.rstrip().splitlines()[-1].startswith("OK: 0 failures")
     assert re.search(r"launch probe: a chain of \d+ tiny dependent kernels a loop iteration .*: [\d.]+ us a kernel",
                      out)

@@ -3,9 +3,11 @@
 closing summary. `main` returns the exit code: 1 when a part failed (raised), else 0."""
 
 import argparse
+import contextlib
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -256,12 +258,39 @@ def main(argv=None):
         print(f"{'FAIL' if failures else 'OK'}: {failures} failures in {time.perf_counter() - t0:.0f} s{tail}",
               flush=True)
         return 1 if failures else 0
-    import qwen_mtp
-
-    cache_dir = a.compile_cache or tempfile.mkdtemp(prefix="gpu_scale_jax_cache_")
-    qwen_mtp.enable_compile_cache(cache_dir)
     if a.cached_child:
+        import qwen_mtp
+
+        qwen_mtp.enable_compile_cache(a.compile_cache)
         return child_main(a, p)
+    with compile_cache(a.compile_cache) as cache_dir:
+        return measure(a, p, cache_dir, t0)
+
+
+@contextlib.contextmanager
+def compile_cache(path):
+    """jax's persistent cache in `path`, or in a fresh folder (cold compiles: the times printed are compiles, not
+    reads) that is removed at the end, with what was written there. The process's own cache setting (a caller's
+    folder, or none) is put back after: run in-process (tests/test_gpu_scale.py), gpu_scale must not leave the
+    caller compiling into its folder, nor folders behind in the temporary directory."""
+    import qwen_mtp
+    from qwen_mtp.compiling.compile_cache import disable_compile_cache
+
+    before = jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
+    made = None if path else tempfile.mkdtemp(prefix="gpu_scale_jax_cache_")
+    try:
+        yield qwen_mtp.enable_compile_cache(path or made)
+    finally:
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
+        if before:
+            qwen_mtp.enable_compile_cache(before)
+        else:
+            disable_compile_cache()
+
+
+def measure(a, p, cache_dir, t0):
+    """The device run: the launch probe, every run's cases within the budget, the tables, the cached start."""
     kind, bw = peak_bandwidth()
     print(f"gpu_scale: {jax.default_backend()} {kind} (peak {report.tb(bw)}), jax {jax.__version__}, budget "
           f"{a.budget:.0f} s, batch 1, bf16 activations; compile cache {cache_dir}", flush=True)
