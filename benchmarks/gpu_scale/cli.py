@@ -54,8 +54,8 @@ def parse(argv):
     ap.add_argument("--draft-vocab", type=int, default=None, help="ids of the draft vocabulary rounds (default "
                     f"{GPU['draft_vocab']}; --short {SHORT['draft_vocab']}); 0: no draft-vocabulary rounds")
     ap.add_argument("--memory", type=float, default=None, help="bytes the device may use (default: its free memory)")
-    ap.add_argument("--compile-cache", default=None, help="jax's persistent compile cache folder (default: a new "
-                    "empty one, so the first compile is a real one)")
+    ap.add_argument("--compile-cache", default=None, help="jax's persistent compile cache folder, kept (default: a new "
+                    "empty one, so the first compile is a real one, removed at the end)")
     ap.add_argument("--no-cached-start", action="store_true", help="skip the second process")
     ap.add_argument("--compile-for", choices=("H100", "H200"), default=None,
                     help="compile every program for this GPU on this machine (no GPU needed: XLA's GPU compiler "
