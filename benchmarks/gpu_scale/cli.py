@@ -274,7 +274,6 @@ def compile_cache(path):
     folder, or none) is put back after: run in-process (tests/test_gpu_scale.py), gpu_scale must not leave the
     caller compiling into its folder, nor folders behind in the temporary directory."""
     import qwen_mtp
-    from qwen_mtp.compiling.compile_cache import disable_compile_cache
 
     before = jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
     made = None if path else tempfile.mkdtemp(prefix="gpu_scale_jax_cache_")
@@ -286,7 +285,7 @@ def compile_cache(path):
         if before:
             qwen_mtp.enable_compile_cache(before)
         else:
-            disable_compile_cache()
+            qwen_mtp.disable_compile_cache()
 
 
 def measure(a, p, cache_dir, t0):
