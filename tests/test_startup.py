@@ -54,6 +54,17 @@ def test_precompile_then_generate_compiles_nothing(model, spec):
         whole = qwen_mtp.generate(model, ROWS, 40, spec=spec, eos_token_id=[])
     assert seen == [], f"generate compiled {len(seen)} program(s) after precompile"
     np.testing.assert_array_equal(streamed.tokens, whole.tokens)
+    # the stop ids are an argument of the programs, not part of their shape (generate.eos_slots): the config's
+    # eos ids and one id chosen here run the same programs, and stop where the tokens say
+    stop = int(whole.tokens[1, 5])
+    with counting_compiles() as seen:
+        default_eos = qwen_mtp.generate(model, ROWS, 40, spec=spec)
+        stopped = qwen_mtp.generate(model, ROWS, 40, spec=spec, eos_token_id=stop)
+    assert seen == [], f"a change of eos_token_id compiled {len(seen)} program(s)"
+    assert model.config.eos_token_ids and default_eos.tokens.shape == (3, 40)
+    n = whole.tokens[1].tolist().index(stop) + 1  # the row stops at the id's first appearance, which it emits
+    assert stopped.lengths[1] == n < 40 and stopped.tokens[1, n - 1] == stop, (n, stopped.lengths)
+    np.testing.assert_array_equal(stopped.tokens[1, :n], whole.tokens[1, :n])
     assert [list(r) for r in whole.tokens] == got  # the stream delivered every id, in order, between segments
     assert whole.tokens.shape == (3, 40)
 

@@ -100,7 +100,7 @@ def precompile(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | Non
     """Compile ahead of time (jitted.lower(...).compile()) every program `generate` would run with these
     arguments, running nothing; the generate call that follows compiles nothing (streamed or not). What decides
     the programs: the batch size, the longest prompt's length, the power-of-two bucket of max_new_tokens, spec,
-    how many EOS ids there are, the sampling flags (the repetition penalty's value included), kv_dtype,
+    whether there are more than EOS_SLOTS EOS ids (their values and a few's count are not), the sampling flags (the repetition penalty's value included), kv_dtype,
     prefill_chunk and return_logits. Returns the seconds it took (with jax's persistent compilation cache on,
     compile_cache.py, a second process reads them back)."""
     req = make_request(model, prompt_ids, max_new_tokens, spec, temperature, top_k, top_p, seed, eos_token_id,
@@ -127,6 +127,17 @@ def program_texts(model, prompt_ids, max_new_tokens: int, **kwargs) -> dict:
     with under_mesh(model):
         _run(Compiler(model, texts), model, req, None)
     return texts
+
+
+EOS_SLOTS = 4  # the eos ids a program takes: a multiple of this many, padded with -1 (no token's id)
+
+
+def eos_slots(eos: tuple) -> np.ndarray:
+    """The rows' stop ids as the programs take them: eos_token_id=[], one id or the config's few share one shape,
+    so changing them compiles nothing (the loops test `token == eos` over the slots; a -1 pad matches no token)."""
+    out = np.full(max(EOS_SLOTS, -(-len(eos) // EOS_SLOTS) * EOS_SLOTS), -1, np.int32)
+    out[:len(eos)] = eos
+    return out
 
 
 STREAM_SEGMENT = 16  # the most decode steps (plain) or rounds (speculative) between two stream calls
@@ -173,7 +184,7 @@ def _run(ex, model, req: Request, stream):
     delivered = np.ones(B, np.int64)  # per row, the ids handed to stream so far
     if stream is not None:
         stream([first_host[b:b + 1] for b in range(B)])
-    eos = ex.shared(np.asarray(req.eos, np.int32).reshape(-1))
+    eos = ex.shared(eos_slots(req.eos))
     pad_id, max_new = ex.shared(np.int32(req.pad_id)), ex.shared(np.int32(req.max_new))
     pos = ex.rows(lens)
     tree = spec is not None and spec.tree is not None  # tree drafts: tree_loop.py
