@@ -101,8 +101,8 @@ def precompile(model, prompt_ids, max_new_tokens: int, *, spec: SpecConfig | Non
     arguments, running nothing; the generate call that follows compiles nothing (streamed or not). What decides
     the programs: the batch size, the longest prompt's length, the power-of-two bucket of max_new_tokens, spec,
     whether there are more than EOS_SLOTS EOS ids (not their values), the sampling flags (the repetition penalty's
-    value included), kv_dtype, prefill_chunk and return_logits. Returns the seconds it took (with jax's persistent compilation cache on,
-    compile_cache.py, a second process reads them back)."""
+    value included), kv_dtype, prefill_chunk and return_logits. Returns the seconds it took (with jax's
+    persistent compilation cache on, compile_cache.py, a second process reads them back)."""
     req = make_request(model, prompt_ids, max_new_tokens, spec, temperature, top_k, top_p, seed, eos_token_id,
                    prefill_chunk, return_logits, kv_dtype, repetition_penalty)
     t = time.perf_counter()
