@@ -74,7 +74,7 @@ def test_decode_programs_compile_for_h200(python):
     quantized matmuls, the routed experts, both attentions, the GDN step or verify: chosen for cuda). The dense
     bf16 trunk's round compiles in test_no_weight_is_copied_in_a_decode_loop (27B, real width)."""
     out = _run(python, "benchmarks/gpu_scale", "--compile-for", "H200", "--short", "--runs", "35B-A3B-int4",
-               "--k", "1", "--draft-vocab", "0", "--budget", "600")
+               "--k", "1", "--draft-vocab", "0", "--budget", "600", "--list-kernels")
     assert out.rstrip().splitlines()[-1].startswith("OK: 0 failures"), out
     assert "XLA's GPU compiler on this host, deviceless" in out
     probe = re.search(r"launch probe \(launch_probe.py\) compiled for H200: (\d+) kernels \(fusion", out)
@@ -93,6 +93,11 @@ def test_decode_programs_compile_for_h200(python):
         assert ("gdn_decode_step" if case == "plain" else "gdn_verify") in pallas, (name, case, pallas)
         assert "moe_gemv_int4" in pallas and "quant_matmul_int4" in pallas, (name, case, pallas)
     assert got[("35B-A3B-int4", "k1 native")][0] > got[("35B-A3B-int4", "plain")][0]
+    # --list-kernels: the plain step's kernels one a line, in order, as many as its count (no nested loop there)
+    listed = re.findall(r"^ {6} *\d+ (\S+) .*$", out, re.M)
+    assert len(listed) == got[("35B-A3B-int4", "plain")][0], listed
+    names = re.findall(r"^ {6} *\d+ custom-call .* (\w+)$", out, re.M)
+    assert names.count("gdn_decode_step") == 3 and "moe_gemv_int4" in names, names
     assert out.count("concatenations of 4 MB or more in the loop: none") == 3, out
     assert out.count("products of 1 MB or more written out: none") == 3, out
     assert out.count("launch budget: ") == 1  # from the plain step

@@ -57,6 +57,9 @@ def test_budget_and_memory_skip_and_name_what_they_skip(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--budget", "-3"])
     assert "--budget: expected seconds > 0, found -3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--short", "--list-kernels"])
+    assert "--list-kernels: lists a compiled program's kernels; needs --compile-for" in capsys.readouterr().err
 
 
 def test_reads_charge_an_moe_only_its_routed_experts():

@@ -61,10 +61,15 @@ def parse(argv):
                     help="compile every program for this GPU on this machine (no GPU needed: XLA's GPU compiler "
                     "run deviceless, pip install -e '.[gpu-compile]') and print the kernels a step launches; "
                     "nothing runs (compile_only.py)")
+    ap.add_argument("--list-kernels", action="store_true",
+                    help="with --compile-for: after each plain step's line, every kernel of one step in order "
+                    "(opcode, a fusion's root op, result type, a Pallas kernel's name): where a step's launches go")
     ap.add_argument("--cached-child", default=None, help=argparse.SUPPRESS)  # JSON: what the second process lowers
     a = ap.parse_args(argv)
     if a.draft_vocab is not None and a.draft_vocab < 0:
         ap.error(f"--draft-vocab: expected ids >= 0, found {a.draft_vocab}")
+    if a.list_kernels and not a.compile_for:
+        ap.error("--list-kernels: lists a compiled program's kernels; needs --compile-for H100 or H200")
     if a.budget <= 0:
         ap.error(f"--budget: expected seconds > 0, found {a.budget:g}")
     bad = [r for r in a.runs.split(",") if r not in RUNS]

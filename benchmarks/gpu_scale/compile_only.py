@@ -82,6 +82,9 @@ def run(a, p, budget, cases):
                     print(f"    launch budget: {launch_budget_us(step_bytes, bw, n):.2f} us per kernel beyond the "
                           f"bytes' time for a plain step at {100 * TARGET_SHARE:.0f}% of the peak ({n} kernels, "
                           f"{n / cfg.num_layers:.1f} per layer)", flush=True)
+                    if a.list_kernels:
+                        for i, row in enumerate(launches.kernel_list(hlo)):
+                            print(f"      {i + 1:5d} {row}", flush=True)
             except Exception as e:  # noqa: BLE001 - one part that fails must not hide the others
                 failures += 1
                 print(f"  {name} {case.label}: FAIL {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)

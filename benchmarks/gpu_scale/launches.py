@@ -145,6 +145,29 @@ def loop_instructions(hlo: str):
     return out, comps
 
 
+def kernel_list(hlo: str) -> list[str]:
+    """One line per kernel of the decode loop, in program order: the opcode, a fusion's root opcode, the result
+    type, a custom call's target (a Pallas kernel by its name). Each instruction once, as loop_instructions walks
+    them: a nested loop's body once, every branch of a conditional (per_iteration counts trips and the largest
+    branch), so for a loop with neither the list is as long as per_iteration's total."""
+    lines, comps = loop_instructions(hlo)
+    out = []
+    for line in lines:
+        op = opcode(line)
+        if op in FREE or op.endswith("-done") or op.endswith("-update"):
+            continue
+        root = opcode(_root(line, comps)) if op == "fusion" else ""
+        m = re.search(r"= ((?:\([^=]*?\))|\S+) ", line)
+        what = (m.group(1) if m else "?")[:60]
+        target = ""
+        if op == "custom-call":
+            pallas = re.search(r'op_name="([^"]*)/pallas_call"', line)
+            called = re.search(r'custom_call_target="([^"]+)"', line)
+            target = pallas.group(1).rsplit("/", 1)[-1] if pallas else (called.group(1) if called else "")
+        out.append(f"{op:12s} {root:20s} {what:60s} {target}".rstrip())
+    return out
+
+
 def _root(line: str, comps: dict) -> str:
     """The ROOT instruction line of a fusion's computation ("" for anything else)."""
     if opcode(line) != "fusion":
