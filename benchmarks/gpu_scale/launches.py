@@ -8,6 +8,8 @@ bytes' time at the HBM peak the launches may explain (report.py prints the time 
 import re
 from collections import Counter
 
+from qwen_mtp.tools.gpu_compile import pallas_kernels
+
 FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "opt-barrier",
         "add-dependency", "partition-id", "replica-id"}
 _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\{$")
@@ -56,6 +58,11 @@ def _trip(line: str) -> int:
     return int(m.group(1)) if m else 1
 
 
+def _launches(op: str) -> bool:
+    """Whether an instruction of opcode `op` runs as a kernel (module doc)."""
+    return not (op in FREE or op.endswith("-done") or op.endswith("-update"))
+
+
 def count(comps: dict, name: str, seen=()) -> Counter:
     """Kernels one run of computation `name` launches (module doc), by opcode (a fusion, a custom-call, ...)."""
     n = Counter()
@@ -64,7 +71,7 @@ def count(comps: dict, name: str, seen=()) -> Counter:
     seen = seen + (name,)
     for line in comps[name]:
         op = opcode(line)
-        if op in FREE or op.endswith("-done") or op.endswith("-update"):
+        if not _launches(op):
             continue
         if op == "while":
             trips = _trip(line)
@@ -154,16 +161,15 @@ def kernel_list(hlo: str) -> list[str]:
     out = []
     for line in lines:
         op = opcode(line)
-        if op in FREE or op.endswith("-done") or op.endswith("-update"):
+        if not _launches(op):
             continue
         root = opcode(_root(line, comps)) if op == "fusion" else ""
         m = re.search(r"= ((?:\([^=]*?\))|\S+) ", line)
         what = (m.group(1) if m else "?")[:60]
         target = ""
         if op == "custom-call":
-            pallas = re.search(r'op_name="([^"]*)/pallas_call"', line)
             called = re.search(r'custom_call_target="([^"]+)"', line)
-            target = pallas.group(1).rsplit("/", 1)[-1] if pallas else (called.group(1) if called else "")
+            target = next(iter(pallas_kernels(line)), "") or (called.group(1) if called else "")
         out.append(f"{op:12s} {root:20s} {what:60s} {target}".rstrip())
     return out
 

@@ -135,7 +135,7 @@ EOS_SLOTS = 4  # the eos ids a program takes: a multiple of this many, padded wi
 def eos_slots(eos: tuple) -> np.ndarray:
     """The rows' stop ids as the programs take them: eos_token_id=[], one id or the config's few share one shape,
     so changing them compiles nothing (the loops test `token == eos` over the slots; a -1 pad matches no token)."""
-    out = np.full(max(EOS_SLOTS, -(-len(eos) // EOS_SLOTS) * EOS_SLOTS), -1, np.int32)
+    out = np.full(max(EOS_SLOTS, round_up(len(eos), EOS_SLOTS)), -1, np.int32)
     out[:len(eos)] = eos
     return out
 
