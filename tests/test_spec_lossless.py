@@ -77,3 +77,37 @@ def test_head_missing_gives_clear_error(ckpt):
         qwen_mtp.generate(m, [1, 2, 3], 4, spec=qwen_mtp.SpecConfig(k=2))
     with pytest.raises(qwen_mtp.MissingMTPHeadError, match="mtp"):
         qwen_mtp.mtp_logits(m, [1, 2, 3])
+
+
+def test_draft_steps_unrolled_for_a_gpu_draft_the_same(model, monkeypatch):
+    """speculative.DRAFT_UNROLLED: a program lowered for cuda runs the k - 1 draft steps unrolled (a loop there
+    runs on the host: gpu_scale --compile-for). Made to apply to cpu here, the unrolled steps give the same drafts,
+    draft distributions and head cache as the loop, and the program holds one loop fewer."""
+    import jax
+    import jax.numpy as jnp
+
+    from qwen_mtp.decoding import speculative
+    from qwen_mtp.decoding.sampling import Sampling
+    from qwen_mtp.head.mtp import init_mtp_cache
+
+    cfg, B, k = model.config, 2, 4
+    m1 = jax.random.normal(jax.random.PRNGKey(0), (B, cfg.hidden_size), jnp.float32)
+    mcache = init_mtp_cache(cfg, B, 32, jnp.float32)
+    pos = jnp.array([5, 9], jnp.int32)
+    spec, sampling = speculative.SpecConfig(k=k), Sampling(temperature=0.8, top_k=20)
+
+    def run():  # a new function each time: traced with DRAFT_UNROLLED as it is now
+        fn = jax.jit(lambda w, c, m, p, key: speculative._draft(w, cfg, c, m, p, spec, sampling, key))
+        args = (model.weights, mcache, m1, pos, jax.random.PRNGKey(1))
+        return fn(*args), fn.lower(*args).as_text()
+
+    (D, Q, cache), looped = run()
+    monkeypatch.setattr(speculative, "DRAFT_UNROLLED", ("cuda", "cpu"))
+    (D2, Q2, cache2), unrolled = run()
+    # the draft loop is gone (the sampler's own loops stay in both)
+    assert looped.count("stablehlo.while") - unrolled.count("stablehlo.while") == 1, (looped, unrolled)
+    np.testing.assert_array_equal(D2, D)
+    assert len(set(np.asarray(D).ravel().tolist())) > 2  # real drafts, not one id repeated
+    np.testing.assert_allclose(Q2, Q, rtol=1e-6, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(cache2), jax.tree.leaves(cache)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -91,6 +91,13 @@ def draft_vocab_pick(dv, m, sampling, key, vocab_size: int, seen=None, rows=None
     return d, q
 
 
+# platforms whose programs run the draft steps unrolled, not as a loop. XLA's GPU runtime keeps a loop that holds
+# a write at the loop's index (the scan's stacked drafts) on the host, its predicate read back each iteration, so a
+# round compiled for cuda ran as three CUDA graphs and a host loop of k - 1 iterations between them (gpu_scale
+# --compile-for shows it); unrolled, a round is one graph. A CPU program keeps the loop (fewer ops to compile).
+DRAFT_UNROLLED = ("cuda",)
+
+
 def _draft(weights, cfg, mcache, m1, pos, spec, sampling, key, seen=None, rows=None):
     """Returns drafts D [B, k], their draft distributions Q [B, k, V] (None when greedy), the head cache.
     seen [B, V]: the context's ids under a repetition penalty (penalty.py); each draft is penalised with it and
@@ -131,7 +138,11 @@ def _draft(weights, cfg, mcache, m1, pos, spec, sampling, key, seen=None, rows=N
     if k == 1:
         D, Q = d1[:, None], (None if q1 is None else q1[:, None])
         return D, Q, mcache
-    (_, _, mcache, _), (ds, qs) = jax.lax.scan(step, (d1, m1, mcache, seen), (jnp.arange(1, k), keys[1:]))
+    scan = lambda unroll: lambda carry, xs: jax.lax.scan(step, carry, xs, unroll=unroll)
+    # for a GPU the k - 1 steps unrolled (DRAFT_UNROLLED): a loop there runs on the host, a round trip a step
+    (_, _, mcache, _), (ds, qs) = jax.lax.platform_dependent(
+        (d1, m1, mcache, seen), (jnp.arange(1, k), keys[1:]), default=scan(1),
+        **{p: scan(True) for p in DRAFT_UNROLLED})
     D = jnp.concatenate([d1[:, None], ds.T], axis=1)
     Q = None if q1 is None else jnp.concatenate([q1[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
     return D, Q, mcache
