@@ -69,12 +69,12 @@ def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
 
 
 def test_decode_programs_compile_for_h200(python):
-    """gpu_scale --compile-for H200, short form: the plain step and the k = 1 rounds (native, Wind-MTP) of an int4
+    """gpu_scale --compile-for H200, short form: the plain step and the k = 3 rounds (native, Wind-MTP) of an int4
     MoE compile for the GPU; each line counts the kernels the program launches and names its Pallas kernels (the
     quantized matmuls, the routed experts, both attentions, the GDN step or verify: chosen for cuda). The dense
     bf16 trunk's round compiles in test_no_weight_is_copied_in_a_decode_loop (27B, real width)."""
     out = _run(python, "benchmarks/gpu_scale", "--compile-for", "H200", "--short", "--runs", "35B-A3B-int4",
-               "--k", "1", "--draft-vocab", "0", "--budget", "600", "--list-kernels")
+               "--k", "3", "--draft-vocab", "0", "--budget", "600", "--list-kernels", "--loop-graph")
     assert out.rstrip().splitlines()[-1].startswith("OK: 0 failures"), out
     assert "XLA's GPU compiler on this host, deviceless" in out
     probe = re.search(r"launch probe \(launch_probe.py\) compiled for H200: (\d+) kernels \(fusion", out)
@@ -85,14 +85,14 @@ def test_decode_programs_compile_for_h200(python):
         for m in re.finditer(r"^  (.+?): compiled for H200 in [\d.]+ s; (\d+) kernels \(fusion \d+[^)]*\) a "
                              r"(step|round); Pallas kernels: (.+); temp", block, re.M):
             got[(name, m.group(1))] = (int(m.group(2)), m.group(4))
-    assert set(got) == {("35B-A3B-int4", c) for c in ("plain", "k1 native", "k1 windowed W32 S4")}, (got, out)
+    assert set(got) == {("35B-A3B-int4", c) for c in ("plain", "k3 native", "k3 windowed W32 S4")}, (got, out)
     for (name, case), (kernels, pallas) in got.items():
         assert kernels > 20, (name, case, kernels)  # a 4-layer step launches dozens
         assert ("windowed_draft_attention" in pallas) == ("windowed" in case), (name, case, pallas)
         assert "causal_attention" in pallas, (name, case, pallas)
         assert ("gdn_decode_step" if case == "plain" else "gdn_verify") in pallas, (name, case, pallas)
         assert "moe_gemv_int4" in pallas and "quant_matmul_int4" in pallas, (name, case, pallas)
-    assert got[("35B-A3B-int4", "k1 native")][0] > got[("35B-A3B-int4", "plain")][0]
+    assert got[("35B-A3B-int4", "k3 native")][0] > got[("35B-A3B-int4", "plain")][0]
     # --list-kernels: the plain step's kernels one a line, in order, as many as its count (no nested loop there)
     listed = re.findall(r"^ {6} *\d+ (\S+) .*$", out, re.M)
     assert len(listed) == got[("35B-A3B-int4", "plain")][0], listed
@@ -101,6 +101,17 @@ def test_decode_programs_compile_for_h200(python):
     assert out.count("concatenations of 4 MB or more in the loop: none") == 3, out
     assert out.count("products of 1 MB or more written out: none") == 3, out
     assert out.count("launch budget: ") == 1  # from the plain step
+    # CUDA graphs (gpu_compile's CUDA 12.4 driver): by default each program's loop body is one graph, every kernel
+    # in it, Pallas kernels included (all but the loop condition's), a round's draft steps too (unrolled for cuda:
+    # speculative.DRAFT_UNROLLED; as a loop they ran on the host); --loop-graph puts the loop itself in it
+    assert "inner loop" not in out, out
+    body = re.findall(r"^    CUDA graphs: the loop on the host \(its predicate read back each (?:step|round)\), "
+                      r"(\d+) of its (\d+) thunks in 1 graph a (?:step|round)$", out, re.M)
+    assert len(body) == 3 and all(int(n) == int(total) - 1 for n, total in body), out
+    assert int(body[0][1]) >= got[("35B-A3B-int4", "plain")][0], (body, got)
+    whole = re.findall(r"^    CUDA graphs with --loop-graph: the whole loop one CUDA graph \(a conditional node\), "
+                       r"(\d+) thunks: no host round trip$", out, re.M)
+    assert [int(n) for n in whole] == [int(t) for _, t in body[:2]], (whole, body)  # plain, k3 native
 
 
 def test_no_weight_is_copied_in_a_decode_loop(python, report):
@@ -159,6 +170,8 @@ def test_targets_and_a_missing_plugin_say_what_is_wrong(monkeypatch):
 
     text = gpu_compile.target_config("H200")
     assert "core_count: 132" in text and "memory_bandwidth: 4800000000000" in text and "major: 9" in text
+    # the CUDA versions XLA reads before it puts a loop in a CUDA graph (>= 12.3; a string field of the proto)
+    assert 'driver_version: "12.4.0"' in text and 'runtime_version: "12.9.0"' in text, text
     with pytest.raises(ArgumentError, match="'target': expected one of \\['H100', 'H200'\\], found 'A100'"):
         gpu_compile.target_config("A100")
 

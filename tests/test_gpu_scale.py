@@ -21,7 +21,8 @@ def test_short_form_runs_every_part(capsys):
     """The MoE model in int4 (the path with experts and the traced quantizer), k = 1, two contexts; the draft
     vocabulary's rounds left out here (two more compiles; benchmarks/results' short run has them)."""
     before = jax.config.jax_compilation_cache_dir
-    assert cli.main(["--short", "--runs", "35B-A3B-int4", "--k", "1", "--contexts", "64,256", "--draft-vocab", "0"]) == 0
+    assert cli.main(["--short", "--runs", "35B-A3B-int4", "--k", "1", "--contexts", "64,256", "--draft-vocab", "0",
+                     "--loop-graph"]) == 0
     out = capsys.readouterr().out
     # the fresh compile cache it made (its second process read it) is gone, and this process's own is back
     made = Path(re.search(r"compile cache (\S+)", out).group(1))
@@ -37,6 +38,12 @@ def test_short_form_runs_every_part(capsys):
                                           r"(?:step|round)", out)}
     assert len(kernels) >= 2 and min(kernels) > 20, kernels  # a 4-layer step launches dozens; a round more
     assert "draft vocab" not in out and "(again" not in out
+    # --loop-graph: the plain step and the native round timed again with graphs.LOOP_GRAPH, beside the default
+    for label in ("plain", "k1 native"):
+        line = re.search(rf"^  {label}, --loop-graph: compiled in [\d.]+ s, no CUDA graphs on cpu; per "
+                         rf"(?:step|round) 64: [\d.]+ ms \(([\d.]+) of the default's\), 256: .*$", out, re.M)
+        assert line and float(line.group(1)) > 0, (label, out)
+    assert "windowed W32 S4, --loop-graph" not in out
     for ctx in (64, 256):
         assert f"35B-A3B-int4 at {ctx} cached positions" in out
     assert out.count("plain TPOT") == 2 and "with routed experts only" in out
@@ -78,6 +85,48 @@ def test_reads_charge_an_moe_only_its_routed_experts():
     per = reads.kv_per_position(cfg, 2)
     assert native["kv"] - windowed["kv"] == 3 * (3001 - 36) * per
     assert native["weights"] == windowed["weights"]
+
+
+# thunk sequences as XLA 0.10.2 dumps them for an H200 (gpu_compile, deviceless), cut to their shape: the default
+# (the loop on the host, its body one command buffer) and graphs.LOOP_GRAPH (the loop inside the command buffer)
+BODY_GRAPH = """001: kCopy  [source       | next=135 (2)] kCopy
+002: kWhile [source       | sink        ]
+condition:
+    003: kCustomKernel [source | sink] loop_and_fusion grid: [1, 1, 1]
+  body:
+    000: kCommandBuffer [source | sink]
+        004: kCustomKernel [source       | next=132 (128)] input_reduce_fusion_13 grid: [1, 1, 1]
+        007: kCopy         [prev=006 (1) | next=010 (3)  ] kCopy
+        019: kCustomKernel [prev=018 (1) | next=020 (1)  ] gdn_decode_step grid: [1, 32, 1]
+"""
+LOOP_GRAPH = """000: kCommandBuffer [source | sink]
+    001: kCopy  [source       | next=135 (2)] kCopy
+    002: kWhile [source       | sink        ]
+condition:
+        003: kCustomKernel [source | sink] loop_and_fusion grid: [1, 1, 1]
+      body:
+        004: kCustomKernel [source       | next=132 (128)] input_reduce_fusion_13 grid: [1, 1, 1]
+        007: kCopy         [prev=006 (1) | next=010 (3)  ] kCopy
+"""
+
+
+def test_graphs_read_where_the_decode_loop_runs():
+    """graphs.structure: the default dump keeps the loop on the host with its body in one graph (the condition's
+    kernel outside); LOOP_GRAPH's puts the loop itself in the graph; thunks before the loop are not counted; a
+    body with no command buffer is all outside."""
+    from gpu_scale import graphs
+
+    body = graphs.structure(BODY_GRAPH)
+    assert body == {"loop_in_graph": False, "graphs": 1, "in_graphs": 3, "outside": 1, "host_loops": 0}, body
+    assert graphs.describe(body) == ("the loop on the host (its predicate read back each step), 3 of its 4 thunks "
+                                     "in 1 graph a step")
+    loop = graphs.structure(LOOP_GRAPH)
+    assert loop == {"loop_in_graph": True, "graphs": 0, "in_graphs": 3, "outside": 0, "host_loops": 0}, loop
+    assert graphs.describe(loop).startswith("the whole loop one CUDA graph (a conditional node), 3 thunks")
+    bare = graphs.structure(BODY_GRAPH.replace("    000: kCommandBuffer [source | sink]\n", ""))
+    assert bare == {"loop_in_graph": False, "graphs": 0, "in_graphs": 0, "outside": 4, "host_loops": 0}, bare
+    assert graphs.structure("001: kCopy [source | sink] kCopy\n") == {}
+    assert graphs.describe({}) == "no loop in the program"
 
 
 def test_launches_count_a_loops_kernels():

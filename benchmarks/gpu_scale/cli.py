@@ -15,7 +15,7 @@ import time
 
 import jax
 
-from . import launch_probe, launches, report
+from . import graphs, launch_probe, launches, report
 from .models import (
     RUNS,
     build_model,
@@ -30,6 +30,7 @@ from .programs import (
     Case,
     compile_case,
     head_cache_shapes,
+    lower_case,
     start,
     time_plain,
     time_spec,
@@ -64,6 +65,10 @@ def parse(argv):
     ap.add_argument("--list-kernels", action="store_true",
                     help="with --compile-for: after each plain step's line, every kernel of one step in order "
                     "(opcode, a fusion's root op, result type, a Pallas kernel's name): where a step's launches go")
+    ap.add_argument("--loop-graph", action="store_true",
+                    help="the plain step and the first native round again with the whole decode loop one CUDA graph "
+                    "(graphs.py LOOP_GRAPH: XLA's default puts a step's kernels in one graph, the loop on the host): "
+                    "each timed both ways, the ratio printed; with --compile-for, what each compiles to")
     ap.add_argument("--cached-child", default=None, help=argparse.SUPPRESS)  # JSON: what the second process lowers
     a = ap.parse_args(argv)
     if a.draft_vocab is not None and a.draft_vocab < 0:
@@ -189,6 +194,9 @@ def run_model(name, plan, a, p, budget, share_end, results):
             print(f"  {case.label}: compiled in {secs:.1f} s, {launches.describe(kernels)} a "
                   f"{'step' if not case.k else 'round'} (launches.py); per {'step' if not case.k else 'round'} "
                   + ", ".join(line), flush=True)
+            if a.loop_graph and case in loop_graph_cases(plan):
+                state, native_head = loop_graph(cfg, dtype, quant, case, B, slots, cap, ctxs, p, res, weights, state,
+                                                native_head)
         except Exception as e:  # noqa: BLE001 - one part that fails must not hide the others
             failures += 1
             print(f"  {name} {case.label}: FAIL {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
@@ -196,6 +204,41 @@ def run_model(name, plan, a, p, budget, share_end, results):
                 jax.eval_shape(lambda: _states(cfg, B, slots, dtype)), start=1))
     res["ctxs"] = ctxs
     return failures
+
+
+def loop_graph_cases(plan):
+    """The cases --loop-graph times again: the plain step and the first native round of `plan`."""
+    return [c for c in plan if not c.k][:1] + [c for c in plan if c.k and c.window is None][:1]
+
+
+def loop_graph(cfg, dtype, quant, case, B, slots, cap, ctxs, p, res, weights, state, head):
+    """--loop-graph: `case` compiled with the whole loop one CUDA graph (graphs.LOOP_GRAPH), what XLA made of it,
+    and its time at each context beside the default program's. Returns the state and head it leaves."""
+    lowered, secs = lower_case(cfg, dtype, quant, case, B, slots, cap)
+    t = time.perf_counter()
+    if jax.default_backend() == "gpu":
+        compiled, where = graphs.compile_dumped(lowered, graphs.LOOP_GRAPH)
+        where = graphs.describe(where, "step" if not case.k else "round")
+    else:  # XLA's CPU compiler reads no GPU option: the same program (the short form's check of this path)
+        compiled = lowered.compile(compiler_options=graphs.LOOP_GRAPH)
+        where = f"no CUDA graphs on {jax.default_backend()}"
+    secs += time.perf_counter() - t
+    line = []
+    for ctx in ctxs:
+        carry = start(cfg, case, B, ctx, cap, dtype)
+        if not case.k:
+            sec, ran, state = time_plain(compiled, weights, state, carry, p["steps"])
+            base = res["plain"][ctx]
+        else:
+            sec, ran, state, head = time_spec(compiled, weights, state, head, carry, p["rounds"])
+            base = res["rounds"][(case, ctx)]
+        want = p["steps"] if not case.k else p["rounds"]
+        if ran != want:
+            raise RuntimeError(f"ran {ran} of {want} {'steps' if not case.k else 'rounds'} (a row stopped)")
+        line.append(f"{ctx}: {1e3 * sec:.3f} ms ({sec / base:.3f} of the default's)")
+    print(f"  {case.label}, --loop-graph: compiled in {secs:.1f} s, {where}; per "
+          f"{'step' if not case.k else 'round'} " + ", ".join(line), flush=True)
+    return state, head
 
 
 def _states(cfg, B, slots, dtype):
@@ -296,7 +339,8 @@ def compile_cache(path):
 def measure(a, p, cache_dir, t0):
     """The device run: the launch probe, every run's cases within the budget, the tables, the cached start."""
     kind, bw = peak_bandwidth()
-    print(f"gpu_scale: {jax.default_backend()} {kind} (peak {report.tb(bw)}), jax {jax.__version__}, budget "
+    print(f"gpu_scale: {jax.default_backend()} {kind} (peak {report.tb(bw)}), jax {jax.__version__}, platform "
+          f"{jax.devices()[0].client.platform_version!r}, budget "
           f"{a.budget:.0f} s, batch 1, bf16 activations; compile cache {cache_dir}", flush=True)
     reserve = 0.0 if a.no_cached_start else RESERVE_CACHED[a.short]
     budget = Budget(a.budget, reserve)

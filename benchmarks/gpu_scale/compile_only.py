@@ -3,16 +3,18 @@ own GPU compiler run deviceless (qwen_mtp.tools.gpu_compile), at full depth, not
 compile seconds on this host, the kernels one step / round launches in the program a GPU would run (launches.py),
 the Pallas kernels among them, the device memory it asks for beyond its arguments (XLA's temp buffers), and the
 concatenations of 4 MB or more inside its loop (launches.concatenations: a weight copied at every step) and the
-weight-sized products it writes out (launches.products: a dot split into a multiply and a reduce). Per
+weight-sized products it writes out (launches.products: a dot split into a multiply and a reduce), and what XLA
+recorded as CUDA graphs (graphs.py: from the thunk sequence it dumps; with --loop-graph, also the plain step and
+the first native round compiled with the whole loop one graph). Per
 model: the bytes a plain step reads, their time at the target's peak bandwidth, and what is left per kernel for
 launch and tail time if the step is to read at 85% of the peak (issue 38's 27B target): a launch budget, the
 figure a GPU run's kernel time per launch (report.py) is read against. No time is measured here."""
 
 import time
 
-from . import launches
+from . import graphs, launches
 from .models import RUNS, abstract_weights, config
-from .programs import compile_case
+from .programs import lower_case
 from .reads import step_reads, weight_parts
 from .report import gb
 
@@ -58,12 +60,16 @@ def run(a, p, budget, cases):
               f"{gb(step_bytes)} = {1e6 * step_bytes / bw:.1f} us at the peak", flush=True)
         share_end = time.perf_counter() + max(0.0, budget.left()) / (len(runs) - i)
         est = 0.0
+        loop_cases = cases[:1] + [c for c in cases if c.k and c.window is None][:1]  # plain, the first native
         for case in cases:
             if not budget.fits(f"{name} {case.label}", share_end, est):
                 continue
             try:
-                compiled, secs = compile_case(cfg, "bfloat16", quant, case, 1, slots,
-                                              cap_plain if not case.k else cap_spec, target=target)
+                lowered, secs = lower_case(cfg, "bfloat16", quant, case, 1, slots,
+                                           cap_plain if not case.k else cap_spec, target=target)
+                t = time.perf_counter()
+                compiled, where = graphs.compile_dumped(lowered)
+                secs += time.perf_counter() - t
                 est = max(est, secs)
                 hlo = compiled.as_text()
                 kernels = launches.per_iteration(hlo)
@@ -77,6 +83,10 @@ def run(a, p, budget, cases):
                       f"; Pallas kernels: {', '.join(f'{k} x{n}' for k, n in sorted(pallas.items())) or 'none'}; "
                       f"temp {temp / 1e9:.3f} GB; concatenations of 4 MB or more in the loop: {cat}; products of "
                       f"1 MB or more written out: {prod}", flush=True)
+                print(f"    CUDA graphs: {graphs.describe(where, what)}", flush=True)
+                if a.loop_graph and case in loop_cases:
+                    print(f"    CUDA graphs with --loop-graph: "
+                          f"{graphs.describe(graphs.compile_dumped(lowered, graphs.LOOP_GRAPH)[1], what)}", flush=True)
                 if not case.k:
                     n = kernels.total()
                     print(f"    launch budget: {launch_budget_us(step_bytes, bw, n):.2f} us per kernel beyond the "

@@ -97,9 +97,9 @@ def abstract_inputs(cfg, dtype, quant, case: Case, batch: int, slots: int, cap: 
     return sds((w, state, head, carry, eos, i32, i32))
 
 
-def compile_case(cfg, dtype, quant, case: Case, batch: int, slots: int, cap: int, target=None):
-    """(the compiled loop, seconds to trace, lower and compile it). target: a GPU of
-    qwen_mtp.tools.gpu_compile.TARGETS to compile for on this machine instead (compile_only.py)."""
+def lower_case(cfg, dtype, quant, case: Case, batch: int, slots: int, cap: int, target=None):
+    """(the lowered loop, seconds to trace and lower it). target: a GPU of qwen_mtp.tools.gpu_compile.TARGETS to
+    lower for on this machine instead (compile_only.py)."""
     from qwen_mtp.decoding.sampling import Sampling
 
     args = abstract_inputs(cfg, dtype, quant, case, batch, slots, cap)
@@ -115,8 +115,16 @@ def compile_case(cfg, dtype, quant, case: Case, batch: int, slots: int, cap: int
     else:
         w, state, head, carry, eos, max_new, until = args
         lowered = fn.trace(w, cfg, state, head, carry, eos, max_new, until, case.spec, Sampling()).lower()
-    compiled = lowered.compile()
-    return compiled, time.perf_counter() - t
+    return lowered, time.perf_counter() - t
+
+
+def compile_case(cfg, dtype, quant, case: Case, batch: int, slots: int, cap: int, target=None, options=None):
+    """(the compiled loop, seconds to trace, lower and compile it); options: XLA compiler options (graphs.py's
+    LOOP_GRAPH). target: as lower_case's."""
+    lowered, secs = lower_case(cfg, dtype, quant, case, batch, slots, cap, target)
+    t = time.perf_counter()
+    compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+    return compiled, secs + time.perf_counter() - t
 
 
 def time_plain(compiled, weights, state, carry, steps: int):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import json
 import os
 import re
 
@@ -37,7 +38,12 @@ _SM90 = {"threads_per_block_limit": 1024, "threads_per_warp": 32, "shared_memory
          "shared_memory_per_core": 233472, "threads_per_core_limit": 2048, "core_count": 132, "fpus_per_core": 128,
          "block_dim_limit_x": 2147483647, "block_dim_limit_y": 65535, "block_dim_limit_z": 65535,
          "l2_cache_size": 52428800, "clock_rate_ghz": 1.98, "shared_memory_per_block_optin": 232448,
-         "registers_per_core_limit": 65536, "registers_per_block_limit": 65536}
+         "registers_per_core_limit": 65536, "registers_per_block_limit": 65536,
+         # the CUDA versions XLA reads to decide what a CUDA graph may hold (its command buffers): below 12.3 it
+         # keeps gemm libraries, custom calls and on-device control flow out of the graphs. The runtime and
+         # toolkit: the CUDA 12.9 that jax[cuda12] installs; the driver: 12.4, assumed (no driver is read here).
+         # A machine with an older driver gets fewer graphs than these compiles show: gpu_scale prints its own.
+         "driver_version": "12.4.0", "runtime_version": "12.9.0", "compile_time_toolkit_version": "12.9.0"}
 TARGETS = {"H100": dict(_SM90, memory_bandwidth=3352320000000, device_memory_size=84978434048,
                         name="NVIDIA H100 80GB HBM3"),
            "H200": dict(_SM90, memory_bandwidth=4800000000000, device_memory_size=150754820096,
@@ -67,7 +73,8 @@ def target_config(target: str) -> str:
 
         raise ArgumentError("target", f"one of {sorted(TARGETS)}", repr(target))
     t = TARGETS[target]
-    fields = "\n".join(f"  {k}: {v}" for k, v in t.items() if k != "name")
+    fields = "\n".join(f"  {k}: {json.dumps(v) if isinstance(v, str) else v}" for k, v in t.items()
+                       if k != "name")
     return (f"gpu_device_info {{\n{fields}\n  cuda_compute_capability {{ major: 9 minor: 0 }}\n}}\n"
             f'platform_name: "CUDA"\ndnn_version_info {{ major: 9 minor: 8 }}\n'
             f'device_description_str: "{t["name"]}"\n')
