@@ -14,7 +14,8 @@ Pallas kernel is a custom call it cannot look inside: given sharded operands it 
   windowed      the draft head's windowed attention, split over batch rows (`data`) and kv heads (`model`),
                 each shard attending over its own heads of its own rows: no communication;
   causal        the trunk's and the native head's causal attention over their KV caches, split the same way;
-  gdn_rows      the GDN decode step and verify, split over batch rows (`data`) and heads (`model`): local.
+  gdn_rows      the GDN decode step and verify, split over batch rows (`data`) and heads (`model`): local;
+  conv_rows     the GDN conv at a decode row, split over rows (`data`) and channels (`model`): local.
 The mesh is the one `generate` runs under (jax.set_mesh(model.mesh)); with none, or nothing split, the kernel
 call is made as it is. Leaf module: the mesh-axis names and the batch rule live here, sharding.py builds on them.
 """
@@ -148,6 +149,24 @@ def causal_before_write(q, k_cache, v_cache, k_new, v_new, q_pos, call):
     return _per_row_and_head(call, (q, k_cache, v_cache, k_new, v_new, q_pos), k_cache.shape[2],
                              lambda t, dax: (t, t, t, t, t, P(dax, None)))
 
+
+
+def conv_rows(call, x, state, w, valid):
+    """The GDN conv at one decode row (gdn_conv.py) per shard: rows over `data`, channels over `model` as
+    sharding.py's `conv` rule splits them (contiguous channels; the conv is per channel, so any split is local).
+    call(x [B, C], state [B, K-1, C], w [K, C], valid [B]) -> (out [B, C], state) is the dispatch on whole or
+    local operands."""
+    mesh = active_mesh()
+    if mesh is None:
+        return call(x, state, w, valid)
+    dax = batch_axis(mesh, x.shape[0])
+    n = mesh.shape["model"]
+    cax = "model" if n > 1 and x.shape[1] % n == 0 else None
+    if dax is None and cax is None:
+        return call(x, state, w, valid)
+    rows, st = P(dax, cax), P(dax, None, cax)
+    return jax.shard_map(call, mesh=mesh, in_specs=(rows, st, P(None, cax), P(dax)), out_specs=(rows, st),
+                         check_vma=False)(x, state, w, valid)
 
 
 def gdn_rows(call, qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, num_k_heads: int, *, verify: bool):

@@ -68,6 +68,13 @@ def cases():
         out.append((f"GDN {'step' if T is None else f'verify T{T}'} {model} B{B}",
                     jax.jit(lambda *a, fn=fn, nk=nk: fn(*a, num_k_heads=nk, eps=1e-6)), _real_args(B, nk, nv,
                     jnp.bfloat16, T), {}, {"gdn_decode_step" if T is None else "gdn_verify": 1}))
+    from kernels_pallas.gdn_conv import conv_step
+    from tests.test_kernel_gdn_conv import REAL_CONV
+    S = jax.ShapeDtypeStruct
+    for model, B in (("27B", 1), ("122B-A10B / 397B-A17B", 8)):
+        C = REAL_CONV[model]
+        args = (S((B, C), jnp.bfloat16), S((B, 3, C), jnp.bfloat16), S((4, C), jnp.float32), S((B,), jnp.bool_))
+        out.append((f"GDN conv step {model} B{B}", jax.jit(conv_step), args, {}, {"gdn_conv_step": 1}))
     # a launch the rules never pick (K / V blocks of 128 slots, 3 stages: over one block's shared memory): XLA
     # must refuse it, or the compile is not reaching the kernels' machine code (want None: an error)
     args = _kernel_args(1, 1, 24, 4, 256, 64 + 4032 + 1, jnp.bfloat16)

@@ -54,6 +54,7 @@ from tests.test_kernel_windowed_attention import CASES as INTERPRET_CASES
 KERNEL = "windowed_draft_attention"
 CAUSAL = "causal_attention"  # the trunk's and the native head's attention (kernels_pallas/causal_attention.py)
 GDN_STEP, GDN_VERIFY = "gdn_decode_step", "gdn_verify"  # the GDN layers' decode step and verify (gdn_step.py)
+GDN_CONV = "gdn_conv_step"  # the GDN conv at a decode step, its state in place (gdn_conv.py)
 SDS = jax.ShapeDtypeStruct
 i32 = lambda *s: SDS(s, jnp.int32)
 
@@ -175,7 +176,7 @@ def _check_round_kernels(calls, spec):
     """A round's kernels: the verify's GDN kernel and causal attention (one lowered function each for all the
     trunk's layers of a kind, whose shapes are the same; a call site per distinct shape) and the head's attention
     in the draft steps (k > 1) and in the refill, windowed (two shapes: 1 and k + 1 rows) or causal (native)."""
-    assert calls.count(GDN_VERIFY) == 1 and GDN_STEP not in calls, calls
+    assert calls.count(GDN_VERIFY) == 1 and GDN_STEP not in calls and GDN_CONV not in calls, calls
     calls = [c for c in calls if c != GDN_VERIFY]
     assert CAUSAL in calls, calls
     if spec.window is not None:
@@ -221,7 +222,7 @@ def test_plain_decode_loop_lowers_for_cuda(name):
     cfg, dtype = _config(name)
     for sampling, keep in ((GREEDY, False), (SAMPLED, True)):
         calls = _dense_kernels(kernel_calls(_plain_program(cfg, dtype, sampling, keep_logits=keep)), cfg)
-        assert sorted(calls) == [CAUSAL, GDN_STEP], calls
+        assert sorted(calls) == [CAUSAL, GDN_CONV, GDN_STEP], calls
 
 
 @pytest.mark.parametrize("name", ENTRY_CONFIGS)
@@ -255,7 +256,7 @@ def test_repetition_penalty_programs_lower_for_cuda(name):
     assert carry.seen.shape == (B, cfg.vocab_size)
     plain = export_for(plain_decode, weight_shapes(cfg, dtype), cfg, _state(cfg, dtype), carry, i32(1), i32(),
                        i32(), i32(), keep_logits=False, sampling=PENALISED["greedy"])
-    assert sorted(kernel_calls(plain)) == [CAUSAL, GDN_STEP]
+    assert sorted(kernel_calls(plain)) == [CAUSAL, GDN_CONV, GDN_STEP]
     for spec, sampling in ((NATIVE, PENALISED["greedy"]), (WINDOWED, PENALISED["sampled"])):
         _check_round_kernels(kernel_calls(_spec_program(cfg, dtype, spec, sampling)), spec)
 

@@ -19,6 +19,7 @@ def test_gpu_check_runs_on_cpu(capsys):
     assert "FAIL" not in out and out.rstrip().splitlines()[-1].startswith("OK")
     assert "windowed k4 W64 S4" in out and "Pallas kernels []" in out  # on CPU the program holds the reference
     assert "end to end 27B slice: skipped" in out
+    assert "GDN conv one head (B1 C48 float32): max_rel out, state " in out  # gdn_conv.py beside the step
 
 
 def test_gpu_check_budget_skips_and_names_what_it_skips(capsys):

@@ -52,11 +52,11 @@ def _run(python, *args, timeout=900):
 def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
     """tests/gpu_compile_kernels.py: each Pallas kernel family at real Qwen3.5 shapes (quantized matmuls of 27B
     in every format at 1 and 5 rows, the routed MoE experts of 35B-A3B and 397B-A17B, windowed and causal
-    attention, the GDN decode step and verify) compiles for an H200 and holds its kernel; a launch over one
-    block's shared memory is refused by XLA's compile (the probe reaches the machine code)."""
+    attention, the GDN decode step, verify and conv step) compiles for an H200 and holds its kernel; a launch over
+    one block's shared memory is refused by XLA's compile (the probe reaches the machine code)."""
     rows = [json.loads(x) for x in _run(python, "tests/gpu_compile_kernels.py", "H200").splitlines()
             if x.startswith("{")]
-    assert len(rows) == 40, [r["label"] for r in rows]
+    assert len(rows) == 42, [r["label"] for r in rows]
     *good, bad = rows
     assert "error" in bad and "Shared memory size limit exceeded" in bad["error"], bad
     for r in good:
@@ -65,7 +65,8 @@ def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
         report(f"XLA sm_90 compile (deviceless, H200), {r['label']}: {r['kernels']} in {r['seconds']:.1f} s")
     families = {k for r in good for k in r["kernels"]}
     assert {"quant_matmul_int8", "quant_matmul_int4_mma", "quant_matmul_fp8", "moe_gemv_int4", "moe_gemv_plain",
-            "windowed_draft_attention", "causal_attention", "gdn_decode_step", "gdn_verify"} <= families, families
+            "windowed_draft_attention", "causal_attention", "gdn_decode_step", "gdn_verify",
+            "gdn_conv_step"} <= families, families
 
 
 def test_decode_programs_compile_for_h200(python):

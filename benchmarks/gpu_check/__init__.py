@@ -59,8 +59,9 @@
    the gated norm as one kernel a GDN layer) against their XLA references at small shapes, then at the real
    GDN heads of 27B, 35B-A3B and 397B-A17B (the step at batch 1 and 8, the verify of k = 3 and 8 drafts), timed
    beside the references (the XLA kernels they replace), with achieved GB/s (bytes = the f32 state read, and
-   written by the step, and the rows' qkv, z, b, a and output, each moved once). `--gdn-only` runs just this
-   part.
+   written by the step, and the rows' qkv, z, b, a and output, each moved once); beside each step case the conv
+   step kernel (kernels_pallas/gdn_conv.py: the conv and its next state in place) at the same rows and channels.
+   `--gdn-only` runs just this part.
 The --*-only flags combine into one command (`--quant-only --moe-only`: the numerics of every part named run
 first, then each part's main timings, then the rest: the plan sweeps, prefill, the long prefill). Exits non-zero if any check fails. Each part runs on when another raises (its error in one line), and a summary of
 the parts closes the output. `--budget SECONDS` fits the run to a lease: parts and cases not started by then are

@@ -1,10 +1,12 @@
 """The GDN decode step and verify kernels (kernels_pallas/gdn_step.py, gdn_verify.py) against their pure-JAX
 references at the test shapes and at real Qwen3.5 GDN shapes, timed beside the references (XLA's kernels for the
-same step: what the kernel replaces in every GDN layer of a decode step or a verify)."""
+same step: what the kernel replaces in every GDN layer of a decode step or a verify); with each step case, the
+conv step kernel (gdn_conv.py: the conv and its next state in place) at the same rows and channels."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from kernels_pallas.gdn_conv import conv_step_pallas, conv_step_reference
 from kernels_pallas.gdn_step import gdn_rows_pallas, gdn_step_reference
 from kernels_pallas.gdn_verify import gdn_verify_reference
 
@@ -43,6 +45,34 @@ def _reference(verify, nk):
     return step
 
 
+def check_conv(label, B, C, dt, rng, interpret, timings, kind, bw):
+    """The conv step kernel against its reference at B rows of C channels, 4 taps (one row a padding row when
+    B > 1); timed beside the reference. Returns 1 on a failure, else 0."""
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    valid = jnp.arange(B) != 1
+    x, state, w = f(B, C).astype(dt), f(B, 3, C).astype(dt), 0.5 * f(4, C)
+    kern = jax.jit(lambda *a: conv_step_pallas(*a, interpret=interpret))
+    ref = jax.jit(conv_step_reference)
+    want = [np.asarray(t.astype(jnp.float32)) for t in ref(x, state, w, valid)]
+    try:
+        got = [np.asarray(t.astype(jnp.float32)) for t in kern(x, state, w, valid)]
+    except Exception as e:  # one case that does not compile or run must not hide the others
+        print(f"GDN conv {label}: FAIL {one_line(e)}", flush=True)
+        return 1
+    rels = [max_rel(g, w_) for g, w_ in zip(got, want)]
+    ok = rels[0] < (1e-5 if dt == jnp.float32 else 2e-2) and rels[1] == 0 and all(np.isfinite(g).all() for g in got)
+    line = f"GDN conv {label} (B{B} C{C} {jnp.dtype(dt).name}): max_rel out, state {rels[0]:.1e}, {rels[1]:.1e} " \
+           f"{'OK' if ok else 'FAIL'}"
+    if timings:
+        t_k, t_r = time_call(kern, x, state, w, valid), time_call(ref, x, state, w, valid)
+        nbytes = dt.itemsize * B * C * (1 + 3 + 1 + 3) + 4 * 4 * C  # x, state read; out, state written; taps
+        frac = f" = {100 * nbytes / t_k / bw:.0f}% of {kind}'s {bw / 1e12:.2f} TB/s" if bw else ""
+        line += (f"; kernel {1e6 * t_k:.1f} us ({nbytes / t_k / 1e9:.0f} GB/s{frac}), XLA reference "
+                 f"{1e6 * t_r:.1f} us, kernel/reference {t_k / t_r:.2f}x")
+    print(line, flush=True)
+    return 0 if ok else 1
+
+
 def check_gdn(cases, interpret, timings):
     rng = np.random.default_rng(0)
     kind, bw = bandwidth()
@@ -52,6 +82,8 @@ def check_gdn(cases, interpret, timings):
             break
         dt = jnp.dtype(dtype)
         verify = T is not None
+        if not verify:
+            failures += check_conv(label, B, 2 * nk * d + nv * d, dt, rng, interpret, timings, kind, bw)
         a = _inputs(rng, B, T, nk, nv, d, dt)
         kern = jax.jit(lambda *x, nk=nk, verify=verify: gdn_rows_pallas(*x, num_k_heads=nk, eps=1e-6, verify=verify,
                                                                         interpret=interpret))

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import per_shard
+from kernels_pallas.gdn_conv import conv_step
 from kernels_pallas.gdn_step import gate_terms, gated_rmsnorm, gdn_step, split_heads
 from kernels_pallas.gdn_verify import gdn_verify, unit_lower_inverse, within_chunk
 from qwen_mtp.trunk.config import ModelConfig
@@ -174,10 +175,11 @@ def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode
     after the accepted position)."""
     T = x.shape[1]
     pre, z, b, a = in_projections(x, w)
+    if mode == "step" and T == 1:  # the conv and its next state: one kernel on cuda, the state in place
+        qkv, conv = per_shard.conv_rows(conv_step, pre[:, 0], st.conv, w.conv, n_valid > 0)
+        out, rec = decode_rows(qkv[:, None], z, b, a, w, cfg, st.rec, n_valid, verify=False)
+        return linear(out, w.out_proj), GDNState(conv, rec)
     qkv, window = causal_conv(pre, st.conv, w.conv)
-    if mode == "step" and T == 1:
-        out, rec = decode_rows(qkv, z, b, a, w, cfg, st.rec, n_valid, verify=False)
-        return linear(out, w.out_proj), GDNState(conv_window_at(window, n_valid, st.conv.shape[1]), rec)
     if mode == "verify":
         out, G, k_all, delta = decode_rows(qkv, z, b, a, w, cfg, st.rec, n_valid, verify=True)
         return linear(out, w.out_proj), GDNVerify(window, st.rec, G, k_all, delta)
