@@ -99,6 +99,9 @@ def test_decode_programs_compile_for_h200(python):
     assert len(listed) == got[("35B-A3B-int4", "plain")][0], listed
     names = re.findall(r"^ {6} *\d+ custom-call .* (\w+)$", out, re.M)
     assert names.count("gdn_decode_step") == 3 and "moe_gemv_int4" in names, names
+    # the GDN conv is one kernel a layer, its state written in place: no copy of a conv state [1, 3, C] is left
+    assert names.count("gdn_conv_step") == 3, names
+    assert not re.findall(r"^ {6} *\d+ copy +\S*\[1,3,\d+\]", out, re.M), out
     assert out.count("concatenations of 4 MB or more in the loop: none") == 3, out
     assert out.count("products of 1 MB or more written out: none") == 3, out
     assert out.count("launch budget: ") == 1  # from the plain step
