@@ -118,6 +118,20 @@ def test_decode_programs_compile_for_h200(python):
     assert [int(n) for n in whole] == [int(t) for _, t in body[:2]], (whole, body)  # plain, k3 native
 
 
+def test_tree_rounds_are_one_cuda_graph(python, report):
+    """tests/gpu_compile_kernels.py --trees: a sampled static tree's round and a greedy dynamic tree's, compiled for
+    an H200, each one CUDA graph but for the loop's condition (XLA's command buffers, read from its thunk dump).
+    Fails at the commit before tree_draft joined its levels: the sampled tree was 3 graphs, split by two copies."""
+    rows = [json.loads(x) for x in _run(python, "tests/gpu_compile_kernels.py", "H200", "--trees").splitlines()
+            if x.startswith("{")]
+    assert [r["label"] for r in rows] == ["sampled static tree (2, 2, 1)", "greedy dynamic tree"], rows
+    for r in rows:
+        g = r["graphs"]
+        assert g["graphs"] == 1 and g["outside"] == 1 and not g["host_loops"] and g["in_graphs"] > 100, r
+        report(f"XLA compile for an H200 (deviceless), {r['label']}: {g['in_graphs']} thunks in one CUDA graph a "
+               f"round, {r['seconds']:.1f} s")
+
+
 def test_no_weight_is_copied_in_a_decode_loop(python, report):
     """A speculative round of 4 real-width layers of 27B and of 35B-A3B (bf16) compiled for an H200 holds no
     concatenation of 4 MB or more in its loop, nor does 35B-A3B's plain step write out a weight-sized product,

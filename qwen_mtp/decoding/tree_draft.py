@@ -76,7 +76,11 @@ def _draft_static(weights, cfg, mcache, m1, x, pos, spec, tree, sampling, key, s
     depth_np = mask_np[:, 1:].sum(1)
     buf = _entries(cfg, mcache, spec, tree, B)
     buf_depth = jnp.broadcast_to(jnp.asarray(depth_np[1:E + 1] if E else np.ones(1, np.int32)), (B, max(E, 1)))
-    tokens = jnp.zeros((B, N1), jnp.int32).at[:, 0].set(x)
+    # the drafted tokens level by level, joined where the whole row is read: written into one array at each level,
+    # XLA made the writes copies that a CUDA graph holds only with a CUDA 12.9 driver (docs/on-a-gpu.md)
+    levels = [x[:, None].astype(jnp.int32)]
+    joined = lambda: jnp.concatenate(levels + [jnp.zeros((B, N1 - sum(t.shape[1] for t in levels)), jnp.int32)],
+                                     axis=1)
     M = jnp.zeros((B, E + 1, m1.shape[-1]), m1.dtype).at[:, 0].set(m1)
     Q = None if sampling.greedy else jnp.zeros((B, N1, V), jnp.float32)
     prev = np.array([0])
@@ -86,12 +90,12 @@ def _draft_static(weights, cfg, mcache, m1, x, pos, spec, tree, sampling, key, s
         else:
             ok = jnp.broadcast_to(jnp.asarray(mask_np[prev][:, 1:E + 1]), (B, len(prev), E))
             slots = jnp.broadcast_to(jnp.asarray(prev - 1), (B, len(prev)))
-            m, buf, mcache = head_level(weights, cfg, tokens[:, prev], M[:, parent[prev]], mcache, pos, d - 1, buf,
+            m, buf, mcache = head_level(weights, cfg, joined()[:, prev], M[:, parent[prev]], mcache, pos, d - 1, buf,
                                         slots, ok, buf_depth, window=spec.window, sinks=spec.sinks,
                                         offsets=tree.entry_offsets())
             M = M.at[:, prev].set(m)
         logits, ids = head_logits(weights, m, V)
-        node_seen = None if seen is None else path_seen(seen, tokens, layout.mask)[:, prev]
+        node_seen = None if seen is None else path_seen(seen, joined(), layout.mask)[:, prev]
         logits = _penalised(logits, node_seen, ids, sampling)
         w = tree.widths[d - 1]
         if sampling.greedy:
@@ -101,9 +105,9 @@ def _draft_static(weights, cfg, mcache, m1, x, pos, spec, tree, sampling, key, s
             children = _ids(draw(keys[d - 1], jnp.broadcast_to(q_sub[:, :, None], q_sub.shape[:2] + (w,) +
                                                                q_sub.shape[2:])), ids)
             Q = Q.at[:, prev].set(full_vocab(q_sub, ids, V))
-        tokens = tokens.at[:, lo:hi].set(children.reshape(B, hi - lo).astype(jnp.int32))
+        levels.append(children.reshape(B, hi - lo).astype(jnp.int32))
         prev = np.arange(lo, hi)
-    return tokens, layout, Q, mcache, M
+    return joined(), layout, Q, mcache, M
 
 
 def _draft_dynamic(weights, cfg, mcache, m1, x, pos, spec, tree, sampling, key, seen):
