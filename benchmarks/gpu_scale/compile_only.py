@@ -5,10 +5,10 @@ the Pallas kernels among them, the device memory it asks for beyond its argument
 concatenations of 4 MB or more inside its loop (launches.concatenations: a weight copied at every step) and the
 weight-sized products it writes out (launches.products: a dot split into a multiply and a reduce), and what XLA
 recorded as CUDA graphs (graphs.py: from the thunk sequence it dumps; with --loop-graph, also the plain step and
-the first native round compiled with the whole loop one graph). Per
-model: the bytes a plain step reads, their time at the target's peak bandwidth, and what is left per kernel for
-launch and tail time if the step is to read at 85% of the peak (issue 38's 27B target): a launch budget, the
-figure a GPU run's kernel time per launch (report.py) is read against. No time is measured here."""
+the first native round compiled with the whole loop one graph). Per model: the bytes a plain step reads, their
+time at the target's peak bandwidth, and what is left per kernel for launch and tail time if the step is to read
+at 85% of the peak (issue 38's 27B target): a launch budget, the figure a GPU run's kernel time per launch
+(report.py) is read against. No time is measured here."""
 
 import time
 

@@ -105,6 +105,7 @@ def _draft_static(weights, cfg, mcache, m1, x, pos, spec, tree, sampling, key, s
             children = _ids(draw(keys[d - 1], jnp.broadcast_to(q_sub[:, :, None], q_sub.shape[:2] + (w,) +
                                                                q_sub.shape[2:])), ids)
             Q = Q.at[:, prev].set(full_vocab(q_sub, ids, V))
+        assert lo == sum(t.shape[1] for t in levels), (lo, [t.shape for t in levels])  # levels in node order
         levels.append(children.reshape(B, hi - lo).astype(jnp.int32))
         prev = np.arange(lo, hi)
     return joined(), layout, Q, mcache, M
