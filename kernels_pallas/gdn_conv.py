@@ -9,10 +9,10 @@ Pallas kernel beside its pure-JAX reference (same signature).
       out    [B, C]       silu(sum_j window[j] w[j]) over the window [state ; x], in x's dtype
       state  [B, K-1, C]  the window's last K - 1 inputs (valid rows), the state as it was (padding rows)
 
-The reference is trunk/gdn.py's conv at one row (causal_conv, then conv_window_at at n_valid 0 or 1): the taps and
-the window in x's dtype, each product and partial sum in it, then SiLU. The kernel computes the same in f32 and
-rounds to x's dtype after each operation as XLA's GPU code does (on a CPU XLA may keep f32 between them: bf16 /
-f16 results agree to their rounding).
+The reference is the conv every GDN mode runs (causal_conv, here; trunk/gdn.py's prefill and verify call it too),
+then conv_window_at at n_valid 0 or 1: the taps and the window in x's dtype, each product and partial sum in it,
+then SiLU. The kernel computes the same in f32 and rounds to x's dtype after each operation as XLA's GPU code
+does (on a CPU XLA may keep f32 between them: bf16 / f16 results agree to their rounding).
 
 Why a kernel: XLA runs the conv, the next state and a copy of it as three kernels a GDN layer and step. The
 fusion that cuts the next state from the window reads the loop-carried state it replaces, so it cannot write over
@@ -43,12 +43,32 @@ BLOCK_C = 512  # channels a program (27B: 10240 channels, 20 programs a row)
 NUM_WARPS = 4
 
 
+def causal_conv(x, conv_state, w_conv):
+    """Depthwise causal conv over [conv_state ; x] followed by SiLU.
+
+    x [B, T, C]; conv_state [B, K-1, C] (previous inputs, oldest first); w_conv [K, C].
+    Returns out [B, T, C] and the window [conv_state ; x] [B, K-1+T, C]: `conv_window_at` cuts the next conv
+    state from it.
+    """
+    K = w_conv.shape[0]
+    T = x.shape[1]
+    xc = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
+    w = w_conv.astype(x.dtype)
+    out = sum(xc[:, j:j + T, :] * w[j] for j in range(K))
+    return jax.nn.silu(out), xc
+
+
+def conv_window_at(xc, count, width):
+    """The conv state after `count` [B] of the window's new inputs: the `width` (= kernel - 1) inputs ending
+    there, xc[b, count[b] : count[b] + width]."""
+    return jax.vmap(lambda r, n: jax.lax.dynamic_slice_in_dim(r, n, width, axis=0))(xc, count)
+
+
 def conv_step_reference(x, state, w, valid):
-    """Pure-JAX reference: trunk/gdn.py's conv at one row, the next state cut from the window (module doc)."""
-    window = jnp.concatenate([state.astype(x.dtype), x[:, None]], axis=1)  # [B, K, C]
-    taps = w.astype(x.dtype)
-    out = sum(window[:, j] * taps[j] for j in range(w.shape[0]))
-    return jax.nn.silu(out), jnp.where(valid[:, None, None], window[:, 1:], window[:, :-1])
+    """Pure-JAX reference: the conv of every GDN mode (causal_conv) at one row, the next state cut from its window
+    (conv_window_at) after 1 input (valid rows) or 0 (padding rows)."""
+    out, window = causal_conv(x[:, None], state, w)
+    return out[:, 0], conv_window_at(window, valid.astype(jnp.int32), state.shape[1])
 
 
 def check_inputs(x, state, w, valid) -> None:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import per_shard
-from kernels_pallas.gdn_conv import conv_step
+from kernels_pallas.gdn_conv import causal_conv, conv_step, conv_window_at
 from kernels_pallas.gdn_step import gate_terms, gated_rmsnorm, gdn_step, split_heads
 from kernels_pallas.gdn_verify import gdn_verify, unit_lower_inverse, within_chunk
 from qwen_mtp.trunk.config import ModelConfig
@@ -92,27 +92,6 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
 
     state, out = jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)))
     return jnp.moveaxis(out, 0, 1), state
-
-
-def causal_conv(x, conv_state, w_conv):
-    """Depthwise causal conv over [conv_state ; x] followed by SiLU.
-
-    x [B, T, C]; conv_state [B, K-1, C] (previous inputs, oldest first); w_conv [K, C].
-    Returns out [B, T, C] and the window [conv_state ; x] [B, K-1+T, C]: `conv_window_at` cuts the next conv
-    state from it.
-    """
-    K = w_conv.shape[0]
-    T = x.shape[1]
-    xc = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
-    w = w_conv.astype(x.dtype)
-    out = sum(xc[:, j:j + T, :] * w[j] for j in range(K))
-    return jax.nn.silu(out), xc
-
-
-def conv_window_at(xc, count, width):
-    """The conv state after `count` [B] of the window's new inputs: the `width` (= kernel - 1) inputs ending
-    there, xc[b, count[b] : count[b] + width]."""
-    return jax.vmap(lambda r, n: jax.lax.dynamic_slice_in_dim(r, n, width, axis=0))(xc, count)
 
 
 def in_projections(x, w: GDNWeights):
