@@ -31,9 +31,7 @@ from .programs import (
     compile_case,
     head_cache_shapes,
     lower_case,
-    start,
-    time_plain,
-    time_spec,
+    time_case,
 )
 from .reads import weight_parts
 
@@ -178,23 +176,18 @@ def run_model(name, plan, a, p, budget, share_end, results):
                 head_cache_shapes(cfg, case, B, slots, dtype), 3)
             line = []
             for ctx in ctxs:
-                carry = start(cfg, case, B, ctx, cap, dtype)
+                sec, state, head = time_case(compiled, cfg, case, B, ctx, cap, dtype, weights, state, head, p)
                 if not case.k:
-                    sec, ran, state = time_plain(compiled, weights, state, carry, p["steps"])
                     res["plain"][ctx] = sec
                 else:
-                    sec, ran, state, head = time_spec(compiled, weights, state, head, carry, p["rounds"])
                     res["rounds"][(case, ctx)] = sec
-                want = p["steps"] if not case.k else p["rounds"]
-                if ran != want:
-                    raise RuntimeError(f"ran {ran} of {want} {'steps' if not case.k else 'rounds'} (a row stopped)")
                 line.append(f"{ctx}: {1e3 * sec:.3f} ms")
             if case.window is None:
                 native_head = head
             print(f"  {case.label}: compiled in {secs:.1f} s, {launches.describe(kernels)} a "
                   f"{'step' if not case.k else 'round'} (launches.py); per {'step' if not case.k else 'round'} "
                   + ", ".join(line), flush=True)
-            if a.loop_graph and case in loop_graph_cases(plan):
+            if a.loop_graph and case in graphs.loop_cases(plan):
                 state, native_head = loop_graph(cfg, dtype, quant, case, B, slots, cap, ctxs, p, res, weights, state,
                                                 native_head)
         except Exception as e:  # noqa: BLE001 - one part that fails must not hide the others
@@ -204,11 +197,6 @@ def run_model(name, plan, a, p, budget, share_end, results):
                 jax.eval_shape(lambda: _states(cfg, B, slots, dtype)), start=1))
     res["ctxs"] = ctxs
     return failures
-
-
-def loop_graph_cases(plan):
-    """The cases --loop-graph times again: the plain step and the first native round of `plan`."""
-    return [c for c in plan if not c.k][:1] + [c for c in plan if c.k and c.window is None][:1]
 
 
 def loop_graph(cfg, dtype, quant, case, B, slots, cap, ctxs, p, res, weights, state, head):
@@ -225,16 +213,8 @@ def loop_graph(cfg, dtype, quant, case, B, slots, cap, ctxs, p, res, weights, st
     secs += time.perf_counter() - t
     line = []
     for ctx in ctxs:
-        carry = start(cfg, case, B, ctx, cap, dtype)
-        if not case.k:
-            sec, ran, state = time_plain(compiled, weights, state, carry, p["steps"])
-            base = res["plain"][ctx]
-        else:
-            sec, ran, state, head = time_spec(compiled, weights, state, head, carry, p["rounds"])
-            base = res["rounds"][(case, ctx)]
-        want = p["steps"] if not case.k else p["rounds"]
-        if ran != want:
-            raise RuntimeError(f"ran {ran} of {want} {'steps' if not case.k else 'rounds'} (a row stopped)")
+        sec, state, head = time_case(compiled, cfg, case, B, ctx, cap, dtype, weights, state, head, p)
+        base = res["plain"][ctx] if not case.k else res["rounds"][(case, ctx)]
         line.append(f"{ctx}: {1e3 * sec:.3f} ms ({sec / base:.3f} of the default's)")
     print(f"  {case.label}, --loop-graph: compiled in {secs:.1f} s, {where}; per "
           f"{'step' if not case.k else 'round'} " + ", ".join(line), flush=True)

@@ -60,7 +60,6 @@ def run(a, p, budget, cases):
               f"{gb(step_bytes)} = {1e6 * step_bytes / bw:.1f} us at the peak", flush=True)
         share_end = time.perf_counter() + max(0.0, budget.left()) / (len(runs) - i)
         est = 0.0
-        loop_cases = cases[:1] + [c for c in cases if c.k and c.window is None][:1]  # plain, the first native
         for case in cases:
             if not budget.fits(f"{name} {case.label}", share_end, est):
                 continue
@@ -84,7 +83,7 @@ def run(a, p, budget, cases):
                       f"temp {temp / 1e9:.3f} GB; concatenations of 4 MB or more in the loop: {cat}; products of "
                       f"1 MB or more written out: {prod}", flush=True)
                 print(f"    CUDA graphs: {graphs.describe(where, what)}", flush=True)
-                if a.loop_graph and case in loop_cases:
+                if a.loop_graph and case in graphs.loop_cases(cases):
                     print(f"    CUDA graphs with --loop-graph: "
                           f"{graphs.describe(graphs.compile_dumped(lowered, graphs.LOOP_GRAPH)[1], what)}", flush=True)
                 if not case.k:

@@ -154,3 +154,18 @@ def time_spec(compiled, weights, state, head, carry, rounds: int):
     jax.block_until_ready((state, head, carry))
     ran = int(carry.rounds) - r0
     return (time.perf_counter() - t) / max(ran, 1), ran, state, head
+
+
+def time_case(compiled, cfg, case: Case, batch: int, ctx: int, cap: int, dtype, weights, state, head, p):
+    """`compiled` (case's loop) at `ctx` cached positions over p's steps (plain) or rounds: (seconds a step or
+    round, the state and head it leaves). RuntimeError if a row stopped short."""
+    carry = start(cfg, case, batch, ctx, cap, dtype)
+    if not case.k:
+        sec, ran, state = time_plain(compiled, weights, state, carry, p["steps"])
+        want = p["steps"]
+    else:
+        sec, ran, state, head = time_spec(compiled, weights, state, head, carry, p["rounds"])
+        want = p["rounds"]
+    if ran != want:
+        raise RuntimeError(f"ran {ran} of {want} {'steps' if not case.k else 'rounds'} (a row stopped)")
+    return sec, state, head
