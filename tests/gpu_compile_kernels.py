@@ -184,31 +184,21 @@ def trees(target):
     from gpu_scale.models import RUNS, config
 
     from qwen_mtp.decoding import tree_loop
+    from qwen_mtp.decoding.generate import EOS_SLOTS
     from qwen_mtp.decoding.sampling import Sampling
     from qwen_mtp.decoding.speculative import SpecConfig
-    from qwen_mtp.head.mtp import init_mtp_cache
     from qwen_mtp.head.tree import DynamicTree, StaticTree
-    from qwen_mtp.trunk.state import init_state
-    from qwen_mtp.trunk.weights import weight_shapes
+    from tests.test_tree import tree_args
 
     cfg = config(RUNS["35B-A3B-bf16"][0], True, 256)
-    B, cache, cap, dt, SDS, i32 = 1, 256, 32, jnp.bfloat16, jax.ShapeDtypeStruct, jnp.int32
     for label, spec, sampling in (
             ("sampled static tree (2, 2, 1)", SpecConfig(k=3, tree=StaticTree((2, 2, 1))),
              Sampling(temperature=0.7, top_k=50)),
             ("greedy dynamic tree", SpecConfig(k=3, tree=DynamicTree(depth=3, topk=2, budget=8)), Sampling())):
         t = time.perf_counter()
-        state = jax.eval_shape(lambda: init_state(cfg, B, cache, dt))
-        head = jax.eval_shape(lambda spec=spec: init_mtp_cache(cfg, B, cache, dt, window=spec.window,
-                                                               sinks=spec.sinks, k=spec.draft_slots))
-        key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-        eos, scalar = SDS((4,), i32), SDS((), i32)
-        carry = jax.eval_shape(lambda *a, spec=spec: tree_loop.tree_start(*a, cap=cap, spec=spec), SDS((B,), i32),
-                               SDS((B, cfg.hidden_size), dt), SDS((B,), i32), SDS(key.shape, key.dtype), eos, scalar,
-                               scalar)
-        args = gpu_compile.place((weight_shapes(cfg, dt), state, head, carry, eos, scalar, scalar), target)
-        w, st, hd, cr, e, s1, s2 = args
-        lowered = tree_loop.tree_decode.trace(w, cfg, st, hd, cr, e, s1, s2, spec=spec, sampling=sampling).lower()
+        w, *rest = gpu_compile.place(tree_args(cfg, jnp.bfloat16, spec, B=1, cache=256, cap=32, n_eos=EOS_SLOTS),
+                                     target)
+        lowered = tree_loop.tree_decode.trace(w, cfg, *rest, spec=spec, sampling=sampling).lower()
         print(json.dumps({"label": label, "graphs": graphs.compile_dumped(lowered)[1],
                           "seconds": time.perf_counter() - t}), flush=True)
 

@@ -301,10 +301,10 @@ def test_bad_tree_arguments(make):
         make()
 
 
-def _tree_program(cfg, dtype, spec, sampling, B=2, cache=1024, cap=32):
-    """tree_loop.tree_decode exported for cuda at abstract shapes (nothing allocated)."""
+def tree_args(cfg, dtype, spec, B=2, cache=1024, cap=32, n_eos=1):
+    """tree_loop.tree_decode's arrays as ShapeDtypeStructs (nothing allocated), its static cfg, spec and sampling
+    aside: (weights, state, head cache, carry, eos, max_new, until). tests/gpu_compile_kernels.py --trees too."""
     from qwen_mtp.head.mtp import init_mtp_cache
-    from qwen_mtp.tools.lowering import export_for
     from qwen_mtp.trunk.state import init_state
     from qwen_mtp.trunk.weights import weight_shapes
 
@@ -313,12 +313,19 @@ def _tree_program(cfg, dtype, spec, sampling, B=2, cache=1024, cap=32):
     head = jax.eval_shape(lambda: init_mtp_cache(cfg, B, cache, dtype, window=spec.window, sinks=spec.sinks,
                                                  k=spec.draft_slots))
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-    eos, scalar = SDS((1,), i32), SDS((), i32)
+    eos, scalar = SDS((n_eos,), i32), SDS((), i32)
     carry = jax.eval_shape(lambda *a: tree_loop.tree_start(*a, cap=cap, spec=spec), SDS((B,), i32),
                            SDS((B, cfg.hidden_size), dtype), SDS((B,), i32), SDS(key.shape, key.dtype), eos, scalar,
                            scalar)
-    return export_for(tree_loop.tree_decode, weight_shapes(cfg, dtype), cfg, state, head, carry, eos, scalar, scalar,
-                      platform="cuda", spec=spec, sampling=sampling)
+    return weight_shapes(cfg, dtype), state, head, carry, eos, scalar, scalar
+
+
+def _tree_program(cfg, dtype, spec, sampling, B=2, cache=1024, cap=32):
+    """tree_loop.tree_decode exported for cuda at abstract shapes (nothing allocated)."""
+    from qwen_mtp.tools.lowering import export_for
+
+    w, *rest = tree_args(cfg, dtype, spec, B, cache, cap)
+    return export_for(tree_loop.tree_decode, w, cfg, *rest, platform="cuda", spec=spec, sampling=sampling)
 
 
 @pytest.mark.parametrize("spec,sampling", [
