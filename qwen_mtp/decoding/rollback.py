@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from qwen_mtp.trunk.gdn import conv_window_at
+from kernels_pallas.gdn_conv import conv_window_at
 from qwen_mtp.trunk.state import GDNState, GDNVerify
 
 
