@@ -107,6 +107,35 @@ def test_joining_and_leaving_equals_generate_and_follows_the_plan(engine, prompt
     assert sum(x.stats.rounds for x in h) > 0 and all(x.stats.drafts_accepted <= x.stats.drafts_proposed for x in h)
 
 
+def test_every_slot_fills_and_a_freed_one_is_reused(engine, model, prompts):
+    """Five requests of 40 new tokens queued (four, then one more once a place in the queue frees) against 4
+    slots: they are admitted one per segment into the
+    lowest free slot until all 4 decode together (segments at 4 busy, plain under the plan), the fifth waits for
+    the first slot to free and takes it, and every answer is generate's. Deterministic (the engine stepped by
+    hand), so the load test in test_serve need not catch a full batch by its clients' timing."""
+    n = 40  # prompt (<= 16) + 40 <= max_model_len 64; no slot frees before the fourth is admitted
+    want = []
+    for p in prompts[:5]:
+        r = qwen_mtp.generate(model, p, n)
+        want.append(r.tokens[0, :r.lengths[0]].tolist())
+    assert all(len(w) == n for w in want), [len(w) for w in want]  # no early EOS: every slot stays busy
+    before = dict(engine.metrics()["segments_by_busy_and_k"])
+    h = [engine.submit(prompts[i], SamplingParams(max_tokens=n)) for i in range(4)]  # max_waiting is 4
+    engine.step()
+    seen = [engine.busy_slots()]
+    h.append(engine.submit(prompts[4], SamplingParams(max_tokens=n)))
+    while not h[4].tokens:
+        engine.step()
+        seen.append(engine.busy_slots())
+    assert [0, 1, 2, 3] in seen and h[4].slot in {x.slot for x in h[:4]}, (seen, [x.slot for x in h])
+    assert [x.slot for x in h[:4]] == [0, 1, 2, 3]  # lowest free slot first
+    drain(engine)
+    assert [x.tokens for x in h] == want
+    by_busy = engine.metrics()["segments_by_busy_and_k"]
+    assert by_busy.get((4, 0), 0) > before.get((4, 0), 0), by_busy  # segments ran with all 4 slots busy
+    assert engine.metrics()["free_slots"] == 4
+
+
 def test_long_prompt_is_prefilled_between_segments(engine, model, prompts, reference):
     """A 40-token prompt (3 chunks of 16) joins while another request decodes: one chunk per step, with a segment
     of the running request after each (its tokens keep arriving), and then both answers are generate's. The old
