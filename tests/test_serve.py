@@ -410,8 +410,8 @@ def test_under_load_every_answer_equals_generate(real, tok):
     max_tokens from 8 client threads against 4 slots (Wind-MTP under the plan), 4 of them streamed and dropped
     after their first chunk:
     every completed answer is offline generate's for its prompt (none lost, duplicated or cross-wired), the
-    dropped ones are cancelled, the 4 slots served them all (freed slots reused), the slots all free afterwards,
-    the plan followed, the server healthy."""
+    dropped ones are cancelled, at most the 4 slots served them all (lowest free first, freed slots reused), the
+    slots all free afterwards, the plan followed, the server healthy."""
     import collections
     import concurrent.futures
 
@@ -453,14 +453,16 @@ def test_under_load_every_answer_equals_generate(real, tok):
     assert m["finished"].get("cancelled", 0) - before >= 1  # the clients that left freed their slots early
     assert len(handles) == LOAD_REQUESTS and all(h.finished for h in handles)  # one engine request per request
     assert sorted(len(h.prompt_ids) for h in handles) == sorted(len(p) for p in prompts)
-    per_slot = collections.Counter(h.slot for h in handles)
-    assert set(per_slot) == set(range(LOAD_SLOTS)), per_slot  # every slot served, 32 requests: freed ones reused
     assert engine.dev.slots.mcache.k.shape[1] == 2 + 8 + 2  # the ring: sinks + window + k slots
     by_busy = m["segments_by_busy_and_k"]
     # the plan followed in both of its modes: k = 2 alone, plain with company (how many slots are busy at once
-    # beyond that depends on the clients' timing: 2, 3 or 4)
+    # beyond that depends on the clients' timing: 2, 3 or 4; test_engine fills all 4 deterministically)
     busy_seen = {b for b, _ in by_busy}
     assert all(k == (2 if busy == 1 else 0) for busy, k in by_busy) and 1 in busy_seen and max(busy_seen) >= 2, by_busy
+    # the slots that served: the lowest free one each time, so slots 0..n-1 for the most ever held at once (at
+    # least as many as any segment had busy), n <= 4, and freed slots reused (32 requests)
+    per_slot = collections.Counter(h.slot for h in handles)
+    assert set(per_slot) == set(range(len(per_slot))) and max(busy_seen) <= len(per_slot) <= LOAD_SLOTS, per_slot
     assert _raw(s, "GET", "/health")[0] == 200
     assert _client(s).completions.create(model=MODEL, prompt=prompts[1], max_tokens=budgets[1]).choices[0].text \
         == tok.decode(refs[1])
