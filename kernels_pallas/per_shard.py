@@ -15,7 +15,8 @@ Pallas kernel is a custom call it cannot look inside: given sharded operands it 
                 each shard attending over its own heads of its own rows: no communication;
   causal        the trunk's and the native head's causal attention over their KV caches, split the same way;
   gdn_rows      the GDN decode step and verify, split over batch rows (`data`) and heads (`model`): local;
-  conv_rows     the GDN conv at a decode row, split over rows (`data`) and channels (`model`): local.
+  conv_rows     the GDN conv at a decode row, split over rows (`data`) and channels (`model`): local;
+  router_rows   the MoE router's top-k, split over tokens (`data`): local (every device holds all experts' rows).
 The mesh is the one `generate` runs under (jax.set_mesh(model.mesh)); with none, or nothing split, the kernel
 call is made as it is. Leaf module: the mesh-axis names and the batch rule live here, sharding.py builds on them.
 """
@@ -167,6 +168,18 @@ def conv_rows(call, x, state, w, valid):
     rows, st = P(dax, cax), P(dax, None, cax)
     return jax.shard_map(call, mesh=mesh, in_specs=(rows, st, P(None, cax), P(dax)), out_specs=(rows, st),
                          check_vma=False)(x, state, w, valid)
+
+
+def router_rows(call, probs):
+    """The MoE router's top-k (moe_router.py) per shard: tokens over `data` where it divides them, each row whole
+    (the router is replicated over `model`). call(probs [n, E]) -> (weights [n, k], ids [n, k]) is the dispatch
+    on whole or local operands."""
+    mesh = active_mesh()
+    dax = batch_axis(mesh, probs.shape[0]) if mesh is not None else None
+    if dax is None:
+        return call(probs)
+    rows = P(dax, None)
+    return jax.shard_map(call, mesh=mesh, in_specs=(rows,), out_specs=(rows, rows), check_vma=False)(probs)
 
 
 def gdn_rows(call, qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, num_k_heads: int, *, verify: bool):

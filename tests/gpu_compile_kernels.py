@@ -48,7 +48,7 @@ def cases():
                                 ("Qwen3.5-35B-A3B", "int4", 8), ("Qwen3.5-397B-A17B", None, 1)):
         cfg, args = _moe_shapes(name, quant, tokens)
         out.append((f"moe {name} {quant or 'bf16'} {tokens} token(s)", moe, (*args, cfg), {},
-                    {f"moe_gemv_{quant or 'plain'}": 3}))  # gate, up, down
+                    {f"moe_gemv_{quant or 'plain'}": 3, "moe_router_topk": 1}))  # gate, up, down; the top-k
     for model, (nh, nkv) in REAL_HEADS.items():  # a draft step at W 4032 S 64; the k = 8 refill at B 8, W 8192
         for B, T, W, S in ((1, 1, 4032, 64), (8, 9, 8192, 128)):
             args = _kernel_args(B, T, nh, nkv, 256, S + W + max(T - 1, 1), jnp.bfloat16)
@@ -76,6 +76,12 @@ def cases():
         C = REAL_CONV[model]
         args = (S((B, C), jnp.bfloat16), S((B, 3, C), jnp.bfloat16), S((4, C), jnp.float32), S((B,), jnp.bool_))
         out.append((f"GDN conv step {model} B{B}", jax.jit(conv_step), args, {}, {"gdn_conv_step": 1}))
+    from kernels_pallas.moe_router import router_topk
+    from tests.test_kernel_moe_router import REAL_ROUTERS
+    for model, n in (("35B-A3B / 122B-A10B", 1), ("397B-A17B", 8)):
+        E, k = REAL_ROUTERS[model]
+        out.append((f"MoE router top-k {model} n{n}", jax.jit(lambda p, k=k: router_topk(p, k=k)),
+                    (S((n, E), jnp.float32),), {}, {"moe_router_topk": 1}))
     # a launch the rules never pick (K / V blocks of 128 slots, 3 stages: over one block's shared memory): XLA
     # must refuse it, or the compile is not reaching the kernels' machine code (want None: an error)
     args = _kernel_args(1, 1, 24, 4, 256, 64 + 4032 + 1, jnp.bfloat16)

@@ -52,11 +52,12 @@ def _run(python, *args, timeout=900):
 def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
     """tests/gpu_compile_kernels.py: each Pallas kernel family at real Qwen3.5 shapes (quantized matmuls of 27B
     in every format at 1 and 5 rows, the routed MoE experts of 35B-A3B and 397B-A17B, windowed and causal
-    attention, the GDN decode step, verify and conv step) compiles for an H200 and holds its kernel; a launch over
-    one block's shared memory is refused by XLA's compile (the probe reaches the machine code)."""
+    attention, the GDN decode step, verify and conv step, the MoE router's top-k) compiles for an H200 and holds
+    its kernel; a launch over one block's shared memory is refused by XLA's compile (the probe reaches the machine
+    code)."""
     rows = [json.loads(x) for x in _run(python, "tests/gpu_compile_kernels.py", "H200").splitlines()
             if x.startswith("{")]
-    assert len(rows) == 42, [r["label"] for r in rows]
+    assert len(rows) == 44, [r["label"] for r in rows]
     *good, bad = rows
     assert "error" in bad and "Shared memory size limit exceeded" in bad["error"], bad
     for r in good:
@@ -66,7 +67,7 @@ def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
     families = {k for r in good for k in r["kernels"]}
     assert {"quant_matmul_int8", "quant_matmul_int4_mma", "quant_matmul_fp8", "moe_gemv_int4", "moe_gemv_plain",
             "windowed_draft_attention", "causal_attention", "gdn_decode_step", "gdn_verify",
-            "gdn_conv_step"} <= families, families
+            "gdn_conv_step", "moe_router_topk"} <= families, families
 
 
 def test_decode_programs_compile_for_h200(python):
@@ -102,6 +103,9 @@ def test_decode_programs_compile_for_h200(python):
     # the GDN conv is one kernel a layer, its state written in place: no copy of a conv state [1, 3, C] is left
     assert names.count("gdn_conv_step") == 3, names
     assert not re.findall(r"^ {6} *\d+ copy +\S*\[1,3,\d+\]", out, re.M), out
+    # the router's top-k is one kernel a MoE layer (moe_router.py), where XLA sorted the experts and sliced the ids
+    assert names.count("moe_router_topk") == 4, names
+    assert not re.findall(r"^ {6} *\d+ fusion +sort ", out, re.M), out
     assert out.count("concatenations of 4 MB or more in the loop: none") == 3, out
     assert out.count("products of 1 MB or more written out: none") == 3, out
     assert out.count("launch budget: ") == 1  # from the plain step

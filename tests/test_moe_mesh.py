@@ -9,6 +9,8 @@ a decode step of 2 tokens (4 (token, expert) pairs, split over `data`):
   * exported for cuda under the mesh (int4 and bf16 experts), the block holds the moe_gemv kernel at every call
     site, each inside a shard_map region (sdy.manual_computation) and given the local expert slices, never the
     whole stacked experts; the only collectives it writes are the down projection's all_reduce inside its region.
+    The router's top-k kernel (per_shard.router_rows) runs the same way on each shard's tokens, and in interpret
+    mode per shard gives lax.top_k's values and ids.
 
 Runs in a subprocess: the 4 devices must be set (XLA_FLAGS) before jax starts; `python tests/test_moe_mesh.py`
 is that subprocess.
@@ -98,6 +100,19 @@ def check() -> dict:
             out["control_no_psum"] = float(np.max(np.abs(bad - want)) / np.max(np.abs(want)))
             assert out["control_no_psum"] > 0.05, out
 
+    # the router's top-k kernel (interpret mode) per shard, tokens over `data`: lax.top_k's values and ids
+    from kernels_pallas import per_shard
+    from kernels_pallas.moe_router import router_topk
+
+    probs = jax.nn.softmax(jnp.asarray(rng.standard_normal((4, E)), jnp.float32), axis=-1)
+    placed = jax.device_put(probs, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None)))
+    with jax.set_mesh(mesh):
+        top, ids = jax.jit(lambda p: per_shard.router_rows(
+            lambda r: router_topk(r, k=TOPK, backend="pallas", interpret=True), p))(placed)
+    want = jax.lax.top_k(probs, TOPK)
+    assert (np.asarray(top) == np.asarray(want[0])).all() and (np.asarray(ids) == np.asarray(want[1])).all()
+    out["router_topk_per_shard"] = "lax.top_k's bit for bit"
+
     # lowered for cuda under the mesh: the kernel per shard
     for fmt, kernel in (("int4", "moe_gemv_int4"), ("f32", "moe_gemv_plain")):
         w, sh = block(fmt)
@@ -115,6 +130,9 @@ def check() -> dict:
         moe = [k for k in rep.kernels if k.name.startswith("moe_gemv")]  # beside them: the shared expert's matmuls
         assert [k.name for k in moe] == [kernel] * 2, rep.kernels  # gate and up share one lowered function
         assert all(k.manual for k in rep.kernels), rep.kernels
+        # the router's top-k per shard: each its token's row of the 8 experts' probabilities
+        (router,) = [k for k in rep.kernels if k.name == "moe_router_topk"]
+        assert set(router.operands) == {"tensor<1x8xf32>"}, router.operands
         operands = {t for k in moe for t in k.operands}
         if fmt == "int4":  # packed [E, K/2, N] read as int32 words [E, K/2, N/4] (quant_gemv's kernel over the
             # pairs): gate / up local columns, down local rows

@@ -339,6 +339,9 @@ def _moe_shapes(name, quant, tokens=1):
     return cfg, (SDS((tokens, Hh), bf), w)
 
 
+ROUTER = "moe_router_topk"  # the router's top-k (kernels_pallas/moe_router.py)
+
+
 def _export(name, quant, platform, tokens=1):
     cfg, args = _moe_shapes(name, quant, tokens)
     return export_for(jax.jit(mlp.moe, static_argnums=2), *args, cfg, platform=platform)
@@ -348,15 +351,17 @@ def _export(name, quant, platform, tokens=1):
                                                                     for q in ("int8", "int4", "fp8")])
 def test_moe_block_lowers_the_kernel_for_cuda_at_real_shapes(name, quant):
     kernel = f"moe_gemv_{quant or 'plain'}"
-    # gate and up share one lowered kernel function (the same shapes), down has its own
-    assert kernel_calls(_export(name, quant, "cuda")) == [kernel] * 2, (name, quant)
+    # the router's top-k (moe_router.py); gate and up share one lowered kernel function (the same shapes), down has
+    # its own
+    assert kernel_calls(_export(name, quant, "cuda")) == [ROUTER, kernel, kernel], (name, quant)
     assert kernel_calls(_export(name, quant, "cpu")) == []
 
 
 def test_batch8_and_prefill_at_35b():
-    """Batch 8 decode (64 pairs) routes; a prefill chunk of 64 tokens takes the grouped path (no kernel)."""
-    assert kernel_calls(_export("Qwen3.5-35B-A3B", "int4", "cuda", tokens=8)) == ["moe_gemv_int4"] * 2
-    assert kernel_calls(_export("Qwen3.5-35B-A3B", None, "cuda", tokens=64)) == []
+    """Batch 8 decode (64 pairs) routes; a prefill chunk of 64 tokens takes the grouped path (no routed kernel; the
+    router's top-k is its kernel there too)."""
+    assert kernel_calls(_export("Qwen3.5-35B-A3B", "int4", "cuda", tokens=8)) == [ROUTER] + ["moe_gemv_int4"] * 2
+    assert kernel_calls(_export("Qwen3.5-35B-A3B", None, "cuda", tokens=64)) == [ROUTER]
 
 
 SM90 = [("35B-A3B bf16 gate", "Qwen3.5-35B-A3B", None), ("35B-A3B int4", "Qwen3.5-35B-A3B", "int4"),
@@ -376,7 +381,8 @@ def test_kernel_compiles_for_sm90(report):
         pytest.skip(why)
     kernels = []
     for label, name, quant in SM90:
-        gate, down = triton_kernels(_export(name, quant, "cuda"))
+        router, gate, down = triton_kernels(_export(name, quant, "cuda"))
+        assert router.name == ROUTER and gate.name == down.name == f"moe_gemv_{quant or 'plain'}", (router, gate)
         kernels += [(f"{label} gate/up", quant, name, gate), (f"{label} down", quant, name, down)]
     for (label, quant, name, k), r in zip(kernels, compile_sm90([k for *_, k in kernels], loops=True)):
         assert r["error"] is None, (label, r["error"])
@@ -418,6 +424,11 @@ def test_gpu_check_moe_section_runs_on_cpu(capsys):
     assert check_moe_prefill(MOE_PREFILL_SMOKE[:1], interpret=True, timings=False) == 0
     out = capsys.readouterr().out
     assert "lax.ragged_dot max_rel" in out and "tiles (CPU path) max_rel" in out and "routed kernel max_rel" in out
+    from gpu_check.router import ROUTER_SMALL, check_router
+
+    assert check_router(ROUTER_SMALL, interpret=True, timings=False) == 0  # the router's top-k, bit for bit
+    out = capsys.readouterr().out
+    assert out.count("values equal, ids equal OK") == len(ROUTER_SMALL), out
 
 
 def test_gpu_check_times_the_plan_alternatives(capsys, monkeypatch):

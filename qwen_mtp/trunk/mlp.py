@@ -8,7 +8,9 @@ The routed experts run one of two ways, chosen statically from the shapes (`read
   prefill  more pairs than experts: tokens sorted by expert through grouped matmuls (quant.grouped_dot,
            kernels_pallas/moe_grouped.py: on CPU a loop over tiles of one expert's rows, each reading its expert
            by index, several times faster there than lax.ragged_dot; elsewhere lax.ragged_dot).
-The router and the shared expert are the same in both.
+The router and the shared expert are the same in both. The router's top-k is kernels_pallas/moe_router.py's
+(one kernel a layer on cuda, where XLA sorted each row and sliced the ids; lax.top_k elsewhere, bit for bit the
+same); the renormalisation of the k weights stays here, in XLA.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import per_shard as spmd
+from kernels_pallas.moe_router import router_topk as topk_kernel
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.ops import linear
 from qwen_mtp.trunk.quant import grouped_dot, routed_dot
@@ -24,6 +28,12 @@ from qwen_mtp.trunk.weights import MLPWeights, MoEWeights
 
 def mlp(x, w: MLPWeights):
     return linear(jax.nn.silu(linear(x, w.gate)) * linear(x, w.up), w.down)
+
+
+def router_topk(probs, k: int):
+    """Each token's k most probable experts, lax.top_k's (values, ids) [n, k]: kernels_pallas/moe_router.py
+    (one kernel on cuda, lax.top_k elsewhere), per shard under a mesh (tokens over `data`)."""
+    return spmd.router_rows(lambda p: topk_kernel(p, k=k), probs)
 
 
 def reads_routed_only(n_tokens: int, cfg: ModelConfig) -> bool:
@@ -38,7 +48,7 @@ def moe(x, w: MoEWeights, cfg: ModelConfig):
     x2 = x.reshape(-1, shape[-1])
     n, k, E = x2.shape[0], cfg.top_k, cfg.num_experts
     probs = jax.nn.softmax(linear(x2, w.router).astype(jnp.float32), axis=-1)
-    top_p, top_e = jax.lax.top_k(probs, k)
+    top_p, top_e = router_topk(probs, k)
     if cfg.norm_topk_prob:
         top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
     top_p = top_p.astype(x.dtype)
