@@ -62,6 +62,9 @@
    written by the step, and the rows' qkv, z, b, a and output, each moved once); beside each step case the conv
    step kernel (kernels_pallas/gdn_conv.py: the conv and its next state in place) at the same rows and channels.
    `--gdn-only` runs just this part.
+10. the MoE block's kernels: the routed experts at decode, the prefill paths and the plan sweep (moe.py, its
+   docstring), and the router's top-k kernel (router.py: kernels_pallas/moe_router.py against lax.top_k, bit for
+   bit, at the real routers, timed beside XLA's sort and slice). `--moe-only` runs just this part.
 The --*-only flags combine into one command (`--quant-only --moe-only`: the numerics of every part named run
 first, then each part's main timings, then the rest: the plan sweeps, prefill, the long prefill). Exits non-zero if any check fails. Each part runs on when another raises (its error in one line), and a summary of
 the parts closes the output. `--budget SECONDS` fits the run to a lease: parts and cases not started by then are

@@ -34,6 +34,7 @@ from .quant import (
     check_quant,
     check_quant_plans,
 )
+from .router import ROUTER_REAL, ROUTER_SMALL, ROUTER_SMOKE, check_router
 from .tensor_parallel import check_tensor_parallel
 from .windowed import REAL, SMALL, check_kernels
 
@@ -47,7 +48,8 @@ def main(argv=None):
                          "in the order quant, moe, gdn, long, tp, e2e27b")
     ap.add_argument("--long-only", action="store_true", help="only the causal attention checks (item 8)")
     ap.add_argument("--moe-only", action="store_true",
-                    help="only the MoE experts checks (moe.py): routed at decode, grouped at prefill")
+                    help="only the MoE checks (item 10): routed experts at decode, grouped at prefill, the router's "
+                         "top-k")
     ap.add_argument("--gdn-only", action="store_true",
                     help="only the GDN decode step and verify kernel checks (gdn.py)")
     ap.add_argument("--tp-only", action="store_true", help="only the tensor-parallel check (item 6)")
@@ -93,6 +95,8 @@ def _run(args, t0, contexts):
                             lambda: check_quant_plans(QUANT_PLANS_SMOKE, interp, False))],
                  "moe": [("MoE routed experts, small",
                           lambda: check_moe(MOE_SMOKE if interp else MOE_SMALL, interp, False)),
+                         ("MoE router top-k, small",
+                          lambda: check_router(ROUTER_SMOKE if interp else ROUTER_SMALL, interp, False)),
                          ("MoE prefill paths, small", lambda: check_moe_prefill(MOE_PREFILL_SMOKE, interp, False)),
                          ("MoE routed plan alternatives, small",
                           lambda: check_moe_plans(MOE_PLANS_SMOKE, interp, False))],
@@ -102,6 +106,7 @@ def _run(args, t0, contexts):
                            ("decode kernel plan alternatives, 27B matrices, timed",
                             lambda: check_quant_plans(QUANT_PLANS_REAL, False, timings=True))],
                  "moe": [("MoE routed experts, 35B-A3B experts, timed", lambda: check_moe(MOE_REAL, False, True)),
+                         ("MoE router top-k, real routers, timed", lambda: check_router(ROUTER_REAL, False, True)),
                          ("MoE routed plan alternatives, 35B-A3B experts, timed",
                           lambda: check_moe_plans(MOE_PLANS_REAL, False, timings=True)),
                          ("MoE prefill paths, 35B-A3B experts, timed",
@@ -143,6 +148,7 @@ def _run(args, t0, contexts):
     sec("quantized matmul, small", lambda: check_quant(QUANT_SMALL, False, timings=False))
     sec("decode kernel plan alternatives, small", lambda: check_quant_plans(QUANT_PLANS_SMOKE, False, timings=False))
     sec("MoE routed experts, small", lambda: check_moe(MOE_SMALL, False, timings=False))
+    sec("MoE router top-k, small", lambda: check_router(ROUTER_SMALL, False, timings=False))
     sec("MoE prefill paths, small", lambda: check_moe_prefill(MOE_PREFILL_SMOKE, False, timings=False))
     sec("MoE routed plan alternatives, small", lambda: check_moe_plans(MOE_PLANS_SMOKE, False, timings=False))
     sec("windowed attention, real shapes, timed", lambda: check_kernels(REAL, False, timings=True))
@@ -153,6 +159,7 @@ def _run(args, t0, contexts):
     sec("end to end, 27B slice", lambda: check_end_to_end_27b(args.max_new, args.e2e27b_layers))
     sec("quantized matmul, 27B matrices, timed", lambda: check_quant(QUANT_REAL, False, timings=True))
     sec("MoE routed experts, 35B-A3B experts, timed", lambda: check_moe(MOE_REAL, False, timings=True))
+    sec("MoE router top-k, real routers, timed", lambda: check_router(ROUTER_REAL, False, timings=True))
     sec("decode kernel plan alternatives, 27B matrices, timed",
         lambda: check_quant_plans(QUANT_PLANS_REAL, False, timings=True))
     sec("MoE routed plan alternatives, 35B-A3B experts, timed",
