@@ -1,12 +1,15 @@
-"""Routed MoE products at decode: one row of x per (token, expert) pair times THAT expert's weight, reading only
+"""Routed MoE products at decode: each (token, expert) pair's row of x times THAT expert's weight, reading only
 the routed experts' weights (plain or in quant_layout's format), never a dequantized copy of any expert.
 
-    moe_gemv(x, w, scale, ids, *, kind, k, block) -> [P, N]
-      x      [P, K]        one row per pair (the token's hidden for gate / up, the pair's activation for down)
+    moe_gemv(x, w, scale, ids, *, kind, k, block, rows_per_x=1) -> [P, N]
+      x      [R, K]        pair p reads row p // rows_per_x: one row per pair (rows_per_x 1: the pair's activation
+                           for down) or per token (rows_per_x = top_k: the token's hidden for gate / up, read by
+                           each of its pairs where it lies, not copied to them); R >= ceil(P / rows_per_x), rows
+                           past those read unused (the two-row form ops.linear pads one row to)
       w      [E, Kq, N]    stacked experts: plain float (kind "plain", scale None) or quant_layout values
       scale  [E, gk, gn]   float32 scales of the quantized formats (None for "plain")
       ids    [P] int32     the expert of each pair
-      out[p] = x[p] @ weight(w[ids[p]], scale[ids[p]])   in x's dtype, f32 accumulation
+      out[p] = x[p // rows_per_x] @ weight(w[ids[p]], scale[ids[p]])   in x's dtype, f32 accumulation
 
 The reference (what every non-cuda lowering runs, the CPU's fast path) is XLA's gather of the routed experts'
 values and scales, the format's dequantization of the gathered experts only (per-channel formats: none, the
@@ -79,9 +82,17 @@ def _mode(kind: str, k: int, block) -> str:
     return "channel" if block[0] >= k else "block"
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "k", "block"))
-def moe_gemv_reference(x, w, scale, ids, *, kind: str, k: int, block):
+def pair_rows(x, pairs: int, rows_per_x: int):
+    """x's row of each of `pairs` pairs (pair p: row p // rows_per_x), [pairs, K]."""
+    if rows_per_x == 1 and x.shape[0] == pairs:
+        return x
+    return x[jnp.arange(pairs) // rows_per_x]
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "rows_per_x"))
+def moe_gemv_reference(x, w, scale, ids, *, kind: str, k: int, block, rows_per_x: int = 1):
     """XLA: gather the routed experts (values and scales), dequantize only those, one batched product."""
+    x = pair_rows(x, ids.shape[0], rows_per_x)
     dt = x.dtype
     prec = precision_for(dt)
     prod = lambda v: jnp.einsum("pk,pkn->pn", x, v, precision=prec, preferred_element_type=jnp.float32)
@@ -97,15 +108,20 @@ def moe_gemv_reference(x, w, scale, ids, *, kind: str, k: int, block):
     return prod(dequantize(q, s, kind, k, block, dt, jnp)).astype(dt)
 
 
-def check_inputs(x, w, scale, ids, kind: str, k: int, block) -> None:
+def check_inputs(x, w, scale, ids, kind: str, k: int, block, rows_per_x: int = 1) -> None:
     """ValueError naming what is wrong when the arrays do not form a routed product of this layout."""
     if kind not in KINDS:
         raise ValueError(f"moe_gemv: kind one of {KINDS}, found {kind!r}")
     if x.ndim != 2 or w.ndim != 3 or ids.ndim != 1:
-        raise ValueError(f"moe_gemv takes x [P, K], w [E, Kq, N], ids [P], found x {list(x.shape)}, "
+        raise ValueError(f"moe_gemv takes x [R, K], w [E, Kq, N], ids [P], found x {list(x.shape)}, "
                          f"w {list(w.shape)}, ids {list(ids.shape)}")
-    if x.shape[0] != ids.shape[0]:
+    if rows_per_x < 1:
+        raise ValueError(f"moe_gemv: rows_per_x (pairs reading one row of x) >= 1, found {rows_per_x}")
+    if rows_per_x == 1 and x.shape[0] != ids.shape[0]:
         raise ValueError(f"moe_gemv: one expert id per row of x ({x.shape[0]}), found {ids.shape[0]}")
+    if x.shape[0] < cdiv(ids.shape[0], rows_per_x):
+        raise ValueError(f"moe_gemv: {ids.shape[0]} pairs at {rows_per_x} a row of x need "
+                         f"{cdiv(ids.shape[0], rows_per_x)} rows, found x {list(x.shape)}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"moe_gemv: integer expert ids, found {ids.dtype}")
     if x.shape[1] != k:
@@ -181,7 +197,7 @@ def plan(P, K, N, kind, block, itemsize=2, *, block_n=None, dot_k=None, splits=N
 
 def unsupported_reason(x, w, scale, ids, *, kind: str, k: int, block):
     """None if the kernel takes this format, these shapes and dtypes, else why not (the caller falls back)."""
-    P, N = x.shape[0], w.shape[2]
+    P, N = ids.shape[0], w.shape[2]
     bk, bn = block
     if jnp.dtype(x.dtype) not in {jnp.dtype(d) for d in DTYPES}:
         return f"x of dtype {jnp.dtype(x.dtype)}: the kernel takes float32 / bfloat16 / float16"
@@ -212,16 +228,16 @@ def _exact(bits, offset):
 
 
 def _kernel(x_ref, w_ref, s_ref, id_ref, o_ref, *, mode, K, N, kq, n_groups, bk, bns, bn, tk, dk, per, dt,
-            parts):
+            parts, rpx):
     p, j, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     e = id_ref[p]
     n0 = j * bn
     col_ok = (n0 + jnp.arange(bn, dtype=jnp.int32)) < N
     zero_w = 0.0 if w_ref.dtype in (STORAGE["fp8"],) or mode == "plain" else 0
 
-    def x_chunk(k0):  # [dk, 1] f32: x[p, k0 : k0 + dk], past K read as 0
+    def x_chunk(k0):  # [dk, 1] f32: x[p // rpx, k0 : k0 + dk], past K read as 0
         ok = (k0 + jnp.arange(dk, dtype=jnp.int32)) < K
-        return plt.load(x_ref.at[p, pl.ds(k0, dk)], mask=ok, other=0).astype(jnp.float32)[:, None]
+        return plt.load(x_ref.at[p // rpx, pl.ds(k0, dk)], mask=ok, other=0).astype(jnp.float32)[:, None]
 
     def w_tile(r0, limit):  # [dk, bn] stored values of expert e; rows past `limit`, columns past N read as 0
         ok = ((r0 + jnp.arange(dk, dtype=jnp.int32)) < limit)[:, None] & col_ok[None, :]
@@ -273,13 +289,13 @@ def _kernel(x_ref, w_ref, s_ref, id_ref, o_ref, *, mode, K, N, kq, n_groups, bk,
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "k", "block", "block_n", "dot_k", "splits", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "rows_per_x", "interpret"))
 def moe_gemv_pallas(x, w, scale, ids, *, kind: str, k: int, block, block_n: int | None = None,
                     dot_k: int | None = None, splits: int | None = None, num_warps: int | None = None,
-                    num_stages: int | None = None, interpret: bool = False):
+                    num_stages: int | None = None, rows_per_x: int = 1, interpret: bool = False):
     """The Pallas kernel. Inputs must pass check_inputs and unsupported_reason (moe_gemv checks both)."""
     block = tuple(block)
-    P, N = x.shape[0], w.shape[2]
+    P, N = ids.shape[0], w.shape[2]
     dt = x.dtype
     p = plan(P, k, N, kind, block, jnp.dtype(dt).itemsize, block_n=block_n, dot_k=dot_k, splits=splits,
              num_warps=num_warps, num_stages=num_stages)
@@ -287,7 +303,8 @@ def moe_gemv_pallas(x, w, scale, ids, *, kind: str, k: int, block, block_n: int 
         scale = jnp.ones((1, 1, 1), jnp.float32)
     kernel = functools.partial(
         _kernel, mode=_mode(kind, k, block), K=k, N=N, kq=w.shape[1], n_groups=scale.shape[1], bk=block[0],
-        bns=block[1], bn=p.block_n, tk=p.block_k, dk=p.dot_k, per=p.steps_per_split, dt=dt, parts=p.splits)
+        bns=block[1], bn=p.block_n, tk=p.block_k, dk=p.dot_k, per=p.steps_per_split, dt=dt, parts=p.splits,
+        rpx=rows_per_x)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j, s: (0,) * len(a.shape))  # each program slices in place
     if p.splits > 1:
         out_shape = jax.ShapeDtypeStruct((p.splits, P, N), jnp.float32)
@@ -307,14 +324,15 @@ def moe_gemv_pallas(x, w, scale, ids, *, kind: str, k: int, block, block_n: int 
     return out.sum(axis=0).astype(dt) if p.splits > 1 else out
 
 
-def moe_gemv(x, w, scale, ids, *, kind: str, k: int, block=None, backend: str = "auto", interpret: bool = False):
+def moe_gemv(x, w, scale, ids, *, kind: str, k: int, block=None, rows_per_x: int = 1, backend: str = "auto",
+             interpret: bool = False):
     """The kernel in a program lowered for cuda, the reference elsewhere (dispatch.run); see the module doc.
     block: the quantized layout's (bk, bn); ignored (None) for plain experts."""
     block = (k, 1) if block is None else tuple(int(b) for b in block)
-    check_inputs(x, w, scale, ids, kind, k, block)
-    reference = functools.partial(moe_gemv_reference, kind=kind, k=k, block=block)
+    check_inputs(x, w, scale, ids, kind, k, block, rows_per_x)
+    reference = functools.partial(moe_gemv_reference, kind=kind, k=k, block=block, rows_per_x=rows_per_x)
     kernel, reason = kernel_for(x, w, scale, ids, kind=kind, k=k, block=block)
-    kernel = functools.partial(kernel, kind=kind, k=k, block=block, interpret=interpret)
+    kernel = functools.partial(kernel, kind=kind, k=k, block=block, rows_per_x=rows_per_x, interpret=interpret)
     return dispatch.run("routed MoE product", kernel, reference, reason, backend, x, w, scale, ids)
 
 

@@ -6,11 +6,11 @@ Pallas kernel is a custom call it cannot look inside: given sharded operands it 
   quant_linear  x [M, K] @ QuantArray [K, N] with N split (column parallel: local, no communication) or K
                 split (row parallel: local partial products, then one psum over `model`, in f32), rows of x
                 split over `data` where they divide;
-  routed        the MoE experts at decode (moe_gemv): x [P, K] one row per (token, expert) pair times its
-                expert of the stacked w [E, K, N], the experts' intermediate dimension split over `model` as
-                sharding.py places it (gate / up: N, column parallel; down: K, row parallel, one psum in f32),
-                pairs split over `data` where they divide; every shard holds every expert's slice, so the ids
-                need no routing between devices;
+  routed        the MoE experts at decode (moe_gemv): x's row of each (token, expert) pair (its own row, or its
+                token's) times its expert of the stacked w [E, K, N], the experts' intermediate dimension split
+                over `model` as sharding.py places it (gate / up: N, column parallel; down: K, row parallel,
+                one psum in f32), pairs split over `data` where they divide; every shard holds every expert's
+                slice, so the ids need no routing between devices;
   windowed      the draft head's windowed attention, split over batch rows (`data`) and kv heads (`model`),
                 each shard attending over its own heads of its own rows: no communication;
   causal        the trunk's and the native head's causal attention over their KV caches, split the same way;
@@ -89,16 +89,23 @@ def expert_spec(split: str, k: int, n: int):
     return (ax, None) if split == "k" else (None, ax)
 
 
-def routed(x, w, scale, ids, spec, k: int, block, call):
-    """x [P, K] @ w[ids] -> [P, N] per shard (module doc). call(x, w, scale, ids, k, block) runs moe_gemv (kernel
-    or reference) on whole or local operands; scale None for plain experts; spec = (K axis, N axis) of w."""
+def routed(x, w, scale, ids, spec, k: int, block, call, rows_per_x: int = 1):
+    """x[p // rows_per_x] @ w[ids[p]] -> [P, N] per shard (module doc). call(x, w, scale, ids, k, block,
+    rows_per_x) runs moe_gemv (kernel or reference) on whole or local operands; scale None for plain experts;
+    spec = (K axis, N axis) of w. Pairs split over `data` take x's rows with them where each shard's pairs read
+    whole rows of their own; otherwise (a padded row of x, pairs of one row on two shards) each pair's row is
+    gathered first and the shards read those."""
     mesh = active_mesh()
     if mesh is None or spec is None:
-        return call(x, w, scale, ids, k, block)
+        return call(x, w, scale, ids, k, block, rows_per_x)
     kax, nax = spec
-    dax = batch_axis(mesh, x.shape[0])
+    P_ = ids.shape[0]
+    dax = batch_axis(mesh, P_)
+    if dax is not None and rows_per_x > 1 and (x.shape[0] * rows_per_x != P_
+                                               or (P_ // mesh.shape[dax]) % rows_per_x):
+        x, rows_per_x = x[jnp.arange(P_) // rows_per_x], 1
     if kax is None and nax is None and dax is None:
-        return call(x, w, scale, ids, k, block)
+        return call(x, w, scale, ids, k, block, rows_per_x)
     k_local = k // mesh.shape[kax] if kax else k
     n_local = w.shape[-1] // mesh.shape[nax] if nax else w.shape[-1]
     local_block = (min(block[0], k_local) if kax else block[0], min(block[1], n_local) if nax else block[1])
@@ -109,7 +116,7 @@ def routed(x, w, scale, ids, spec, k: int, block, call):
         args.append(scale)
 
     def local(x, w, ids, s=None):
-        y = call(x, w, s, ids, k_local, local_block)
+        y = call(x, w, s, ids, k_local, local_block, rows_per_x)
         if kax:
             y = jax.lax.psum(y.astype(jnp.float32), kax).astype(x.dtype)
         return y

@@ -141,18 +141,19 @@ def _value(word, shift, mask, one):
     return jax.lax.bitcast_convert_type(bits, jnp.float32) - 1.0
 
 
-def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=False):
-    """grouped (the routed MoE product, quant_gemv_grouped_pallas): program (pair, column tile, K part) of a
-    grid one axis longer, M = 1, x's / the output's row the pair's, q and the scales those of expert ids[pair]."""
+def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=0):
+    """grouped (the routed MoE product, quant_gemv_grouped_pallas: the pairs that read one row of x, >= 1):
+    program (pair, column tile, K part) of a grid one axis longer, M = 1, the output's row the pair's, x's row
+    pair // grouped, q and the scales those of expert ids[pair]."""
     if grouped:
         x_ref, xs_ref, q_ref, s_ref, c_ref, id_ref, o_ref = refs
         pair, j, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         e = id_ref[pair]
-        lead, row_of = (e,), (lambda m: pair)
+        lead, row_of, x_row = (e,), (lambda m: pair), (lambda m: pair // grouped)
     else:
         x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref = refs
         j, part = pl.program_id(0), pl.program_id(1)
-        lead, row_of = (), (lambda m: m)
+        lead, row_of, x_row = (), (lambda m: m), (lambda m: m)
     C, R = p.cols, p.rows
     words = reads_words(kind)
     nb = 4 if words else 1
@@ -166,7 +167,7 @@ def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=False)
     c_ragged = (N // 4 if words else N) % C != 0
 
     def x_at(m, half, r):  # the f32 entry of x that multiplies stored row r (int4: its low / high nibble)
-        return x_ref[row_of(m), half, r]
+        return x_ref[x_row(m), half, r]
 
     consts = [c_ref[i] for i in range(len(CONSTS))]  # before the loops: held in registers
     one = consts[0]
@@ -244,7 +245,7 @@ def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=False)
             acc, ws = jax.lax.fori_loop(0, subs, lambda i, c: sub_step(t * p.step + i * R, c), (zero, ws))
         if md == "channel":  # the offset goes once, at the end
             return [[acc[m][b] * unscale[b] for b in range(nb)] for m in range(M)], ws
-        return [[acc[m][b] * unscale[b] - offset * xs_ref[row_of(m), t] for b in range(nb)] for m in range(M)], ws
+        return [[acc[m][b] * unscale[b] - offset * xs_ref[x_row(m), t] for b in range(nb)] for m in range(M)], ws
 
     def step(t, carry):
         out, ws = carry
@@ -261,7 +262,7 @@ def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=False)
     out, _ = jax.lax.fori_loop(0, n_steps, step, (out0, first))
     if md == "channel":
         if offset:  # the sum of x over this part's rows
-            out = [[out[m][b] - offset * xs_ref[row_of(m), part] for b in range(nb)] for m in range(M)]
+            out = [[out[m][b] - offset * xs_ref[x_row(m), part] for b in range(nb)] for m in range(M)]
         out = [[out[m][b] * scales(0, b) for b in range(nb)] for m in range(M)]
     for m in range(M):
         for b in range(nb):

@@ -4,7 +4,8 @@ each program M = 1 over the weights and scales of expert ids[pair] (q [E, Kq, N]
 [E, Kq, N / 4]), x's and the output's row the pair's; where pairs x column tiles leave SMs idle (35B-A3B: 8
 pairs x 512 columns) a lane loads one word, not four, for 4x the column tiles, and K's parts fill one wave.
 
-    quant_gemv_grouped_pallas(x [P, K], q [E, Kq, N], scale [E, gk, gn], ids [P], *, kind, k, block) -> [P, N]
+    quant_gemv_grouped_pallas(x [R, K], q [E, Kq, N], scale [E, gk, gn], ids [P], *, kind, k, block,
+                              rows_per_x=1) -> [P, N]      (pair p reads x's row p // rows_per_x, as moe_gemv)
 """
 
 from __future__ import annotations
@@ -33,17 +34,17 @@ GROUPED_KINDS = ("int8", "int4")
 
 
 def grouped_unsupported_reason(x, q, scale, ids, *, kind: str, k: int, block):
-    """None if quant_gemv_grouped_pallas takes these routed-MoE inputs (moe_gemv's: x [P, K], q [E, Kq, N],
+    """None if quant_gemv_grouped_pallas takes these routed-MoE inputs (moe_gemv's: x [R, K], q [E, Kq, N],
     scale [E, gk, gn], ids [P]; the layout already checked), else why not."""
     if kind not in GROUPED_KINDS:
         return f"{kind}: the grouped decode kernel takes {' and '.join(GROUPED_KINDS)} experts"
-    P, N = x.shape[0], q.shape[2]
+    P, N = ids.shape[0], q.shape[2]
     one = jax.ShapeDtypeStruct((1, x.shape[1]), x.dtype)
     reason = unsupported_reason(one, jax.ShapeDtypeStruct(q.shape[1:], q.dtype), scale, kind=kind, k=k, block=block)
     if reason is not None:
         return reason
     p = plan(1, k, N, kind, block, pairs=P)
-    if max(q.size, P * k, p.splits * P * N) >= MAX_ELEMENTS:
+    if max(q.size, max(P, x.shape[0]) * k, p.splits * P * N) >= MAX_ELEMENTS:
         return f"{P} pairs x [{k}, {N}] over {q.shape[0]} experts: more than 2^31 elements in one array"
     if max(p.col_tiles, p.splits) > MAX_GRID:
         return f"{p.col_tiles} column tiles x {p.splits} K parts: a CUDA grid's y and z stop at {MAX_GRID}"
@@ -58,16 +59,19 @@ def plan_alternatives(kind: str, k: int, N: int, block, pairs: int, words=WORDS,
     return alternatives(1, k, N, kind, block, pairs=pairs, words=words, splits=splits)
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "rows", "words", "interpret"))
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "rows", "words", "rows_per_x",
+                                             "interpret"))
 def quant_gemv_grouped_pallas(x, q, scale, ids, *, kind: str, k: int, block, splits: int | None = None,
-                              rows: int | None = None, words: int | None = None, interpret: bool = False):
+                              rows: int | None = None, words: int | None = None, rows_per_x: int = 1,
+                              interpret: bool = False):
     """The routed MoE product at decode on this module's kernel (kernels_pallas/moe_gemv.py's signature):
-    out[p] = x[p] @ (q[ids[p]], scale[ids[p]]) -> [P, N], one program per (pair, column tile, K part), each
+    out[p] = x[p // rows_per_x] @ (q[ids[p]], scale[ids[p]]) -> [P, N], one program per (pair, column tile, K
+    part), each
     reading only its pair's expert, with the conversion and the launch of the M = 1 decode kernel. splits, rows
     and words override the plan (quant_gemv_plan.plan). Inputs must pass moe_gemv.check_inputs and
     grouped_unsupported_reason."""
     block = tuple(block)
-    P, N = x.shape[0], q.shape[2]
+    P, N = ids.shape[0], q.shape[2]
     dt = x.dtype
     kq = q.shape[1]
     p = plan(1, k, N, kind, block, splits=splits, rows=rows, words=words, pairs=P)
@@ -75,7 +79,7 @@ def quant_gemv_grouped_pallas(x, q, scale, ids, *, kind: str, k: int, block, spl
     xs = block_sums_of_x(xr, p.step * (p.per if mode(kind, k, block) == "channel" else 1))  # per block / part
     consts = jnp.asarray(CONSTS)
     kernel = functools.partial(gemv_kernel, kind=kind, md=mode(kind, k, block), M=1, K=k, N=N, kq=kq, bk=block[0],
-                               bns=block[1], p=p, dt=dt, gk=scale.shape[1], grouped=True)
+                               bns=block[1], p=p, dt=dt, gk=scale.shape[1], grouped=rows_per_x)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j, s: (0,) * len(a.shape))
     if p.splits > 1:
         out_shape = jax.ShapeDtypeStruct((p.splits, P, N), jnp.float32)

@@ -90,6 +90,14 @@ def check() -> dict:
         err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
         assert err < 1e-5, (fmt, err)
         out[fmt] = err
+        if fmt in ("f32", "int4"):  # one token: its row padded to two (ops.two_rows), its 2 pairs on 2 shards of
+            # `data` (per_shard.routed gathers each pair's row first)
+            x1 = x[:1]
+            want1 = np.asarray(jax.jit(lambda x, w: mlp.moe(x, w, cfg))(x1, w))
+            with jax.set_mesh(mesh):
+                got1 = np.asarray(jax.jit(lambda x, w: mlp.moe(x, w, cfg))(x1, pw))
+            out[f"{fmt}_one_token"] = float(np.max(np.abs(got1 - want1)) / np.max(np.abs(want1)))
+            assert out[f"{fmt}_one_token"] < 1e-5, out
         if fmt == "int4":  # control: the row-parallel down projection without its psum
             real = jax.lax.psum
             jax.lax.psum = lambda y, axis, **kw: y

@@ -209,6 +209,13 @@ CASES = [
     # the plan alternatives benchmarks/gpu_check times (a lane's words per row): ragged last column tiles
     ("int4", 32, 3, 300, 520, "f32", {"words": 2}),
     ("int8", (64, 1), 2, 200, 1040, "f32", {"words": 4, "splits": 2}),
+    # x by token (rows_per_x: the pairs that read one row; pad: rows past those, random, never read): one token's
+    # row padded to two as the MoE block hands it on cuda (ops.two_rows), and two or more tokens' rows
+    ("plain", None, 8, 256, 64, "bf16", {"rows_per_x": 8, "pad": 1}),
+    ("fp8", (128, 128), 4, 300, 200, "f32", {"rows_per_x": 2, "pad": 1, "splits": 2}),
+    ("int4", 128, 8, 256, 128, "f32", {"rows_per_x": 4}),
+    ("int8", "channel", 6, 130, 40, "f32", {"rows_per_x": 3, "pad": 1}),
+    ("int4", 64, 4, 300, 42, "f32", {"rows_per_x": 2}),  # this module's own kernel (N not a multiple of 4)
 ]
 
 
@@ -232,20 +239,33 @@ class TestMoeGemvContract(KernelContract):
 
     def case_id(self, c):
         kind, fmt, P, K, N, dtype = c.case[:6]
-        return f"{kind}-{fmt}-P{P}K{K}N{N}-{dtype}".replace(" ", "")
+        _, rpx, pad = self._split(c)
+        by_token = f"-x{cdiv(P, rpx) + pad}rows" if rpx > 1 else ""
+        return f"{kind}-{fmt}-P{P}K{K}N{N}-{dtype}{by_token}".replace(" ", "")
+
+    @staticmethod
+    def _split(c):
+        """(the launch parameters forced, rows_per_x, rows of x past those its pairs read)."""
+        tiling = dict(c.case[6])
+        return tiling, tiling.pop("rows_per_x", 1), tiling.pop("pad", 0)
 
     def inputs(self, c):
-        return _inputs(*c.case[:6], seed=c.seed)[:4]
+        x, w, s, ids, _ = _inputs(*c.case[:6], seed=c.seed)
+        _, rpx, pad = self._split(c)
+        return (x[:cdiv(c.case[2], rpx) + pad] if rpx > 1 else x), w, s, ids
 
     def _kw(self, c):
         kind, K = c.case[0], c.case[3]
-        return {"kind": kind, "k": K, "block": _inputs(*c.case[:6], seed=c.seed)[4]}
+        return {"kind": kind, "k": K, "block": _inputs(*c.case[:6], seed=c.seed)[4],
+                "rows_per_x": self._split(c)[1]}
 
     def kernel(self, c, *args):
-        fn, _ = mg.kernel_for(*args, **self._kw(c))
-        tiling = c.case[6] if fn is mg.moe_gemv_pallas else {k: v for k, v in c.case[6].items()
-                                                               if k in ("splits", "words")}
-        return fn(*args, **self._kw(c), interpret=True, **tiling)
+        kw = self._kw(c)
+        fn, _ = mg.kernel_for(*args, **{k: v for k, v in kw.items() if k != "rows_per_x"})
+        tiling = self._split(c)[0]
+        if fn is not mg.moe_gemv_pallas:
+            tiling = {k: v for k, v in tiling.items() if k in ("splits", "words")}
+        return fn(*args, **kw, interpret=True, **tiling)
 
     def reference(self, c, *args):
         return mg.moe_gemv_reference(*args, **self._kw(c))
@@ -254,7 +274,7 @@ class TestMoeGemvContract(KernelContract):
         return mg.moe_gemv(*args, **self._kw(c), **kw)
 
     def reason(self, c, *args):
-        return mg.kernel_for(*args, **self._kw(c))[1]
+        return mg.kernel_for(*args, **{k: v for k, v in self._kw(c).items() if k != "rows_per_x"})[1]
 
     def error(self, got, want):
         return rel_err(got, want)[:1]
@@ -263,9 +283,11 @@ class TestMoeGemvContract(KernelContract):
         return (1e-2,)  # the reference rounds each dequantized weight to x's dtype; the kernel does not
 
     def check_more(self, c, args, got, ref, report):
-        kind, fmt, P, K, N, dtype, tiling = c.case
+        kind, fmt, P, K, N, dtype, _ = c.case
+        tiling, rpx, _ = self._split(c)
         x, w, scale, ids = args
-        kw = self._kw(c)
+        x = x[np.arange(P) // rpx]  # each pair's row
+        kw = {k: v for k, v in self._kw(c).items() if k != "rows_per_x"}
         if kind == "plain":
             want = np.einsum("pk,pkn->pn", np.asarray(x.astype(jnp.float32), np.float64),
                              np.asarray(w.astype(jnp.float32), np.float64)[np.asarray(ids)])
@@ -420,7 +442,8 @@ def test_gpu_check_moe_section_runs_on_cpu(capsys):
     from gpu_check.moe import MOE_PREFILL_SMOKE, MOE_SMOKE, check_moe, check_moe_prefill
 
     assert check_moe(MOE_SMOKE[:1], interpret=True, timings=False) == 0
-    assert "OK" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "OK" in out and "x by token (2 pairs a row) max_rel" in out, out  # the gate / up form of the call
     assert check_moe_prefill(MOE_PREFILL_SMOKE[:1], interpret=True, timings=False) == 0
     out = capsys.readouterr().out
     assert "lax.ragged_dot max_rel" in out and "tiles (CPU path) max_rel" in out and "routed kernel max_rel" in out

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from kernels_pallas import per_shard as spmd
 from kernels_pallas.moe_router import router_topk as topk_kernel
 from qwen_mtp.trunk.config import ModelConfig
-from qwen_mtp.trunk.ops import linear
+from qwen_mtp.trunk.ops import linear, pads_one_row, two_rows
 from qwen_mtp.trunk.quant import grouped_dot, routed_dot
 from qwen_mtp.trunk.weights import MLPWeights, MoEWeights
 
@@ -71,12 +71,15 @@ def moe(x, w: MoEWeights, cfg: ModelConfig):
 
 def _routed_pairs(x2, w: MoEWeights, top_p, top_e):
     """x2 [n, H]; pair p = t * k + j is token t with its j-th expert. Weighted by the router and summed over each
-    token's k pairs in float32 -> [n, H] in x's dtype."""
+    token's k pairs in float32 -> [n, H] in x's dtype. Gate and up read each token's row where it lies (k pairs a
+    row), not k copies of it; one row as the two rows ops.linear makes of it for the router's product on cuda
+    (ops.two_rows), so that XLA writes out nothing more for the experts (docs/on-a-gpu.md: a kernel a MoE layer
+    fewer)."""
     n, k = top_e.shape
     pair_e = top_e.reshape(-1)
-    xs = jnp.repeat(x2, k, axis=0)
-    g = routed_dot(xs, w.gate, pair_e, split="n")
-    u = routed_dot(xs, w.up, pair_e, split="n")
+    rows = two_rows(x2) if n == 1 and pads_one_row(w.router) else x2
+    g = routed_dot(rows, w.gate, pair_e, split="n", rows_per_x=k)
+    u = routed_dot(rows, w.up, pair_e, split="n", rows_per_x=k)
     y = routed_dot(jax.nn.silu(g) * u, w.down, pair_e, split="k")
     y = (y * top_p.reshape(-1, 1)).astype(jnp.float32)
     return y.reshape(n, k, -1).sum(axis=1).astype(x2.dtype)

@@ -48,18 +48,28 @@ def linear(x, w):
     cuda (VECTOR_DOT_MAX); elsewhere, and for every other shape, the product is the same single einsum."""
     if isinstance(w, QuantArray):
         return quant_linear(x, w)
-    if math.prod(x.shape[:-1]) == 1 and VECTOR_DOT_MIN_N <= w.shape[-1] and w.size <= VECTOR_DOT_MAX:
+    if math.prod(x.shape[:-1]) == 1 and pads_one_row(w):
         return jax.lax.platform_dependent(x, w, cuda=_as_two_rows, default=_product)
     return _product(x, w)
+
+
+def pads_one_row(w) -> bool:
+    """Whether `linear` hands one row through the plain weight w as two rows on cuda (VECTOR_DOT_MAX)."""
+    return not isinstance(w, QuantArray) and VECTOR_DOT_MIN_N <= w.shape[-1] and w.size <= VECTOR_DOT_MAX
 
 
 def _product(x, w):
     return contract("...i,io->...o", x, w.astype(x.dtype)).astype(x.dtype)
 
 
+def two_rows(row):
+    """A row [1, in] as two, the second zeros: what `linear` hands a one-row product on cuda. The MoE block's
+    routed experts read the same array (mlp._routed_pairs), which XLA then computes once for both."""
+    return jnp.concatenate([row, jnp.zeros_like(row)])
+
+
 def _as_two_rows(x, w):
-    row = x.reshape(1, x.shape[-1])
-    y = _product(jnp.concatenate([row, jnp.zeros_like(row)]), w)[:1]
+    y = _product(two_rows(x.reshape(1, x.shape[-1])), w)[:1]
     return y.reshape(*x.shape[:-1], w.shape[-1])
 
 

@@ -169,20 +169,23 @@ def grouped_dot(x, w, group_sizes, *, impl: str = "auto"):
     return moe_grouped.grouped_dot(x, w, None, group_sizes, kind="plain", k=K, block=(K, 1), impl=impl)
 
 
-def routed_dot(x, w, ids, *, split: str | None = None, backend: str = "auto"):
-    """The MoE experts at decode, reading only the routed ones: x [P, K] one row per (token, expert) pair,
-    w [E, K, N] plain or QuantArray, ids [P] the pair's expert -> [P, N], x[p] @ w[ids[p]] in x's dtype
+def routed_dot(x, w, ids, *, split: str | None = None, rows_per_x: int = 1, backend: str = "auto"):
+    """The MoE experts at decode, reading only the routed ones: x [R, K], w [E, K, N] plain or QuantArray,
+    ids [P] the pair's expert -> [P, N], x[p // rows_per_x] @ w[ids[p]] in x's dtype: x one row per (token,
+    expert) pair (rows_per_x 1) or per token (rows_per_x = top_k, read by its pairs, not copied to them)
     (kernels_pallas.moe_gemv: the Pallas grouped GEMV on cuda, XLA's gather of the routed experts elsewhere;
     a QuantArray's values and scales are gathered, never all experts dequantized). Under a mesh it runs per
     shard (per_shard.routed): a QuantArray's `spec` says how its experts are split; plain experts name the
     dimension sharding.py splits, `split` "k" (down) or "n" (gate / up)."""
     K = w.shape[-2]
     if isinstance(w, QuantArray):
-        call = lambda x, q, s, ids, k, block: moe_gemv(x, q, s, ids, kind=w.kind, k=k, block=block, backend=backend)
-        return spmd.routed(x, w.q, w.scale, ids, w.spec, K, w.block, call)
-    call = lambda x, v, s, ids, k, block: moe_gemv(x, v, None, ids, kind="plain", k=k, backend=backend)
+        call = lambda x, q, s, ids, k, block, rpx: moe_gemv(x, q, s, ids, kind=w.kind, k=k, block=block,
+                                                            rows_per_x=rpx, backend=backend)
+        return spmd.routed(x, w.q, w.scale, ids, w.spec, K, w.block, call, rows_per_x)
+    call = lambda x, v, s, ids, k, block, rpx: moe_gemv(x, v, None, ids, kind="plain", k=k, rows_per_x=rpx,
+                                                        backend=backend)
     spec = None if split is None else spmd.expert_spec(split, K, w.shape[-1])
-    return spmd.routed(x, w, None, ids, spec, K, (K, 1), call)
+    return spmd.routed(x, w, None, ids, spec, K, (K, 1), call, rows_per_x)
 
 
 # ---------------------------------------------------------------- policy
