@@ -95,7 +95,9 @@ def loops(target):
     compiled for `target`: the concatenations of 4 MB or more inside the loop (benchmarks/gpu_scale/launches.py)
     and the products of 1 MB or more written out (launches.products), and the kernels an iteration; 35B-A3B's
     plain step, and again without ops.VECTOR_DOT_MAX's two rows; then 27B's round with the GDN verify in XLA ops
-    (its reference, as before kernels_pallas/gdn_verify.py's kernel), and with the GDN in-projections as they were
+    (its reference, as before kernels_pallas/gdn_verify.py's kernel); 35B-A3B's plain step with the router's top-k
+    by lax.top_k and with gate / up on copies of each token's row, as before moe_router.py and moe_gemv's
+    rows_per_x; and 27B's round with the GDN in-projections as they were
     before gdn.in_projections (four dots on one x), which XLA merged over the weights concatenated in the loop:
     the probe must find those."""
     import dataclasses
@@ -120,7 +122,20 @@ def loops(target):
     one("27B k1 native", "Qwen3.5-27B")
     one("35B-A3B k1 native", "Qwen3.5-35B-A3B")
     one("35B-A3B plain", "Qwen3.5-35B-A3B", k=0)
-    from qwen_mtp.trunk import ops
+    from qwen_mtp.trunk import mlp, ops
+
+    # the MoE block as it was: the router's top-k by lax.top_k (XLA: a sort and a slice), and the routed gate / up
+    # on k copies of each token's row (before moe_gemv's rows_per_x)
+    router, routed_dot = mlp.router_topk, mlp.routed_dot
+    mlp.router_topk = jax.lax.top_k
+    jax.clear_caches()
+    one("35B-A3B plain, the router's top-k by lax.top_k", "Qwen3.5-35B-A3B", k=0)
+    mlp.router_topk = router
+    mlp.routed_dot = lambda x, w, ids, *, rows_per_x=1, **kw: routed_dot(
+        x[jax.numpy.arange(ids.shape[0]) // rows_per_x] if rows_per_x > 1 else x, w, ids, **kw)
+    jax.clear_caches()
+    one("35B-A3B plain, gate / up on copies of the row", "Qwen3.5-35B-A3B", k=0)
+    mlp.routed_dot = routed_dot
 
     vector_max, ops.VECTOR_DOT_MAX = ops.VECTOR_DOT_MAX, 0
     jax.clear_caches()

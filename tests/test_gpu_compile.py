@@ -139,7 +139,8 @@ def test_tree_rounds_are_one_cuda_graph(python, report):
 def test_no_weight_is_copied_in_a_decode_loop(python, report):
     """A speculative round of 4 real-width layers of 27B and of 35B-A3B (bf16) compiled for an H200 holds no
     concatenation of 4 MB or more in its loop, nor does 35B-A3B's plain step write out a weight-sized product,
-    and a round launches fewer kernels with the GDN verify kernel than with its XLA reference.
+    and a round launches fewer kernels with the GDN verify kernel than with its XLA reference, and a MoE plain
+    step fewer with the router's top-k kernel and with gate / up reading the token's row than without.
     Before gdn.in_projections, XLA's dot merger joined the four GDN in-projections over their weights
     concatenated in the loop: a copy of 169 MB (27B) per GDN layer at every round, 16 GB a round at full depth.
     The same program with the four dots on one x shows the probe finds it."""
@@ -159,6 +160,12 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     # XLA reference (the 3 GDN layers: 136 against 167 when written)
     xla_ops = rows["27B k1 native, the GDN verify in XLA ops (its reference)"]["kernels"]
     assert rows["27B k1 native"]["kernels"] + 3 * 8 <= xla_ops, rows
+    # the MoE block: the router's top-k as one kernel (moe_router.py; XLA's lax.top_k is a sort and a slice) and
+    # the routed gate / up reading each token's row where the router's product reads it (moe_gemv's rows_per_x;
+    # k copies of it were a fusion of their own): a kernel a MoE layer fewer each (4 layers: 126 -> 122 -> 118)
+    plain = rows["35B-A3B plain"]["kernels"]
+    assert plain + 4 <= rows["35B-A3B plain, the router's top-k by lax.top_k"]["kernels"], rows
+    assert plain + 4 <= rows["35B-A3B plain, gate / up on copies of the row"]["kernels"], rows
     for label, r in rows.items():
         cats = r["concatenations"]
         report(f"XLA sm_90 compile (deviceless, H200), {label}: {r['kernels']} kernels an iteration, weight "

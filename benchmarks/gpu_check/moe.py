@@ -132,10 +132,19 @@ def _grouped(kind, K, block, impl, ragged=None):
     return jax.jit(f)
 
 
-def _routed(x, w, s, ids, *, kind, k, block, interpret):
+def _routed(x, w, s, ids, *, kind, k, block, interpret, rows_per_x=1):
     """The routed product on the kernel moe_gemv's dispatch picks for these inputs (moe_gemv.kernel_for)."""
     fn, _ = mg.kernel_for(x, w, s, ids, kind=kind, k=k, block=block)
-    return fn(x, w, s, ids, kind=kind, k=k, block=block, interpret=interpret)
+    return fn(x, w, s, ids, kind=kind, k=k, block=block, rows_per_x=rows_per_x, interpret=interpret)
+
+
+def _by_token(x, w, scale, ids, kind, K, block, interpret):
+    """max_rel of the kernel reading x by token (rows_per_x 2, as gate / up read the token's row: pairs 2t and
+    2t + 1 read row t, and a last row never read, as the two-row form pads one) against the reference."""
+    rows = jnp.concatenate([x[::2], x[-1:]])  # pair p reads row p // 2; the last row is the one never read
+    args = dict(kind=kind, k=K, block=block, rows_per_x=2)
+    want = np.asarray(mg.moe_gemv_reference(rows, w, scale, ids, **args).astype(jnp.float32))
+    return max_rel(np.asarray(_routed(rows, w, scale, ids, interpret=interpret, **args).astype(jnp.float32)), want)
 
 
 def check_moe_prefill(cases, interpret, timings):
@@ -224,6 +233,7 @@ def check_moe(cases, interpret, timings):
             want = np.asarray(ref(x, w, scale, ids).astype(jnp.float32))
             got = np.asarray(kern(x, w, scale, ids).astype(jnp.float32))
             got_own = None if own is None else np.asarray(own(x, w, scale, ids).astype(jnp.float32))
+            rel_tok = None if timings else _by_token(x, w, scale, ids, kind, K, block, interpret)
         except Exception as e:  # noqa: BLE001 - one case that does not compile or run must not hide the others
             print(f"{label}: FAIL {one_line(e)}", flush=True)
             failures += 1
@@ -231,7 +241,8 @@ def check_moe(cases, interpret, timings):
         tol = 1e-4 if dt == jnp.float32 else 2e-2
         rel = max_rel(got, want)
         rel_own = None if got_own is None else max_rel(got_own, want)
-        ok = rel < tol and np.isfinite(got).all() and (got_own is None or (rel_own < tol and np.isfinite(got_own).all()))
+        ok = rel < tol and np.isfinite(got).all() and (rel_tok is None or rel_tok < tol) and (
+            got_own is None or (rel_own < tol and np.isfinite(got_own).all()))
         failures += not ok
         if fn is mg.moe_gemv_pallas:
             p = mg.plan(P, K, N, kind, block, dt.itemsize)
@@ -241,6 +252,8 @@ def check_moe(cases, interpret, timings):
             p = gemv.plan(1, K, N, kind, block, pairs=P)
             line = (f"{label}: quant_gemv over the pairs, grid ({P},{p.col_tiles},{p.splits}) {p.cols} words x "
                     f"{p.rows} rows per load, max_rel {rel:.1e}; moe_gemv's own kernel max_rel {rel_own:.1e}")
+        if rel_tok is not None:
+            line += f"; x by token (2 pairs a row) max_rel {rel_tok:.1e}"
         line += " OK" if ok else " FAIL"
         if timings:
             nbytes = _routed_bytes(x, w, scale, P, N, dt)
