@@ -118,10 +118,11 @@ def unsupported_reason(qkv, z, rec, num_k_heads: int):
 
 
 def _kernel(qkv_ref, z_ref, b_ref, a_ref, s_ref, alog_ref, dtb_ref, w_ref, n_ref, out_ref, *rule_refs, T, group,
-            dk, dv, kd, eps, dt, gate_dt, verify):
+            dk, dv, kd, eps, dt, gate_dt, verify, pad_row=None):
     """Program (row, value head h): the rule's step form over the row's T positions (those at t >= n_valid take
     beta = g = 0), the state in registers. The step writes the state after them; the verify writes instead the
-    cumulative log decay G, the normalised k and the deltas of every position (gdn_verify.py), not the state."""
+    cumulative log decay G, the normalised k and the deltas of every position (gdn_verify.py), not the state.
+    pad_row (the step): the output's extra row, which row 0's programs write as zeros, each its head's columns."""
     row, h = pl.program_id(0), pl.program_id(1)
     kh = h // group
     f32 = jnp.float32
@@ -151,6 +152,10 @@ def _kernel(qkv_ref, z_ref, b_ref, a_ref, s_ref, alog_ref, dtb_ref, w_ref, n_ref
         y = (o * jax.lax.rsqrt(jnp.mean(o * o) + eps)).astype(dt)
         zf = z_ref[row, t, pl.ds(h * dv, dv)].astype(f32)
         out_ref[row, t, pl.ds(h * dv, dv)] = ((w * y).astype(f32) * (zf / (1.0 + jnp.exp(-zf)))).astype(dt)
+        if pad_row is not None:
+            @pl.when(row == 0)
+            def _():
+                out_ref[pad_row, t, pl.ds(h * dv, dv)] = jnp.zeros((dv,), dt)
         if verify:
             G_ref, k_ref, d_ref = rule_refs
             G = G + g
@@ -163,20 +168,21 @@ def _kernel(qkv_ref, z_ref, b_ref, a_ref, s_ref, alog_ref, dtb_ref, w_ref, n_ref
         rule_refs[0][row, h] = S
 
 
-@functools.partial(jax.jit, static_argnames=("num_k_heads", "eps", "verify", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_k_heads", "eps", "verify", "num_warps", "pad_row", "interpret"))
 def gdn_rows_pallas(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, *, num_k_heads: int, eps: float,
-                    verify: bool, num_warps: int = NUM_WARPS, interpret: bool = False):
+                    verify: bool, num_warps: int = NUM_WARPS, pad_row: bool = False, interpret: bool = False):
     """The Pallas kernel over T rows: qkv [B, T, C], z [B, T, nv dv], b / a [B, T, nv], n_valid [B]; grid (row,
     value head). Returns (out [B, T, nv dv], state) for the step (the state updated in place) and (out, G
-    [B, nv, T], k [B, nv, T, dk], delta [B, nv, T, dv]) for the verify. Shapes must pass unsupported_reason."""
+    [B, nv, T], k [B, nv, T, dk], delta [B, nv, T, dv]) for the verify. pad_row (the step): out [B + 1, T, nv dv],
+    its last row zeros. Shapes must pass unsupported_reason."""
     B, T = qkv.shape[:2]
     nv, dk, dv = rec.shape[1:]
     dt = qkv.dtype
     kernel = functools.partial(_kernel, T=T, group=nv // num_k_heads, dk=dk, dv=dv, kd=num_k_heads * dk, eps=eps,
-                               dt=dt, gate_dt=b.dtype, verify=verify)
+                               dt=dt, gate_dt=b.dtype, verify=verify, pad_row=B if pad_row else None)
     args = (qkv, z.astype(dt), b, a, rec, A_log, dt_bias, norm_w, n_valid.astype(jnp.int32))
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)  # each program indexes in place
-    out_shape = [jax.ShapeDtypeStruct((B, T, nv * dv), dt)]
+    out_shape = [jax.ShapeDtypeStruct((B + bool(pad_row), T, nv * dv), dt)]
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
     out_shape += [f32(B, nv, T), f32(B, nv, T, dk), f32(B, nv, T, dv)] if verify else [f32(*rec.shape)]
     return tuple(pl.pallas_call(
@@ -193,19 +199,27 @@ def gdn_rows_pallas(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, *, num_k
 
 
 def gdn_step_pallas(qkv, z, b, a, rec, A_log, dt_bias, norm_w, valid, *, num_k_heads: int, eps: float,
-                    num_warps: int = NUM_WARPS, interpret: bool = False):
+                    num_warps: int = NUM_WARPS, pad_row: bool = False, interpret: bool = False):
     """The step's kernel (gdn_rows_pallas over one row), with gdn_step's signature."""
     out, rec = gdn_rows_pallas(qkv[:, None], z[:, None], b[:, None], a[:, None], rec, A_log, dt_bias, norm_w,
                                valid.astype(jnp.int32), num_k_heads=num_k_heads, eps=eps, verify=False,
-                               num_warps=num_warps, interpret=interpret)
+                               num_warps=num_warps, pad_row=pad_row, interpret=interpret)
     return out[:, 0], rec
 
 
+def _padded_reference(*args, num_k_heads: int, eps: float, pad_row: bool):
+    out, rec = gdn_step_reference(*args, num_k_heads=num_k_heads, eps=eps)
+    return (jnp.concatenate([out, jnp.zeros_like(out[:1])]) if pad_row else out), rec
+
+
 def gdn_step(qkv, z, b, a, rec, A_log, dt_bias, norm_w, valid, *, num_k_heads: int, eps: float,
-             backend: str = "auto", interpret: bool = False):
-    """The kernel in a program lowered for cuda, the reference elsewhere (dispatch.run); see the module doc."""
+             pad_row: bool = False, backend: str = "auto", interpret: bool = False):
+    """The kernel in a program lowered for cuda, the reference elsewhere (dispatch.run); see the module doc.
+    pad_row: the output [B + 1, nv dv], its last row zeros: out_proj's two rows at one row (ops.two_rows), which
+    the kernel writes with the step instead of leaving XLA a pad kernel after it."""
     args = (qkv, z, b, a, rec, A_log, dt_bias, norm_w, valid)
-    kernel = functools.partial(gdn_step_pallas, num_k_heads=num_k_heads, eps=eps, interpret=interpret)
-    reference = functools.partial(gdn_step_reference, num_k_heads=num_k_heads, eps=eps)
+    kernel = functools.partial(gdn_step_pallas, num_k_heads=num_k_heads, eps=eps, pad_row=pad_row,
+                               interpret=interpret)
+    reference = functools.partial(_padded_reference, num_k_heads=num_k_heads, eps=eps, pad_row=pad_row)
     reason = unsupported_reason(qkv, z, rec, num_k_heads)
     return dispatch.run("GDN decode step", kernel, reference, reason, backend, *args)

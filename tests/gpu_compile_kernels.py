@@ -97,7 +97,8 @@ def loops(target):
     plain step, and again without ops.VECTOR_DOT_MAX's two rows; then 27B's round with the GDN verify in XLA ops
     (its reference, as before kernels_pallas/gdn_verify.py's kernel); 35B-A3B's plain step with the router's top-k
     by lax.top_k and with gate / up on copies of each token's row, as before moe_router.py and moe_gemv's
-    rows_per_x; and 27B's round with the GDN in-projections as they were
+    rows_per_x, and with out_proj's input padded by XLA after the GDN step kernel (before its pad_row); and 27B's
+    round with the GDN in-projections as they were
     before gdn.in_projections (four dots on one x), which XLA merged over the weights concatenated in the loop:
     the probe must find those."""
     import dataclasses
@@ -136,6 +137,11 @@ def loops(target):
     jax.clear_caches()
     one("35B-A3B plain, gate / up on copies of the row", "Qwen3.5-35B-A3B", k=0)
     mlp.routed_dot = routed_dot
+    # the GDN step kernel writing out_proj's two rows (pad_row), against XLA's pad after it
+    pads, gdn.pads_one_row = gdn.pads_one_row, lambda w: False
+    jax.clear_caches()
+    one("35B-A3B plain, out_proj's input padded after the GDN step kernel", "Qwen3.5-35B-A3B", k=0)
+    gdn.pads_one_row = pads
 
     vector_max, ops.VECTOR_DOT_MAX = ops.VECTOR_DOT_MAX, 0
     jax.clear_caches()

@@ -166,6 +166,28 @@ def test_reference_is_the_trunks_step():
     assert rel_err(out, want)[0] < 1e-6 and rel_err(got_state, state)[0] < 1e-6
 
 
+def test_pad_row_is_the_step_and_a_row_of_zeros():
+    """pad_row (out_proj's two rows at one row, gdn.gdn_layer): the kernel's output gains a last row of zeros,
+    written by the kernel (interpret mode starts an output as NaNs, so a row it did not write fails), its other
+    rows and the state bit for bit those of the unpadded step; the dispatching function on this CPU, the
+    reference's output and a zero row."""
+    for case, dtype in ((CASES[0], jnp.float32), (CASES[1], jnp.float32), (CASES[3], jnp.bfloat16)):
+        args = _inputs(*case, seed=11, dtype=dtype)
+        kw = dict(num_k_heads=case[1], eps=EPS)
+        out, state = gdn_step_pallas(*args, **kw, interpret=True)
+        padded, padded_state = gdn_step_pallas(*args, **kw, pad_row=True, interpret=True)
+        B = out.shape[0]
+        assert padded.shape == (B + 1, out.shape[1]) and padded.dtype == out.dtype
+        np.testing.assert_array_equal(np.asarray(padded[:B]), np.asarray(out))
+        np.testing.assert_array_equal(np.asarray(padded[B], np.float32), 0.0)
+        np.testing.assert_array_equal(np.asarray(padded_state), np.asarray(state))
+        want, want_state = gdn_step_reference(*args, **kw)
+        got, got_state = gdn_step(*args, **kw, pad_row=True)  # backend "auto": the reference here
+        np.testing.assert_array_equal(np.asarray(got[:B]), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(got[B], np.float32), 0.0)
+        np.testing.assert_array_equal(np.asarray(got_state), np.asarray(want_state))
+
+
 # (key heads, value heads) of the real models' GDN layers, all at dk = dv = 128
 REAL_GDN = {"27B": (16, 48), "35B-A3B": (16, 32), "122B-A10B / 397B-A17B": (16, 64)}
 
@@ -180,23 +202,26 @@ def _real_args(B, nk, nv, dtype, T=None, d=128):
 
 def test_kernel_lowers_and_compiles_for_sm90_at_real_shapes(report):
     """At the real models' GDN heads (27B, 35B-A3B, 122B-A10B / 397B-A17B; batch 1 and 8; bf16 and f32 rows), the
-    step and the verify of k = 3 and k = 8 drafts (T = 4, 9): the program lowered for cuda holds the kernel, the one lowered for cpu none, and its
-    Triton IR compiles to sm_90 machine code with no shared memory beyond a block's and no register spilled (the
-    [128, 128] f32 state over 8 warps)."""
+    step (at 35B-A3B also writing out_proj's two rows, pad_row) and the verify of k = 3 and k = 8 drafts (T = 4, 9):
+    the program lowered for cuda holds the kernel, the one lowered for cpu none, and its Triton IR compiles to
+    sm_90 machine code with no shared memory beyond a block's and no register spilled (the [128, 128] f32 state
+    over 8 warps)."""
     from kernels_pallas.gdn_verify import gdn_verify, verify_reason
     from qwen_mtp.tools.lowering import SM90_SHARED_LIMIT, compile_sm90, export_for, kernel_calls, triton_kernels
     from tests.test_export_cuda import require_triton
 
     cases = [("27B", 1, jnp.bfloat16, None), ("27B", 8, jnp.bfloat16, None), ("35B-A3B", 1, jnp.bfloat16, None),
              ("122B-A10B / 397B-A17B", 8, jnp.bfloat16, None), ("27B", 1, jnp.float32, None),
-             ("27B", 1, jnp.bfloat16, 4), ("122B-A10B / 397B-A17B", 8, jnp.bfloat16, 9), ("27B", 1, jnp.float32, 4)]
+             ("27B", 1, jnp.bfloat16, 4), ("122B-A10B / 397B-A17B", 8, jnp.bfloat16, 9), ("27B", 1, jnp.float32, 4),
+             ("35B-A3B", 1, jnp.bfloat16, "pad")]  # the step writing out_proj's two rows (pad_row)
     kernels = []
     for model, b, dtype, T in cases:
         nk, nv = REAL_GDN[model]
+        pad, T = T == "pad", (None if T == "pad" else T)
         args = _real_args(b, nk, nv, dtype, T)
         if T is None:
             assert unsupported_reason(args[0], args[1], args[4], nk) is None
-            fn, name = (lambda *a: gdn_step(*a, num_k_heads=nk, eps=EPS)), "gdn_decode_step"  # noqa: B023
+            fn, name = (lambda *a: gdn_step(*a, num_k_heads=nk, eps=EPS, pad_row=pad)), "gdn_decode_step"  # noqa: B023
         else:
             assert verify_reason(args[0], args[1], args[4], nk) is None
             fn, name = (lambda *a: gdn_verify(*a, num_k_heads=nk, eps=EPS)), "gdn_verify"  # noqa: B023
@@ -207,7 +232,8 @@ def test_kernel_lowers_and_compiles_for_sm90_at_real_shapes(report):
         kernels.append(kernel)
     require_triton()
     for (model, b, dtype, T), kernel, r in zip(cases, kernels, compile_sm90(kernels)):
-        label = f"{model} B{b} {jnp.dtype(dtype).name} " + ("step" if T is None else f"verify T{T}")
+        label = f"{model} B{b} {jnp.dtype(dtype).name} " + ("step" if T is None else f"verify T{T}" if T != "pad"
+                                                            else "step, out_proj's two rows")
         assert r["error"] is None, (label, r["error"])
         report(f"sm_90 compile, GDN {label}: grid {kernel.grid}, {kernel.num_warps} warps, shared "
                f"{r['shared']} B, {r['registers']} registers, {r['stack']} B spilled")

@@ -98,10 +98,21 @@ def check_gdn(cases, interpret, timings):
         rels = [max_rel(g, w) for g, w in zip(got, want)]
         tol = 1e-4 if dt == jnp.float32 else 2e-2
         ok = rels[0] < tol and max(rels[1:]) < 1e-4 and all(np.isfinite(g).all() for g in got)
+        pad_line = ""
+        if not verify and B == 1:  # out_proj's two rows (pad_row): the same row, then zeros the kernel wrote
+            try:
+                padded = np.asarray(jax.jit(lambda *x, nk=nk: gdn_rows_pallas(
+                    *x, num_k_heads=nk, eps=1e-6, verify=False, pad_row=True, interpret=interpret))(*a)[0]
+                    .astype(jnp.float32))
+                same = bool((padded[:B] == got[0]).all() and (padded[B] == 0).all())
+            except Exception as e:  # noqa: BLE001 - reported as this case's failure
+                same, pad_line = False, f"; pad_row FAIL {one_line(e)}"
+            ok = ok and same
+            pad_line = pad_line or f"; pad_row: the row {'and zeros' if same else 'DIFFERS'}"
         failures += not ok
         what = "out, G, k, delta" if verify else "out, state"
         line = (f"GDN {label} (B{B} T{T or 1} nk{nk} nv{nv} d{d} {dtype}): grid ({B},{nv}), max_rel {what} "
-                f"{', '.join(f'{r:.1e}' for r in rels)} {'OK' if ok else 'FAIL'}")
+                f"{', '.join(f'{r:.1e}' for r in rels)}{pad_line} {'OK' if ok else 'FAIL'}")
         if timings:
             t_k, t_r = time_call(kern, *a), time_call(ref, *a)
             rows = B * (T or 1)

@@ -18,7 +18,7 @@ from kernels_pallas.gdn_conv import causal_conv, conv_step, conv_window_at
 from kernels_pallas.gdn_step import gate_terms, gated_rmsnorm, gdn_step, split_heads
 from kernels_pallas.gdn_verify import gdn_verify, unit_lower_inverse, within_chunk
 from qwen_mtp.trunk.config import ModelConfig
-from qwen_mtp.trunk.ops import linear
+from qwen_mtp.trunk.ops import linear, pads_one_row
 from qwen_mtp.trunk.quant import QuantArray
 from qwen_mtp.trunk.state import GDNState, GDNVerify
 from qwen_mtp.trunk.weights import GDNWeights
@@ -130,21 +130,31 @@ def gated_output(core, z, w: GDNWeights, cfg: ModelConfig, dtype):
     return linear(core.reshape(B, T, -1), w.out_proj)
 
 
-def decode_rows(qkv, z, b, a, w: GDNWeights, cfg: ModelConfig, rec, n_valid, *, verify: bool):
+def decode_rows(qkv, z, b, a, w: GDNWeights, cfg: ModelConfig, rec, n_valid, *, verify: bool, pad_row=False):
     """The rule and the gated norm after the conv, as one kernel on cuda (kernels_pallas/gdn_step.py; per shard
     under a mesh), its XLA reference elsewhere: qkv [B, T, C], z [B, T, nv dv], b / a [B, T, nv]; rows at
     t >= n_valid are padding. The step (T = 1, verify False) returns (out_proj's input [B, 1, nv dv], the state
-    after it); the verify (gdn_verify.py) (out_proj's input [B, T, nv dv], G, k, delta)."""
-    call = functools.partial(gdn_verify if verify else _one_row, eps=cfg.rms_norm_eps)
+    after it; pad_row: [B + 1, 1, nv dv], a last row of zeros); the verify (gdn_verify.py) (out_proj's input
+    [B, T, nv dv], G, k, delta)."""
+    call = gdn_verify if verify else functools.partial(_one_row, pad_row=pad_row)
+    call = functools.partial(call, eps=cfg.rms_norm_eps)
     return per_shard.gdn_rows(call, qkv, z, b, a, rec, w.A_log, w.dt_bias, w.norm, n_valid, cfg.gdn_num_k_heads,
                               verify=verify)
 
 
-def _one_row(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, *, num_k_heads, eps):
+def _one_row(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, *, num_k_heads, eps, pad_row):
     """gdn_step over [B, 1, ...] rows (decode_rows' step)."""
     out, rec = gdn_step(qkv[:, 0], z[:, 0], b[:, 0], a[:, 0], rec, A_log, dt_bias, norm_w, n_valid > 0,
-                        num_k_heads=num_k_heads, eps=eps)
+                        num_k_heads=num_k_heads, eps=eps, pad_row=pad_row)
     return out[:, None], rec
+
+
+def _out_proj_of_one_row(out, w):
+    """out_proj of the step's one row handed as two, [out; 0] [2, 1, nv dv] (decode_rows' pad_row): on cuda the
+    two-row product ops.linear would make of one row, with no pad kernel (the step kernel wrote the zeros); on
+    other platforms the one row's product as before, bit for bit."""
+    return jax.lax.platform_dependent(out, w, cuda=lambda o, w: linear(o, w)[:1],
+                                      default=lambda o, w: linear(o[:1], w))
 
 
 def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode: str):
@@ -156,8 +166,10 @@ def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode
     pre, z, b, a = in_projections(x, w)
     if mode == "step" and T == 1:  # the conv and its next state: one kernel on cuda, the state in place
         qkv, conv = per_shard.conv_rows(conv_step, pre[:, 0], st.conv, w.conv, n_valid > 0)
-        out, rec = decode_rows(qkv[:, None], z, b, a, w, cfg, st.rec, n_valid, verify=False)
-        return linear(out, w.out_proj), GDNState(conv, rec)
+        # one row: out_proj's input comes out of the step kernel as the two rows its product takes on cuda
+        pad = x.shape[0] == 1 and pads_one_row(w.out_proj)
+        out, rec = decode_rows(qkv[:, None], z, b, a, w, cfg, st.rec, n_valid, verify=False, pad_row=pad)
+        return (_out_proj_of_one_row(out, w.out_proj) if pad else linear(out, w.out_proj)), GDNState(conv, rec)
     qkv, window = causal_conv(pre, st.conv, w.conv)
     if mode == "verify":
         out, G, k_all, delta = decode_rows(qkv, z, b, a, w, cfg, st.rec, n_valid, verify=True)
