@@ -82,6 +82,12 @@ def cases():
         E, k = REAL_ROUTERS[model]
         out.append((f"MoE router top-k {model} n{n}", jax.jit(lambda p, k=k: router_topk(p, k=k)),
                     (S((n, E), jnp.float32),), {}, {"moe_router_topk": 1}))
+    from kernels_pallas.rmsnorm import rmsnorm_rows
+    from tests.test_kernel_rmsnorm import REAL_HIDDEN
+    for model in ("27B", "397B-A17B"):
+        H = REAL_HIDDEN[model]
+        out.append((f"RMSNorm row {model} H{H}", jax.jit(lambda x, w: rmsnorm_rows(x, w, eps=1e-6)),
+                    (S((1, 1, H), jnp.bfloat16), S((H,), jnp.bfloat16)), {}, {"rmsnorm_rows": 1}))
     # a launch the rules never pick (K / V blocks of 128 slots, 3 stages: over one block's shared memory): XLA
     # must refuse it, or the compile is not reaching the kernels' machine code (want None: an error)
     args = _kernel_args(1, 1, 24, 4, 256, 64 + 4032 + 1, jnp.bfloat16)
@@ -97,10 +103,10 @@ def loops(target):
     plain step, and again without ops.VECTOR_DOT_MAX's two rows; then 27B's round with the GDN verify in XLA ops
     (its reference, as before kernels_pallas/gdn_verify.py's kernel); 35B-A3B's plain step with the router's top-k
     by lax.top_k and with gate / up on copies of each token's row, as before moe_router.py and moe_gemv's
-    rows_per_x, and with out_proj's input padded by XLA after the GDN step kernel (before its pad_row); and 27B's
-    round with the GDN in-projections as they were
-    before gdn.in_projections (four dots on one x), which XLA merged over the weights concatenated in the loop:
-    the probe must find those."""
+    rows_per_x, and with out_proj's input padded by XLA after the GDN step kernel (before its pad_row); 27B's plain
+    step, and with its input and final norms in XLA ops (before rmsnorm.py's kernel); and 27B's round with the GDN
+    in-projections as they were before gdn.in_projections (four dots on one x), which XLA merged over the weights
+    concatenated in the loop: the probe must find those."""
     import dataclasses
     import functools
 
@@ -142,6 +148,13 @@ def loops(target):
     jax.clear_caches()
     one("35B-A3B plain, out_proj's input padded after the GDN step kernel", "Qwen3.5-35B-A3B", k=0)
     gdn.pads_one_row = pads
+    # a layer's input norm and the final norm at one row as one kernel (ops.rmsnorm_written), against XLA's two
+    from qwen_mtp.trunk import forward
+    one("27B plain", "Qwen3.5-27B", k=0)
+    written, forward.rmsnorm_written = forward.rmsnorm_written, ops.rmsnorm_1pw
+    jax.clear_caches()
+    one("27B plain, the input and final norms in XLA ops", "Qwen3.5-27B", k=0)
+    forward.rmsnorm_written = written
 
     vector_max, ops.VECTOR_DOT_MAX = ops.VECTOR_DOT_MAX, 0
     jax.clear_caches()

@@ -52,12 +52,12 @@ def _run(python, *args, timeout=900):
 def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
     """tests/gpu_compile_kernels.py: each Pallas kernel family at real Qwen3.5 shapes (quantized matmuls of 27B
     in every format at 1 and 5 rows, the routed MoE experts of 35B-A3B and 397B-A17B, windowed and causal
-    attention, the GDN decode step, verify and conv step, the MoE router's top-k) compiles for an H200 and holds
-    its kernel; a launch over one block's shared memory is refused by XLA's compile (the probe reaches the machine
-    code)."""
+    attention, the GDN decode step, verify and conv step, the MoE router's top-k, the RMSNorm row) compiles for an
+    H200 and holds its kernel; a launch over one block's shared memory is refused by XLA's compile (the probe
+    reaches the machine code)."""
     rows = [json.loads(x) for x in _run(python, "tests/gpu_compile_kernels.py", "H200").splitlines()
             if x.startswith("{")]
-    assert len(rows) == 44, [r["label"] for r in rows]
+    assert len(rows) == 46, [r["label"] for r in rows]
     *good, bad = rows
     assert "error" in bad and "Shared memory size limit exceeded" in bad["error"], bad
     for r in good:
@@ -67,7 +67,7 @@ def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
     families = {k for r in good for k in r["kernels"]}
     assert {"quant_matmul_int8", "quant_matmul_int4_mma", "quant_matmul_fp8", "moe_gemv_int4", "moe_gemv_plain",
             "windowed_draft_attention", "causal_attention", "gdn_decode_step", "gdn_verify",
-            "gdn_conv_step", "moe_router_topk"} <= families, families
+            "gdn_conv_step", "moe_router_topk", "rmsnorm_rows"} <= families, families
 
 
 def test_decode_programs_compile_for_h200(python):
@@ -141,7 +141,7 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     concatenation of 4 MB or more in its loop, nor does 35B-A3B's plain step write out a weight-sized product,
     and a round launches fewer kernels with the GDN verify kernel than with its XLA reference, and a MoE plain
     step fewer with the router's top-k kernel, with gate / up reading the token's row and with the GDN step
-    kernel writing out_proj's two rows than without.
+    kernel writing out_proj's two rows than without, and a 27B plain step fewer with the RMSNorm kernel.
     Before gdn.in_projections, XLA's dot merger joined the four GDN in-projections over their weights
     concatenated in the loop: a copy of 169 MB (27B) per GDN layer at every round, 16 GB a round at full depth.
     The same program with the four dots on one x shows the probe finds it."""
@@ -170,6 +170,9 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     # the GDN step kernel writes out_proj's input as the two rows its product takes (gdn_step's pad_row): a pad
     # kernel a GDN layer fewer (3 of the 4 layers; at 27B XLA runs the one-row out_proj unpadded, 31M > VECTOR_DOT_MAX)
     assert plain + 3 <= rows["35B-A3B plain, out_proj's input padded after the GDN step kernel"]["kernels"], rows
+    # a layer's input norm and the final norm at one row as one kernel (kernels_pallas/rmsnorm.py) where XLA ran a
+    # reduce and the normed row: a kernel a GDN layer and one for the final norm fewer (3 GDN layers + 1)
+    assert rows["27B plain"]["kernels"] + 4 <= rows["27B plain, the input and final norms in XLA ops"]["kernels"], rows
     for label, r in rows.items():
         cats = r["concatenations"]
         report(f"XLA sm_90 compile (deviceless, H200), {label}: {r['kernels']} kernels an iteration, weight "

@@ -9,15 +9,25 @@ from qwen_mtp.trunk.attention import attention_layer
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.gdn import gdn_layer
 from qwen_mtp.trunk.mlp import feed_forward
-from qwen_mtp.trunk.ops import contract, embed_rows, logits, rmsnorm_1pw
+from qwen_mtp.trunk.ops import contract, embed_rows, logits, rmsnorm_1pw, rmsnorm_written
+from qwen_mtp.trunk.quant import QuantArray
 from qwen_mtp.trunk.weights import Weights
+
+
+def _plain(w) -> bool:
+    """Whether the products after a norm take plain weights: a mixer's first in-projection (GDN qkv, attention q), the
+    trunk's lm_head (None: the tied embedding). There the norm of one row is one kernel on cuda (ops.rmsnorm_written);
+    before quantized products XLA fuses the residual add into the norm's reduce and the normalisation into the
+    kernels' preparation of x, and the kernel would cost a kernel a layer (27B int4: 1684 -> 1749 a step)."""
+    first = getattr(w, "in_proj_qkv", getattr(w, "q_proj", getattr(w, "lm_head", None)))
+    return not isinstance(first, QuantArray)
 
 
 def decoder_layer(x, lw, cfg: ModelConfig, kind: str, layer_state, pos, n_valid, gdn_mode: str):
     """One trunk layer. Its ops sit in the named scopes "attention" or "gdn" (the mixer with its input norm and
     residual) and "mlp" (dense or MoE), which profiling.py groups a trace by."""
     with jax.named_scope("attention" if kind == "full_attention" else "gdn"):
-        h = rmsnorm_1pw(x, lw.input_norm, cfg.rms_norm_eps)
+        h = (rmsnorm_written if _plain(lw.mixer) else rmsnorm_1pw)(x, lw.input_norm, cfg.rms_norm_eps)
         if kind == "full_attention":
             h, layer_state = attention_layer(h, lw.mixer, cfg, layer_state, pos)
         else:
@@ -43,7 +53,8 @@ def forward(weights: Weights, cfg: ModelConfig, tokens, state: tuple, pos, n_val
         x, st = decoder_layer(x, lw, cfg, kind, st, pos, n_valid, gdn_mode)
         new_state.append(st)
     with jax.named_scope("final_norm"):
-        return rmsnorm_1pw(x, weights.final_norm, cfg.rms_norm_eps), tuple(new_state)
+        norm = rmsnorm_written if _plain(weights) else rmsnorm_1pw
+        return norm(x, weights.final_norm, cfg.rms_norm_eps), tuple(new_state)
 
 
 def _tied_logits(hidden, e):

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.masked_attention import precision_for  # the one precision rule
 from kernels_pallas.per_shard import active_mesh, batch_axis
+from kernels_pallas.rmsnorm import rmsnorm_reference, rmsnorm_rows
 from qwen_mtp.trunk.quant import QuantArray
 from qwen_mtp.trunk.quant import linear as quant_linear
 
@@ -146,6 +147,13 @@ def embed_rows(embed, tokens):
 
 def rmsnorm_1pw(x, w, eps):
     """Qwen3.5 RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), computed in f32, cast back to x's dtype."""
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+    return rmsnorm_reference(x, w, eps=eps)
+
+
+def rmsnorm_written(x, w, eps):
+    """rmsnorm_1pw of a norm whose output is written out (a layer's input norm, the final norm): at one row, one
+    kernel on cuda (kernels_pallas/rmsnorm.py) where XLA runs a reduce and an elementwise kernel; at several rows
+    rmsnorm_1pw, whose normalisation XLA folds into the products that read it."""
+    if math.prod(x.shape[:-1]) == 1:
+        return rmsnorm_rows(x, w, eps=eps)
+    return rmsnorm_1pw(x, w, eps)

@@ -1,0 +1,167 @@
+"""The Pallas RMSNorm kernel (interpret mode on CPU) against its reference, the trunk's RMSNorm (ops.rmsnorm_1pw),
+and where the trunk uses it: a layer's input norm and the final norm at one row.
+
+Rows: one decode row at the real hidden sizes' shape class (a width that is not a power of two, one that is), a
+few rows, leading shapes [B, T, H]; f32, bf16 and f16 rows with f32 and bf16 weights; every tensor random.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.rmsnorm import (
+    MAX_HIDDEN,
+    rmsnorm_reference,
+    rmsnorm_rows,
+    rmsnorm_rows_pallas,
+    unsupported_reason,
+)
+from tests.hf_tiny import rel_err
+
+pytest.register_assert_rewrite("kernel_contract")
+from kernel_contract import KernelContract  # noqa: E402  (tests/ is on sys.path, as for conftest.py)
+
+EPS = 1e-6
+# (leading shape, H)
+CASES = [((1, 1), 2048), ((1, 1), 1000), ((3,), 640), ((2, 2), 96), ((1,), 5120)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    case: tuple
+    seed: int
+    dtype: object = jnp.float32
+    w_dtype: object = jnp.float32
+
+
+def _inputs(case, seed, dtype, w_dtype):
+    lead, H = case
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((*lead, H)) * rng.uniform(0.1, 10), jnp.float32).astype(dtype)
+    return x, jnp.asarray(0.3 * rng.standard_normal(H), jnp.float32).astype(w_dtype)
+
+
+class TestRmsnormContract(KernelContract):
+    """The kernel contract (tests/kernel_contract.py) for the RMSNorm rows kernel."""
+
+    F32_TOL = (1e-6, 1e-6)  # (max_rel, max_abs): the sum of squares in another order
+    FALLBACK_EXACT = True
+
+    def f32_cases(self):
+        return [Run(c, seed=i) for i, c in enumerate(CASES)]
+
+    def low_precision_cases(self):
+        return [Run(CASES[0], seed=7, dtype=jnp.bfloat16, w_dtype=jnp.bfloat16),
+                Run(CASES[4], seed=8, dtype=jnp.bfloat16), Run(CASES[2], seed=9, dtype=jnp.float16)]
+
+    def case_id(self, run):
+        lead, H = run.case
+        return f"{'x'.join(map(str, lead))}x{H}-{jnp.dtype(run.dtype).name}-w{jnp.dtype(run.w_dtype).name}"
+
+    def inputs(self, run):
+        return _inputs(run.case, run.seed, run.dtype, run.w_dtype)
+
+    def kernel(self, run, x, w):
+        return rmsnorm_rows_pallas(x, w, eps=EPS, interpret=True)
+
+    def reference(self, run, x, w):
+        return rmsnorm_reference(x, w, eps=EPS)
+
+    def dispatching(self, run, x, w, **kw):
+        return rmsnorm_rows(x, w, eps=EPS, **kw)
+
+    def reason(self, run, x, w):
+        return unsupported_reason(x, w)
+
+    def error(self, got, want):
+        return rel_err(got.astype(jnp.float32), want.astype(jnp.float32))
+
+    def tolerance(self, run):
+        return (2e-2,)  # a unit of bf16 / f16 rounding where the f32 values straddle a rounding boundary
+
+    def check_more(self, run, args, got, ref, report):
+        x, _ = args
+        out = np.asarray(got, np.float32).reshape(-1, x.shape[-1])
+        assert (np.abs(out).max(axis=1) > 0).all() and (np.abs(out[:, -1]) > 0).all()  # every row, its last lane
+        report(f"rmsnorm kernel {self.case_id(run)}: max_rel={self.error(got, ref)[0]:.1e}")
+
+    def unsupported_case(self):
+        return Run(((1,), MAX_HIDDEN + 16), seed=0), f"rows of {MAX_HIDDEN + 16}"
+
+    def more_unsupported_reasons(self):
+        x, w = jnp.zeros((1, 64)), jnp.zeros((64,))
+        return [(unsupported_reason(x.astype(jnp.int8), w), "rows of dtype int8"),
+                (unsupported_reason(x, w.astype(jnp.int8)), "a weight of dtype int8"),
+                (unsupported_reason(jnp.zeros((0, 64)), w), "no rows")]
+
+    def lowering_case(self):
+        return Run(CASES[0], seed=1)
+
+    def auto(self, run):
+        return lambda x, w: rmsnorm_rows(x, w, eps=EPS)
+
+    def custom_call(self, run):
+        return "rmsnorm_rows"
+
+
+def test_the_kernel_is_the_scale_of_unit_rms_rows():
+    """An oracle that is not the reference: the f32 kernel's rows divided by (1 + w) have a mean square of
+    1 / (1 + eps / mean(x^2)) in float64; and a weight of another length is refused, naming both shapes."""
+    x, w = _inputs(((4,), 1000), 3, jnp.float32, jnp.float32)
+    y = np.asarray(rmsnorm_rows_pallas(x, w, eps=EPS, interpret=True), np.float64) / (1 + np.asarray(w, np.float64))
+    msx = np.mean(np.asarray(x, np.float64) ** 2, axis=1)
+    np.testing.assert_allclose(np.mean(y ** 2, axis=1), msx / (msx + EPS), rtol=2e-6)
+    with pytest.raises(ValueError, match=r"x \[\.\.\., H\] and w \[H\]; found x \[4, 1000\], w \[999\]"):
+        rmsnorm_rows(x, w[:-1], eps=EPS)
+
+
+def test_trunk_uses_it_at_one_row_only():
+    """ops.rmsnorm_written: the kernel at one row in a program lowered for cuda (a layer's input norm and the
+    final norm), XLA's ops at several rows and on this CPU, where the value is ops.rmsnorm_1pw's bit for bit."""
+    from qwen_mtp.tools.lowering import export_for, kernel_calls
+    from qwen_mtp.trunk.ops import rmsnorm_1pw, rmsnorm_written
+
+    fn = lambda x, w: rmsnorm_written(x, w, EPS)
+    S = jax.ShapeDtypeStruct
+    w = S((2048,), jnp.bfloat16)
+    assert kernel_calls(export_for(fn, S((1, 1, 2048), jnp.bfloat16), w)) == ["rmsnorm_rows"]
+    assert kernel_calls(export_for(fn, S((1, 4, 2048), jnp.bfloat16), w)) == []  # a verify's rows: XLA's
+    assert kernel_calls(export_for(fn, S((1, 1, 2048), jnp.bfloat16), w, platform="cpu")) == []
+    x, wv = _inputs(((1, 1), 2048), 5, jnp.bfloat16, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(jax.jit(fn)(x, wv)), np.asarray(rmsnorm_1pw(x, wv, EPS)))
+
+
+# hidden sizes of the real models
+REAL_HIDDEN = {"27B": 5120, "35B-A3B": 2048, "122B-A10B": 3072, "397B-A17B": 4096}
+
+
+def test_kernel_lowers_and_compiles_for_sm90_at_real_shapes(report):
+    """At the real models' hidden sizes (one bf16 decode row; 27B also in f32): the program lowered for cuda holds the
+    kernel, the one lowered for cpu none, and its Triton IR compiles to sm_90 machine code within shared memory and
+    with no register spilled."""
+    from qwen_mtp.tools.lowering import SM90_SHARED_LIMIT, compile_sm90, export_for, kernel_calls, triton_kernels
+    from tests.test_export_cuda import require_triton
+
+    S = jax.ShapeDtypeStruct
+    cases = [(m, jnp.bfloat16) for m in REAL_HIDDEN] + [("27B", jnp.float32)]
+    kernels = []
+    for model, dtype in cases:
+        H = REAL_HIDDEN[model]
+        args = (S((1, 1, H), dtype), S((H,), dtype))
+        assert unsupported_reason(*args) is None
+        fn = lambda x, w: rmsnorm_rows(x, w, eps=EPS)
+        exported = export_for(fn, *args)
+        assert kernel_calls(exported) == ["rmsnorm_rows"]
+        assert kernel_calls(export_for(fn, *args, platform="cpu")) == []
+        (kernel,) = triton_kernels(exported)
+        kernels.append(kernel)
+    require_triton()
+    for (model, dtype), kernel, r in zip(cases, kernels, compile_sm90(kernels)):
+        label = f"{model} H{REAL_HIDDEN[model]} {jnp.dtype(dtype).name}"
+        assert r["error"] is None, (label, r["error"])
+        report(f"sm_90 compile, RMSNorm row {label}: grid {kernel.grid}, {kernel.num_warps} warps, shared "
+               f"{r['shared']} B, {r['registers']} registers, {r['stack']} B spilled")
+        assert r["shared"] <= SM90_SHARED_LIMIT and r["stack"] == 0, (label, r)
