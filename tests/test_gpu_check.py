@@ -20,6 +20,8 @@ def test_gpu_check_runs_on_cpu(capsys):
     assert "windowed k4 W64 S4" in out and "Pallas kernels []" in out  # on CPU the program holds the reference
     assert "end to end 27B slice: skipped" in out
     assert "GDN conv one head (B1 C48 float32): max_rel out, state " in out  # gdn_conv.py beside the step
+    assert "RMSNorm rows R1 H1000 float32: grid (1,), max_rel " in out  # rmsnorm.py
+    assert "pad_row: the row and zeros" in out  # the GDN step writing out_proj's two rows
 
 
 def test_gpu_check_budget_skips_and_names_what_it_skips(capsys):
@@ -31,9 +33,9 @@ def test_gpu_check_budget_skips_and_names_what_it_skips(capsys):
     out = capsys.readouterr().out
     assert "max_rel" not in out and "tokens/s" not in out  # nothing ran
     for part in ("windowed attention, small", "causal attention, small", "GDN step and verify, small",
-                 "quantized matmul, small", "end to end, shipped model", "tensor parallel"):
+                 "RMSNorm rows, small", "quantized matmul, small", "end to end, shipped model", "tensor parallel"):
         assert f"== {part}: skipped" in out
-    assert out.rstrip().splitlines()[-1].endswith("6 of 6 parts skipped for the --budget")
+    assert out.rstrip().splitlines()[-1].endswith("7 of 7 parts skipped for the --budget")
     from gpu_check import budget  # the run's budget ends with it: a later check in this process runs its cases
     assert not budget.out_of_time("a later check")  # (test_moe_routed calls check_moe in the same worker)
     with pytest.raises(SystemExit):

@@ -61,7 +61,8 @@
    beside the references (the XLA kernels they replace), with achieved GB/s (bytes = the f32 state read, and
    written by the step, and the rows' qkv, z, b, a and output, each moved once); beside each step case the conv
    step kernel (kernels_pallas/gdn_conv.py: the conv and its next state in place) at the same rows and channels;
-   at batch 1 the step also with pad_row (out_proj's two rows: the same row, then zeros the kernel writes).
+   at batch 1 the step also with pad_row (out_proj's two rows: the same row, then zeros the kernel writes); then
+   the RMSNorm row kernel (kernels_pallas/rmsnorm.py, norms.py) at the real hidden sizes, timed beside XLA's.
    `--gdn-only` runs just this part.
 10. the MoE block's kernels: the routed experts at decode, the prefill paths and the plan sweep (moe.py, its
    docstring), and the router's top-k kernel (router.py: kernels_pallas/moe_router.py against lax.top_k, bit for
