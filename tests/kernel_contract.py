@@ -162,3 +162,25 @@ class KernelContract:
         for platform in ("cpu", "rocm"):
             assert kernel_calls(export_for(fn, *args, platform=platform)) == [], platform
         assert kernel_calls(export_for(fn, *args, platform="cuda")) == [self.custom_call(case)]
+
+
+def compiles_for_sm90(cases, custom_call: str, what: str, report) -> None:
+    """The sm_90 half of a kernel's real-shape test, written once: each case (label, fn, abstract args) lowered
+    for cuda holds exactly the kernel's custom call, lowered for cpu none, and its Triton IR compiles to sm_90
+    machine code within a block's shared memory and with no register spilled (one report line a case)."""
+    from qwen_mtp.tools.lowering import SM90_SHARED_LIMIT, compile_sm90, triton_kernels
+    from tests.test_export_cuda import require_triton
+
+    kernels = []
+    for label, fn, args in cases:
+        exported = export_for(fn, *args)
+        assert kernel_calls(exported) == [custom_call], (label, kernel_calls(exported))
+        assert kernel_calls(export_for(fn, *args, platform="cpu")) == [], label
+        (kernel,) = triton_kernels(exported)
+        kernels.append(kernel)
+    require_triton()
+    for (label, _, _), kernel, r in zip(cases, kernels, compile_sm90(kernels)):
+        assert r["error"] is None, (label, r["error"])
+        report(f"sm_90 compile, {what} {label}: grid {kernel.grid}, {kernel.num_warps} warps, shared "
+               f"{r['shared']} B, {r['registers']} registers, {r['stack']} B spilled")
+        assert r["shared"] <= SM90_SHARED_LIMIT and r["stack"] == 0, (label, r)

@@ -17,7 +17,7 @@ from kernels_pallas.gdn_conv import conv_step, conv_step_pallas, conv_step_refer
 from tests.hf_tiny import rel_err
 
 pytest.register_assert_rewrite("kernel_contract")
-from kernel_contract import KernelContract  # noqa: E402  (tests/ is on sys.path, as for conftest.py)
+from kernel_contract import KernelContract, compiles_for_sm90  # noqa: E402  (tests/ is on sys.path, as for conftest.py)
 
 # (B, C, K taps, valid rows)
 CASES = [
@@ -138,30 +138,16 @@ REAL_CONV = {"27B": 10240, "35B-A3B": 8192, "122B-A10B / 397B-A17B": 12288}
 def test_kernel_lowers_and_compiles_for_sm90_at_real_shapes(report):
     """At the real models' conv channels (batch 1 and 8; bf16 and f32 rows): the program lowered for cuda holds the
     kernel, the one lowered for cpu none, and its Triton IR compiles to sm_90 machine code with no shared memory
-    beyond a block's and no register spilled."""
-    from qwen_mtp.tools.lowering import SM90_SHARED_LIMIT, compile_sm90, export_for, kernel_calls, triton_kernels
-    from tests.test_export_cuda import require_triton
-
+    beyond a block's and no register spilled (kernel_contract.compiles_for_sm90)."""
     S = jax.ShapeDtypeStruct
-    cases = [("27B", 1, jnp.bfloat16), ("27B", 8, jnp.bfloat16), ("35B-A3B", 1, jnp.bfloat16),
-             ("122B-A10B / 397B-A17B", 8, jnp.bfloat16), ("27B", 1, jnp.float32)]
-    kernels = []
-    for model, b, dtype in cases:
+    cases = []
+    for model, b, dtype in [("27B", 1, jnp.bfloat16), ("27B", 8, jnp.bfloat16), ("35B-A3B", 1, jnp.bfloat16),
+                            ("122B-A10B / 397B-A17B", 8, jnp.bfloat16), ("27B", 1, jnp.float32)]:
         C = REAL_CONV[model]
         args = (S((b, C), dtype), S((b, 3, C), dtype), S((4, C), jnp.float32), S((b,), jnp.bool_))
         assert unsupported_reason(*args[:3]) is None
-        exported = export_for(lambda *a: conv_step(*a), *args)
-        assert kernel_calls(exported) == ["gdn_conv_step"]
-        assert kernel_calls(export_for(lambda *a: conv_step(*a), *args, platform="cpu")) == []
-        (kernel,) = triton_kernels(exported)
-        kernels.append(kernel)
-    require_triton()
-    for (model, b, dtype), kernel, r in zip(cases, kernels, compile_sm90(kernels)):
-        label = f"{model} B{b} {jnp.dtype(dtype).name}"
-        assert r["error"] is None, (label, r["error"])
-        report(f"sm_90 compile, GDN conv step {label}: grid {kernel.grid}, {kernel.num_warps} warps, shared "
-               f"{r['shared']} B, {r['registers']} registers, {r['stack']} B spilled")
-        assert r["shared"] <= SM90_SHARED_LIMIT and r["stack"] == 0, (label, r)
+        cases.append((f"{model} B{b} {jnp.dtype(dtype).name}", lambda *a: conv_step(*a), args))
+    compiles_for_sm90(cases, "gdn_conv_step", "GDN conv step", report)
 
 
 def test_conv_runs_per_shard_under_a_mesh(report):

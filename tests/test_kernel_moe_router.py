@@ -23,7 +23,7 @@ from kernels_pallas.moe_router import (
 )
 
 pytest.register_assert_rewrite("kernel_contract")
-from kernel_contract import KernelContract  # noqa: E402  (tests/ is on sys.path, as for conftest.py)
+from kernel_contract import KernelContract, compiles_for_sm90  # noqa: E402  (tests/ is on sys.path, as for conftest.py)
 
 # (rows, experts, top k)
 CASES = [(1, 256, 8), (4, 256, 8), (3, 512, 10), (2, 60, 4), (5, 8, 8)]
@@ -151,27 +151,12 @@ REAL_ROUTERS = {"35B-A3B / 122B-A10B": (256, 8), "397B-A17B": (512, 10)}
 def test_kernel_lowers_and_compiles_for_sm90_at_real_shapes(report):
     """At the real routers (a decode row, batch 8, a k = 3 verify's 4 rows; f32 and bf16 rows): the program lowered
     for cuda holds the kernel, the one lowered for cpu none, and its Triton IR compiles to sm_90 machine code
-    within shared memory and with no register spilled."""
-    from qwen_mtp.tools.lowering import SM90_SHARED_LIMIT, compile_sm90, export_for, kernel_calls, triton_kernels
-    from tests.test_export_cuda import require_triton
-
-    cases = [("35B-A3B / 122B-A10B", 1, jnp.float32), ("35B-A3B / 122B-A10B", 4, jnp.float32),
-             ("397B-A17B", 8, jnp.float32), ("397B-A17B", 1, jnp.bfloat16)]
-    kernels = []
-    for model, n, dtype in cases:
+    within shared memory and with no register spilled (kernel_contract.compiles_for_sm90)."""
+    cases = []
+    for model, n, dtype in [("35B-A3B / 122B-A10B", 1, jnp.float32), ("35B-A3B / 122B-A10B", 4, jnp.float32),
+                            ("397B-A17B", 8, jnp.float32), ("397B-A17B", 1, jnp.bfloat16)]:
         E, k = REAL_ROUTERS[model]
         probs = jax.ShapeDtypeStruct((n, E), dtype)
         assert unsupported_reason(probs, k) is None
-        fn = lambda p, k=k: router_topk(p, k=k)
-        exported = export_for(fn, probs)
-        assert kernel_calls(exported) == ["moe_router_topk"]
-        assert kernel_calls(export_for(fn, probs, platform="cpu")) == []
-        (kernel,) = triton_kernels(exported)
-        kernels.append(kernel)
-    require_triton()
-    for (model, n, dtype), kernel, r in zip(cases, kernels, compile_sm90(kernels)):
-        label = f"{model} n{n} {jnp.dtype(dtype).name}"
-        assert r["error"] is None, (label, r["error"])
-        report(f"sm_90 compile, router top-k {label}: grid {kernel.grid}, {kernel.num_warps} warps, shared "
-               f"{r['shared']} B, {r['registers']} registers, {r['stack']} B spilled")
-        assert r["shared"] <= SM90_SHARED_LIMIT and r["stack"] == 0, (label, r)
+        cases.append((f"{model} n{n} {jnp.dtype(dtype).name}", lambda p, k=k: router_topk(p, k=k), (probs,)))
+    compiles_for_sm90(cases, "moe_router_topk", "router top-k", report)

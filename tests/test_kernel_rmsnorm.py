@@ -22,7 +22,7 @@ from kernels_pallas.rmsnorm import (
 from tests.hf_tiny import rel_err
 
 pytest.register_assert_rewrite("kernel_contract")
-from kernel_contract import KernelContract  # noqa: E402  (tests/ is on sys.path, as for conftest.py)
+from kernel_contract import KernelContract, compiles_for_sm90  # noqa: E402  (tests/ is on sys.path, as for conftest.py)
 
 EPS = 1e-6
 # (leading shape, H)
@@ -139,29 +139,14 @@ REAL_HIDDEN = {"27B": 5120, "35B-A3B": 2048, "122B-A10B": 3072, "397B-A17B": 409
 
 
 def test_kernel_lowers_and_compiles_for_sm90_at_real_shapes(report):
-    """At the real models' hidden sizes (one bf16 decode row; 27B also in f32): the program lowered for cuda holds the
-    kernel, the one lowered for cpu none, and its Triton IR compiles to sm_90 machine code within shared memory and
-    with no register spilled."""
-    from qwen_mtp.tools.lowering import SM90_SHARED_LIMIT, compile_sm90, export_for, kernel_calls, triton_kernels
-    from tests.test_export_cuda import require_triton
-
+    """At the real models' hidden sizes (one bf16 decode row; 27B also in f32): the program lowered for cuda holds
+    the kernel, the one lowered for cpu none, and its Triton IR compiles to sm_90 machine code within shared memory
+    and with no register spilled (kernel_contract.compiles_for_sm90)."""
     S = jax.ShapeDtypeStruct
-    cases = [(m, jnp.bfloat16) for m in REAL_HIDDEN] + [("27B", jnp.float32)]
-    kernels = []
-    for model, dtype in cases:
+    cases = []
+    for model, dtype in [(m, jnp.bfloat16) for m in REAL_HIDDEN] + [("27B", jnp.float32)]:
         H = REAL_HIDDEN[model]
         args = (S((1, 1, H), dtype), S((H,), dtype))
         assert unsupported_reason(*args) is None
-        fn = lambda x, w: rmsnorm_rows(x, w, eps=EPS)
-        exported = export_for(fn, *args)
-        assert kernel_calls(exported) == ["rmsnorm_rows"]
-        assert kernel_calls(export_for(fn, *args, platform="cpu")) == []
-        (kernel,) = triton_kernels(exported)
-        kernels.append(kernel)
-    require_triton()
-    for (model, dtype), kernel, r in zip(cases, kernels, compile_sm90(kernels)):
-        label = f"{model} H{REAL_HIDDEN[model]} {jnp.dtype(dtype).name}"
-        assert r["error"] is None, (label, r["error"])
-        report(f"sm_90 compile, RMSNorm row {label}: grid {kernel.grid}, {kernel.num_warps} warps, shared "
-               f"{r['shared']} B, {r['registers']} registers, {r['stack']} B spilled")
-        assert r["shared"] <= SM90_SHARED_LIMIT and r["stack"] == 0, (label, r)
+        cases.append((f"{model} H{H} {jnp.dtype(dtype).name}", lambda x, w: rmsnorm_rows(x, w, eps=EPS), args))
+    compiles_for_sm90(cases, "rmsnorm_rows", "RMSNorm row", report)
