@@ -11,7 +11,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import qwen_mtp
@@ -197,6 +197,13 @@ def _same_weights(a, b):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.sampled_from(["meta", "meta_text", "config", "truncate", "flip", "delete"]), st.integers(0, 2 ** 31),
        st.integers(0, 2 ** 31), st.one_of(st.just("<delete>"), WEIRD), st.integers(0, 255))
+# found by this test (2026-12-07): the metadata's 'quant' deleted, or null, loaded the int4 folder with no policy;
+# its lm_head flag null, as lm_head False (bool(None)); also pinned: lm_head false and another int4 group size
+@example(how="meta", which=3, where=0, value="<delete>", byte=0)
+@example(how="meta", which=3, where=0, value=None, byte=0)
+@example(how="meta", which=6, where=0, value=None, byte=0)
+@example(how="meta", which=6, where=0, value=False, byte=0)
+@example(how="meta", which=5, where=0, value=32, byte=0)
 def test_orbax_folders(orbax_saved, tmp_path_factory, how, which, where, value, byte):
     """A saved folder with one thing wrong in it: a metadata or config.json field replaced or deleted, the
     metadata's text cut, a file under weights/ truncated, a byte flipped or the file deleted. qwen_mtp.load

@@ -186,7 +186,9 @@ def read_meta(folder) -> dict:
     for key in ("quantized", "arrays"):
         if not isinstance(meta.get(key), dict):
             raise CheckpointError(file, None, f"{key!r} an object", repr(meta.get(key)))
-    q = meta.get("quant")
+    if "quant" not in meta:  # save writes it always: null or the policy; missing, a quantized folder read as plain
+        raise CheckpointError(file, None, "'quant' null or a quantization policy", "no 'quant'")
+    q = meta["quant"]
     if q is not None:
         try:
             meta["policy"] = QuantPolicy.from_json(q)
@@ -194,6 +196,10 @@ def read_meta(folder) -> dict:
             raise CheckpointError(file, None, "'quant' null or a quantization policy", f"{q!r} ({e!r})") from None
         if meta["policy"].method not in KINDS:
             raise CheckpointError(file, "quant", f"a method in {list(KINDS)}", repr(meta["policy"].method))
+        _check_policy(file, meta["policy"], meta["quantized"], meta["mtp"])
+    elif meta["quantized"]:
+        raise CheckpointError(file, "quant", f"a quantization policy ({len(meta['quantized'])} quantized leaves)",
+                              "null")
     else:
         meta["policy"] = None
     for name, a in meta["arrays"].items():
@@ -205,6 +211,30 @@ def read_meta(folder) -> dict:
         if not ok:
             raise CheckpointError(file, name, "{shape: [...], dtype: name, crc32: int}", repr(a))
     return meta
+
+
+def _check_policy(file, policy: QuantPolicy, quantized: dict, has_mtp: bool) -> None:
+    """A policy applied at load (source "load") must be one that made the quantized leaves: its method one of
+    theirs (a folder may mix kinds), int4 groups of its size among theirs, lm_head quantized exactly when it says
+    so, and the MTP head's matrices too. Otherwise a field changed in the metadata would restore the same weights
+    under another policy (tests/test_fuzz.py found it)."""
+    if policy.source != "load" or not quantized:  # a checkpoint's own fp8 scales: the checkpoint's blocks
+        return
+    leaves = [m for m in quantized.values() if isinstance(m, dict)]  # _target names a malformed entry
+    kinds = sorted({str(m.get("kind")) for m in leaves})
+    if leaves and policy.method not in kinds:
+        raise CheckpointError(file, "quant", f"a method of the quantized leaves ({', '.join(kinds)})",
+                              repr(policy.method))
+    groups = sorted({m["block"][0] for m in leaves if m.get("kind") == "int4" and isinstance(m.get("block"), list)
+                     and m["block"]})
+    if policy.method == "int4" and groups and policy.group_size not in groups:
+        raise CheckpointError(file, "quant", f"group_size of the int4 leaves ({groups})", repr(policy.group_size))
+    if ("lm_head" in quantized) != policy.lm_head:
+        raise CheckpointError(file, "quant", f"lm_head {'lm_head' in quantized} (the quantized leaves)",
+                              f"lm_head {policy.lm_head}")
+    mtp_leaves = any(name.startswith("mtp.") for name in quantized)
+    if has_mtp and mtp_leaves != policy.mtp:
+        raise CheckpointError(file, "quant", f"mtp {mtp_leaves} (the quantized leaves)", f"mtp {policy.mtp}")
 
 
 def _sds(shape, dtype):

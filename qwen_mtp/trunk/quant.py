@@ -213,8 +213,17 @@ class QuantPolicy:
 
     @classmethod
     def from_json(cls, d: dict) -> QuantPolicy:
-        return cls(method=d["method"], group_size=int(d["group_size"]), lm_head=bool(d["lm_head"]),
-                   mtp=bool(d["mtp"]), source=str(d.get("source", "load")))
+        """The policy to_json wrote; ValueError on a field of another type (a saved folder's metadata, read back:
+        bool("false") or int(64.5) would restore the same weights under another policy)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a quantization policy object, found {type(d).__name__}")
+        method, group, lm_head, mtp, source = d["method"], d["group_size"], d["lm_head"], d["mtp"], d.get("source",
+                                                                                                          "load")
+        if not (isinstance(method, str) and isinstance(group, int) and not isinstance(group, bool) and group >= 1
+                and isinstance(lm_head, bool) and isinstance(mtp, bool) and source in ("load", "checkpoint")):
+            raise ValueError("method a string, group_size an integer >= 1, lm_head and mtp true / false, source "
+                             f"'load' or 'checkpoint'; found {d!r}")
+        return cls(method=method, group_size=group, lm_head=lm_head, mtp=mtp, source=source)
 
     def describe(self) -> str:
         if self.source == "checkpoint":  # a pre-quantized FP8 checkpoint: its own scales decide, tensor by tensor
