@@ -51,8 +51,8 @@ def shard_files(folder: Path) -> dict:
         root = folder.resolve()
         files = {}
         for name, shard in weight_map.items():
-            if not isinstance(shard, str) or not shard:
-                raise CheckpointError(index, name, "a shard file name (a non-empty string)", repr(shard))
+            if not isinstance(shard, str) or not shard or "\x00" in shard:  # (a NUL: no path can hold it)
+                raise CheckpointError(index, name, "a shard file name (a non-empty string, no NUL)", repr(shard))
             p = (folder / str(shard)).resolve()
             if Path(str(shard)).is_absolute() or not p.is_relative_to(root):
                 raise CheckpointError(index, name, f"a shard path inside {root}", repr(shard))
