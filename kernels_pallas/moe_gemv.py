@@ -36,6 +36,9 @@ timings (gpu_check --moe-only times them). K is split into parts (partial sums i
 when pairs x column tiles alone give too few programs for 132 SMs (35B-A3B gate / up at batch 1: 8 pairs x 4
 tiles of 128 columns).
 
+The same kernel (routed_kernel) runs the experts' whole SwiGLU in two launches for moe_expert_mlp.py: gate and up
+in one grid (pair=True), down forming the activation from their partials as it loads x (glu_parts).
+
 Backend: kernels_pallas/dispatch.py's rule, the kernel in a program lowered for cuda, the reference
 elsewhere; `backend="pallas"` with interpret=True runs the kernel on CPU (tests). A format or shape the kernel
 does not take (`unsupported_reason`) falls back to the reference with a one-time warning. Inputs that break the
@@ -227,65 +230,95 @@ def _exact(bits, offset):
     return jax.lax.bitcast_convert_type(bits, jnp.float32) - (float(2 ** 23) + offset)
 
 
-def _kernel(x_ref, w_ref, s_ref, id_ref, o_ref, *, mode, K, N, kq, n_groups, bk, bns, bn, tk, dk, per, dt,
-            parts, rpx):
+def routed_kernel(*refs, mode, K, N, kq, n_groups, bk, bns, bn, tk, dk, per, dt, parts, rpx, pair=False,
+                  glu_parts=0):
+    """Program (pair p, column tile j, K part). pair (moe_expert_mlp.py's gate / up call): the refs hold two
+    weights and their scales, tiles past N's own read the second, the output is float32 partials
+    [parts, 2, P, N]. glu_parts: x is such partials [glu_parts, 2, P, K] and pair p's row of x is
+    silu(gate) * up of its row, each rounded to dt where the reference rounds it (down's call)."""
+    if pair:
+        x_ref, w_ref, w2_ref, s_ref, s2_ref, id_ref, o_ref = refs
+    else:
+        x_ref, w_ref, s_ref, id_ref, o_ref = refs
     p, j, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     e = id_ref[p]
-    n0 = j * bn
-    col_ok = (n0 + jnp.arange(bn, dtype=jnp.int32)) < N
     zero_w = 0.0 if w_ref.dtype in (STORAGE["fp8"],) or mode == "plain" else 0
 
     def x_chunk(k0):  # [dk, 1] f32: x[p // rpx, k0 : k0 + dk], past K read as 0
         ok = (k0 + jnp.arange(dk, dtype=jnp.int32)) < K
-        return plt.load(x_ref.at[p // rpx, pl.ds(k0, dk)], mask=ok, other=0).astype(jnp.float32)[:, None]
+        if not glu_parts:
+            return plt.load(x_ref.at[p // rpx, pl.ds(k0, dk)], mask=ok, other=0).astype(jnp.float32)[:, None]
 
-    def w_tile(r0, limit):  # [dk, bn] stored values of expert e; rows past `limit`, columns past N read as 0
-        ok = ((r0 + jnp.arange(dk, dtype=jnp.int32)) < limit)[:, None] & col_ok[None, :]
-        return plt.load(w_ref.at[e, pl.ds(r0, dk), pl.ds(n0, bn)], mask=ok, other=zero_w)
-
-    def col_scale(g):  # the scales of K block g for this tile's columns: [1, bn]
-        g = jnp.minimum(g, n_groups - 1)  # a step past the end (the last K part) reads zeros: any scale will do
-        if bns == 1:
-            return plt.load(s_ref.at[e, g, pl.ds(n0, bn)], mask=col_ok, other=0)[None, :]
-        return jnp.full((1, bn), s_ref[e, g, n0 // bns], jnp.float32)
-
-    def value(t):  # stored values -> f32 (plain weights through x's dtype, as the reference casts them)
-        if mode == "plain":
+        def total(h):  # the gate's (h 0) or up's (h 1) product, its parts summed, in dt as the reference has it
+            t = sum(plt.load(x_ref.at[jnp.int32(s), jnp.int32(h), p, pl.ds(k0, dk)], mask=ok, other=0)
+                    for s in range(glu_parts))
             return t.astype(dt).astype(jnp.float32)
-        if t.dtype == jnp.int8:  # int8: no I2F (module doc), the byte offset to unsigned under 2^23's exponent
-            u = jax.lax.bitcast_convert_type(t, jnp.uint8).astype(jnp.int32)
-            return _exact(jax.lax.bitwise_xor(u, jnp.int32(MAGIC | 0x80)), 128.0)
-        return t.astype(jnp.float32)  # fp8: the paired conversion instruction
 
-    def step(t, acc):
-        k0 = (part * per + t) * tk
-        if mode in ("plain", "channel"):
-            for c in range(0, tk, dk):
-                acc = acc + x_chunk(k0 + c) * value(w_tile(k0 + c, K))
-            return acc
-        s = col_scale(k0 // bk)
-        g = jnp.zeros((dk, bn), jnp.float32)  # the K block's (int4: group's) products, scaled once at its end
-        if mode == "block":
-            for c in range(0, tk, dk):
-                g = g + x_chunk(k0 + c) * value(w_tile(k0 + c, K))
+        g, u = total(0), total(1)
+        act = (g * jax.nn.sigmoid(g)).astype(dt).astype(jnp.float32)
+        return (act * u).astype(dt).astype(jnp.float32)[:, None]
+
+    def run(w_ref, s_ref, jt, which):  # column tile jt of weight w_ref (scales s_ref)
+        n0 = jt * bn
+        col_ok = (n0 + jnp.arange(bn, dtype=jnp.int32)) < N
+
+        def w_tile(r0, limit):  # [dk, bn] stored values of expert e; rows past `limit`, columns past N read as 0
+            ok = ((r0 + jnp.arange(dk, dtype=jnp.int32)) < limit)[:, None] & col_ok[None, :]
+            return plt.load(w_ref.at[e, pl.ds(r0, dk), pl.ds(n0, bn)], mask=ok, other=zero_w)
+
+        def col_scale(g):  # the scales of K block g for this tile's columns: [1, bn]
+            g = jnp.minimum(g, n_groups - 1)  # a step past the end (the last K part) reads zeros: any scale will do
+            if bns == 1:
+                return plt.load(s_ref.at[e, g, pl.ds(n0, bn)], mask=col_ok, other=0)[None, :]
+            return jnp.full((1, bn), s_ref[e, g, n0 // bns], jnp.float32)
+
+        def value(t):  # stored values -> f32 (plain weights through x's dtype, as the reference casts them)
+            if mode == "plain":
+                return t.astype(dt).astype(jnp.float32)
+            if t.dtype == jnp.int8:  # int8: no I2F (module doc), the byte offset to unsigned under 2^23's exponent
+                u = jax.lax.bitcast_convert_type(t, jnp.uint8).astype(jnp.int32)
+                return _exact(jax.lax.bitwise_xor(u, jnp.int32(MAGIC | 0x80)), 128.0)
+            return t.astype(jnp.float32)  # fp8: the paired conversion instruction
+
+        def step(t, acc):
+            k0 = (part * per + t) * tk
+            if mode in ("plain", "channel"):
+                for c in range(0, tk, dk):
+                    acc = acc + x_chunk(k0 + c) * value(w_tile(k0 + c, K))
+                return acc
+            s = col_scale(k0 // bk)
+            g = jnp.zeros((dk, bn), jnp.float32)  # the K block's (int4: group's) products, scaled once at its end
+            if mode == "block":
+                for c in range(0, tk, dk):
+                    g = g + x_chunk(k0 + c) * value(w_tile(k0 + c, K))
+                return acc + g * s
+            h = bk // 2  # int4: one group; its h packed rows hold rows k0 .. k0+h-1 (low), k0+h .. k0+bk-1 (high)
+            for c in range(0, h, dk):
+                u = w_tile(k0 // 2 + c, kq).astype(jnp.int32)  # the stored bytes, 0 .. 255
+                # each nibble n to the float 2^23 + (n ^ 8) = 2^23 + 8 + v (v: its signed value), exact
+                lo = _exact(jax.lax.bitwise_xor(jax.lax.bitwise_and(u, jnp.int32(0xF)), jnp.int32(MAGIC | 8)), 8.0)
+                hi = _exact(jax.lax.bitwise_xor(jax.lax.shift_right_logical(u, jnp.int32(4)),
+                                                jnp.int32(MAGIC | 8)), 8.0)
+                g = g + x_chunk(k0 + c) * lo + x_chunk(k0 + h + c) * hi
             return acc + g * s
-        h = bk // 2  # int4: one group; its h packed rows hold rows k0 .. k0+h-1 (low) and k0+h .. k0+bk-1 (high)
-        for c in range(0, h, dk):
-            u = w_tile(k0 // 2 + c, kq).astype(jnp.int32)  # the stored bytes, 0 .. 255
-            # each nibble n to the float 2^23 + (n ^ 8) = 2^23 + 8 + v (v: its signed value), exact
-            lo = _exact(jax.lax.bitwise_xor(jax.lax.bitwise_and(u, jnp.int32(0xF)), jnp.int32(MAGIC | 8)), 8.0)
-            hi = _exact(jax.lax.bitwise_xor(jax.lax.shift_right_logical(u, jnp.int32(4)), jnp.int32(MAGIC | 8)), 8.0)
-            g = g + x_chunk(k0 + c) * lo + x_chunk(k0 + h + c) * hi
-        return acc + g * s
 
-    acc = jax.lax.fori_loop(0, per, step, jnp.zeros((dk, bn), jnp.float32))
-    out = jnp.sum(acc, axis=0)
-    if mode == "channel":
-        out = out * col_scale(0)[0]
-    if parts > 1:
-        plt.store(o_ref.at[part, p, pl.ds(n0, bn)], out, mask=col_ok)
+        acc = jax.lax.fori_loop(0, per, step, jnp.zeros((dk, bn), jnp.float32))
+        out = jnp.sum(acc, axis=0)
+        if mode == "channel":
+            out = out * col_scale(0)[0]
+        if pair:
+            plt.store(o_ref.at[part, jnp.int32(which), p, pl.ds(n0, bn)], out, mask=col_ok)
+        elif parts > 1:
+            plt.store(o_ref.at[part, p, pl.ds(n0, bn)], out, mask=col_ok)
+        else:
+            plt.store(o_ref.at[p, pl.ds(n0, bn)], out.astype(dt), mask=col_ok)
+
+    if pair:  # the first N's tiles the gate's, the next the up's: one branch each, the same loop
+        tiles = cdiv(N, bn)
+        pl.when(j < tiles)(lambda: run(w_ref, s_ref, j, 0))
+        pl.when(j >= tiles)(lambda: run(w2_ref, s2_ref, j - tiles, 1))
     else:
-        plt.store(o_ref.at[p, pl.ds(n0, bn)], out.astype(dt), mask=col_ok)
+        run(w_ref, s_ref, j, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "k", "block", "block_n", "dot_k", "splits", "num_warps",
@@ -299,13 +332,8 @@ def moe_gemv_pallas(x, w, scale, ids, *, kind: str, k: int, block, block_n: int 
     dt = x.dtype
     p = plan(P, k, N, kind, block, jnp.dtype(dt).itemsize, block_n=block_n, dot_k=dot_k, splits=splits,
              num_warps=num_warps, num_stages=num_stages)
-    if scale is None:  # plain: one unused scale (the kernel has one signature for every format)
-        scale = jnp.ones((1, 1, 1), jnp.float32)
-    kernel = functools.partial(
-        _kernel, mode=_mode(kind, k, block), K=k, N=N, kq=w.shape[1], n_groups=scale.shape[1], bk=block[0],
-        bns=block[1], bn=p.block_n, tk=p.block_k, dk=p.dot_k, per=p.steps_per_split, dt=dt, parts=p.splits,
-        rpx=rows_per_x)
-    whole = lambda a: pl.BlockSpec(a.shape, lambda i, j, s: (0,) * len(a.shape))  # each program slices in place
+    scale = scales_of(scale)
+    kernel = bind(kind, k, N, block, p, dt, w.shape[1], scale.shape[1], rpx=rows_per_x)
     if p.splits > 1:
         out_shape = jax.ShapeDtypeStruct((p.splits, P, N), jnp.float32)
     else:
@@ -314,14 +342,32 @@ def moe_gemv_pallas(x, w, scale, ids, *, kind: str, k: int, block, block_n: int 
     out = pl.pallas_call(
         kernel,
         grid=(P, p.col_tiles, p.splits),
-        in_specs=[whole(x), whole(w), whole(scale), whole(ids)],
+        in_specs=[whole(a) for a in (x, w, scale, ids)],
         out_specs=whole(out_shape),
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=p.num_warps, num_stages=p.num_stages),
         interpret=interpret,
         name=f"moe_gemv_{kind}",
-    )(x, w, scale.astype(jnp.float32), ids)
+    )(x, w, scale, ids)
     return out.sum(axis=0).astype(dt) if p.splits > 1 else out
+
+
+def whole(a):
+    """The whole array as every program's block (each program slices it in place)."""
+    return pl.BlockSpec(a.shape, lambda i, j, s: (0,) * len(a.shape))
+
+
+def scales_of(scale):
+    """The kernel's float32 scale operand: plain experts' (None) one unused scale (one signature for every
+    format)."""
+    return jnp.ones((1, 1, 1), jnp.float32) if scale is None else scale.astype(jnp.float32)
+
+
+def bind(kind, k, N, block, p: Plan, dt, kq, n_groups, **extra):
+    """routed_kernel for a [k, N] product of this format and plan (extra: rpx, pair, glu_parts)."""
+    return functools.partial(routed_kernel, mode=_mode(kind, k, block), K=k, N=N, kq=kq, n_groups=n_groups,
+                             bk=block[0], bns=block[1], bn=p.block_n, tk=p.block_k, dk=p.dot_k,
+                             per=p.steps_per_split, dt=dt, parts=p.splits, **{"rpx": 1, **extra})
 
 
 def moe_gemv(x, w, scale, ids, *, kind: str, k: int, block=None, rows_per_x: int = 1, backend: str = "auto",

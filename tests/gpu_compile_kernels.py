@@ -24,6 +24,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 
+def _expert_kernels(quant) -> dict:
+    """The routed experts' kernels of one MoE block and their launches: plain and fp8 experts two
+    (moe_expert_mlp.py: gate and up in one, down with the activation), int8 / int4 three (gate, up, down)."""
+    from kernels_pallas.moe_expert_mlp import KINDS
+
+    kind = quant or "plain"
+    return {f"moe_gate_up_{kind}": 1, f"moe_down_glu_{kind}": 1} if kind in KINDS else {f"moe_gemv_{kind}": 3}
+
+
 def cases():
     """(label, jitted fn, args, static kwargs, the kernel names the program must hold)."""
     from kernels_pallas.causal_attention import causal_attend
@@ -48,7 +57,7 @@ def cases():
                                 ("Qwen3.5-35B-A3B", "int4", 8), ("Qwen3.5-397B-A17B", None, 1)):
         cfg, args = _moe_shapes(name, quant, tokens)
         out.append((f"moe {name} {quant or 'bf16'} {tokens} token(s)", moe, (*args, cfg), {},
-                    {f"moe_gemv_{quant or 'plain'}": 3, "moe_router_topk": 1}))  # gate, up, down; the top-k
+                    {**_expert_kernels(quant), "moe_router_topk": 1}))  # the experts' kernels, the top-k
     for model, (nh, nkv) in REAL_HEADS.items():  # a draft step at W 4032 S 64; the k = 8 refill at B 8, W 8192
         for B, T, W, S in ((1, 1, 4032, 64), (8, 9, 8192, 128)):
             args = _kernel_args(B, T, nh, nkv, 256, S + W + max(T - 1, 1), jnp.bfloat16)
@@ -102,11 +111,12 @@ def loops(target):
     and the products of 1 MB or more written out (launches.products), and the kernels an iteration; 35B-A3B's
     plain step, and again without ops.VECTOR_DOT_MAX's two rows; then 27B's round with the GDN verify in XLA ops
     (its reference, as before kernels_pallas/gdn_verify.py's kernel); 35B-A3B's plain step with the router's top-k
-    by lax.top_k and with gate / up on copies of each token's row, as before moe_router.py and moe_gemv's
-    rows_per_x, and with out_proj's input padded by XLA after the GDN step kernel (before its pad_row); 27B's plain
-    step, and with its input and final norms in XLA ops (before rmsnorm.py's kernel); and 27B's round with the GDN
-    in-projections as they were before gdn.in_projections (four dots on one x), which XLA merged over the weights
-    concatenated in the loop: the probe must find those."""
+    by lax.top_k, with gate / up on copies of each token's row and with the experts' SwiGLU in three calls, as
+    before moe_router.py, moe_gemv's rows_per_x and moe_expert_mlp.py, and with out_proj's input padded by XLA
+    after the GDN step kernel (before its pad_row); 27B's plain step, and with its input and final norms in XLA
+    ops (before rmsnorm.py's kernel); and 27B's round with the GDN in-projections as they were before
+    gdn.in_projections (four dots on one x), which XLA merged over the weights concatenated in the loop: the probe
+    must find those."""
     import dataclasses
     import functools
 
@@ -129,20 +139,25 @@ def loops(target):
     one("27B k1 native", "Qwen3.5-27B")
     one("35B-A3B k1 native", "Qwen3.5-35B-A3B")
     one("35B-A3B plain", "Qwen3.5-35B-A3B", k=0)
-    from qwen_mtp.trunk import mlp, ops
+    from qwen_mtp.trunk import mlp, ops, quant
 
     # the MoE block as it was: the router's top-k by lax.top_k (XLA: a sort and a slice), and the routed gate / up
     # on k copies of each token's row (before moe_gemv's rows_per_x)
-    router, routed_dot = mlp.router_topk, mlp.routed_dot
+    router, routed_mlp = mlp.router_topk, mlp.routed_mlp
     mlp.router_topk = jax.lax.top_k
     jax.clear_caches()
     one("35B-A3B plain, the router's top-k by lax.top_k", "Qwen3.5-35B-A3B", k=0)
     mlp.router_topk = router
-    mlp.routed_dot = lambda x, w, ids, *, rows_per_x=1, **kw: routed_dot(
-        x[jax.numpy.arange(ids.shape[0]) // rows_per_x] if rows_per_x > 1 else x, w, ids, **kw)
+    mlp.routed_mlp = lambda x, g, u, d, ids, *, rows_per_x=1, **kw: routed_mlp(
+        x[jax.numpy.arange(ids.shape[0]) // rows_per_x] if rows_per_x > 1 else x, g, u, d, ids, **kw)
     jax.clear_caches()
     one("35B-A3B plain, gate / up on copies of the row", "Qwen3.5-35B-A3B", k=0)
-    mlp.routed_dot = routed_dot
+    mlp.routed_mlp = routed_mlp
+    # the routed experts' SwiGLU as three calls and XLA's activation between (before moe_expert_mlp.py)
+    fused, quant.SWIGLU_KINDS = quant.SWIGLU_KINDS, ()
+    jax.clear_caches()
+    one("35B-A3B plain, the experts' SwiGLU in three calls", "Qwen3.5-35B-A3B", k=0)
+    quant.SWIGLU_KINDS = fused
     # the GDN step kernel writing out_proj's two rows (pad_row), against XLA's pad after it
     pads, gdn.pads_one_row = gdn.pads_one_row, lambda w: False
     jax.clear_caches()

@@ -162,15 +162,17 @@ def _n_attn(cfg):
     return cfg.layer_types.count("full_attention")
 
 
-MOE = "moe_gemv_plain"  # the routed MoE experts at decode (kernels_pallas/moe_gemv.py, tests/test_moe_routed.py)
+# the routed MoE experts at decode, plain: gate and up in one launch, down with the activation
+# (kernels_pallas/moe_expert_mlp.py, tests/test_kernel_moe_expert_mlp.py)
+MOE = ("moe_gate_up_plain", "moe_down_glu_plain")
 ROUTER = "moe_router_topk"  # the router's top-k (kernels_pallas/moe_router.py, tests/test_kernel_moe_router.py)
 
 
 def _dense_kernels(calls, cfg):
     """The kernel calls besides the MoE block's (the router's top-k, the routed experts), which an MoE model's
     decode programs hold and a dense model's do not."""
-    assert (MOE in calls) == (ROUTER in calls) == (cfg.num_experts > 0), calls
-    return [c for c in calls if c not in (MOE, ROUTER)]
+    assert all(m in calls for m in MOE) == (ROUTER in calls) == (cfg.num_experts > 0), calls
+    return [c for c in calls if c not in (*MOE, ROUTER)]
 
 
 def _check_round_kernels(calls, spec):

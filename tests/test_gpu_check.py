@@ -103,9 +103,11 @@ def test_only_flags_combine_numerics_first(capsys):
                 if line.startswith("== ") and line.endswith("skipped, the --budget is spent")]
 
     small = ["quantized matmul, small", "decode kernel plan alternatives, small", "MoE routed experts, small",
-             "MoE router top-k, small", "MoE prefill paths, small", "MoE routed plan alternatives, small"]
+             "MoE experts' SwiGLU, small", "MoE router top-k, small", "MoE prefill paths, small",
+             "MoE routed plan alternatives, small"]
     assert skipped(["--interpret", "--moe-only", "--quant-only", "--long-only"]) == small + ["causal attention, small"]
     assert skipped(["--moe-only", "--quant-only"]) == small + [  # the device form (nothing runs: the budget is spent)
         "quantized matmul, 27B matrices, timed", "MoE routed experts, 35B-A3B experts, timed",  # main timings first
-        "decode kernel plan alternatives, 27B matrices, timed", "MoE router top-k, real routers, timed",
+        "decode kernel plan alternatives, 27B matrices, timed", "MoE experts' SwiGLU, 35B-A3B experts, timed",
+        "MoE router top-k, real routers, timed",
         "MoE routed plan alternatives, 35B-A3B experts, timed", "MoE prefill paths, 35B-A3B experts, timed"]

@@ -25,6 +25,7 @@ from .moe import (
     check_moe_plans,
     check_moe_prefill,
 )
+from .moe_swiglu import SWIGLU_REAL, SWIGLU_SMALL, SWIGLU_SMOKE, check_moe_swiglu
 from .quant import (
     QUANT_PLANS_REAL,
     QUANT_PLANS_SMOKE,
@@ -96,6 +97,8 @@ def _run(args, t0, contexts):
                             lambda: check_quant_plans(QUANT_PLANS_SMOKE, interp, False))],
                  "moe": [("MoE routed experts, small",
                           lambda: check_moe(MOE_SMOKE if interp else MOE_SMALL, interp, False)),
+                         ("MoE experts' SwiGLU, small",
+                          lambda: check_moe_swiglu(SWIGLU_SMOKE if interp else SWIGLU_SMALL, interp, False)),
                          ("MoE router top-k, small",
                           lambda: check_router(ROUTER_SMOKE if interp else ROUTER_SMALL, interp, False)),
                          ("MoE prefill paths, small", lambda: check_moe_prefill(MOE_PREFILL_SMOKE, interp, False)),
@@ -109,6 +112,8 @@ def _run(args, t0, contexts):
                            ("decode kernel plan alternatives, 27B matrices, timed",
                             lambda: check_quant_plans(QUANT_PLANS_REAL, False, timings=True))],
                  "moe": [("MoE routed experts, 35B-A3B experts, timed", lambda: check_moe(MOE_REAL, False, True)),
+                         ("MoE experts' SwiGLU, 35B-A3B experts, timed",
+                          lambda: check_moe_swiglu(SWIGLU_REAL, False, True)),
                          ("MoE router top-k, real routers, timed", lambda: check_router(ROUTER_REAL, False, True)),
                          ("MoE routed plan alternatives, 35B-A3B experts, timed",
                           lambda: check_moe_plans(MOE_PLANS_REAL, False, timings=True)),
@@ -154,6 +159,7 @@ def _run(args, t0, contexts):
     sec("quantized matmul, small", lambda: check_quant(QUANT_SMALL, False, timings=False))
     sec("decode kernel plan alternatives, small", lambda: check_quant_plans(QUANT_PLANS_SMOKE, False, timings=False))
     sec("MoE routed experts, small", lambda: check_moe(MOE_SMALL, False, timings=False))
+    sec("MoE experts' SwiGLU, small", lambda: check_moe_swiglu(SWIGLU_SMALL, False, timings=False))
     sec("MoE router top-k, small", lambda: check_router(ROUTER_SMALL, False, timings=False))
     sec("MoE prefill paths, small", lambda: check_moe_prefill(MOE_PREFILL_SMOKE, False, timings=False))
     sec("MoE routed plan alternatives, small", lambda: check_moe_plans(MOE_PLANS_SMOKE, False, timings=False))
@@ -166,6 +172,7 @@ def _run(args, t0, contexts):
     sec("end to end, 27B slice", lambda: check_end_to_end_27b(args.max_new, args.e2e27b_layers))
     sec("quantized matmul, 27B matrices, timed", lambda: check_quant(QUANT_REAL, False, timings=True))
     sec("MoE routed experts, 35B-A3B experts, timed", lambda: check_moe(MOE_REAL, False, timings=True))
+    sec("MoE experts' SwiGLU, 35B-A3B experts, timed", lambda: check_moe_swiglu(SWIGLU_REAL, False, timings=True))
     sec("MoE router top-k, real routers, timed", lambda: check_router(ROUTER_REAL, False, timings=True))
     sec("decode kernel plan alternatives, 27B matrices, timed",
         lambda: check_quant_plans(QUANT_PLANS_REAL, False, timings=True))

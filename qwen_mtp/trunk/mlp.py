@@ -2,9 +2,9 @@
 
 The routed experts run one of two ways, chosen statically from the shapes (`reads_routed_only`):
   decode   n_tokens x top_k <= num_experts: each (token, expert) pair reads only its expert's weights
-           (quant.routed_dot: the Pallas grouped GEMV on cuda, XLA's gather of the routed experts on CPU), so
-           the block reads at most as many expert matrices as the grouped path would and, at decode, a small
-           share of them (35B-A3B at batch 1: 8 of 256);
+           (quant.routed_mlp: on cuda the Pallas grouped GEMVs, plain and fp8 experts' whole SwiGLU in two
+           kernels; XLA's gather of the routed experts on CPU), so the block reads at most as many expert
+           matrices as the grouped path would and, at decode, a small share of them (35B-A3B at batch 1: 8 of 256);
   prefill  more pairs than experts: tokens sorted by expert through grouped matmuls (quant.grouped_dot,
            kernels_pallas/moe_grouped.py: on CPU a loop over tiles of one expert's rows, each reading its expert
            by index, several times faster there than lax.ragged_dot; elsewhere lax.ragged_dot).
@@ -22,7 +22,7 @@ from kernels_pallas import per_shard as spmd
 from kernels_pallas.moe_router import router_topk as topk_kernel
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.ops import linear, pads_one_row, two_rows
-from qwen_mtp.trunk.quant import grouped_dot, routed_dot
+from qwen_mtp.trunk.quant import grouped_dot, routed_mlp
 from qwen_mtp.trunk.weights import MLPWeights, MoEWeights
 
 
@@ -42,7 +42,7 @@ def reads_routed_only(n_tokens: int, cfg: ModelConfig) -> bool:
 
 
 def moe(x, w: MoEWeights, cfg: ModelConfig):
-    """x [..., H]. Few tokens: each (token, expert) pair reads its expert's weights only (quant.routed_dot);
+    """x [..., H]. Few tokens: each (token, expert) pair reads its expert's weights only (quant.routed_mlp);
     many: tokens sorted by expert through grouped matmuls (quant.grouped_dot). Module doc."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
@@ -78,9 +78,7 @@ def _routed_pairs(x2, w: MoEWeights, top_p, top_e):
     n, k = top_e.shape
     pair_e = top_e.reshape(-1)
     rows = two_rows(x2) if n == 1 and pads_one_row(w.router) else x2
-    g = routed_dot(rows, w.gate, pair_e, split="n", rows_per_x=k)
-    u = routed_dot(rows, w.up, pair_e, split="n", rows_per_x=k)
-    y = routed_dot(jax.nn.silu(g) * u, w.down, pair_e, split="k")
+    y = routed_mlp(rows, w.gate, w.up, w.down, pair_e, rows_per_x=k)
     y = (y * top_p.reshape(-1, 1)).astype(jnp.float32)
     return y.reshape(n, k, -1).sum(axis=1).astype(x2.dtype)
 

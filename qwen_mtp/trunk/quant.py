@@ -31,6 +31,8 @@ from flax import struct
 from kernels_pallas import moe_grouped
 from kernels_pallas import per_shard as spmd
 from kernels_pallas import quant_layout as layout
+from kernels_pallas.moe_expert_mlp import KINDS as SWIGLU_KINDS
+from kernels_pallas.moe_expert_mlp import moe_expert_mlp
 from kernels_pallas.moe_gemv import moe_gemv
 from kernels_pallas.quant_matmul import quant_matmul
 from qwen_mtp.errors import ArgumentError
@@ -186,6 +188,26 @@ def routed_dot(x, w, ids, *, split: str | None = None, rows_per_x: int = 1, back
                                                         backend=backend)
     spec = None if split is None else spmd.expert_spec(split, K, w.shape[-1])
     return spmd.routed(x, w, None, ids, spec, K, (K, 1), call, rows_per_x)
+
+
+def routed_mlp(x, gate, up, down, ids, *, rows_per_x: int = 1, backend: str = "auto"):
+    """The routed experts' SwiGLU at decode: pair p's silu(x_p @ gate[ids[p]]) * (x_p @ up[ids[p]]) @ down[ids[p]]
+    -> [P, H] in x's dtype, x_p = x[p // rows_per_x], reading only the routed experts. Plain and fp8 experts
+    with no mesh active: kernels_pallas.moe_expert_mlp (on cuda two kernels, gate and up in one launch and the
+    activation inside down's); otherwise three routed_dot calls (int8 / int4: quant_gemv's kernel over the pairs;
+    under a mesh each product per shard). Both lower the same reference for cpu."""
+    quant = [isinstance(w, QuantArray) for w in (gate, up, down)]
+    kind = gate.kind if quant[0] else "plain"
+    one_layout = all(q == quant[0] for q in quant) and (
+        not quant[0] or (up.kind == down.kind == kind and up.block == gate.block))
+    if one_layout and kind in SWIGLU_KINDS and spmd.active_mesh() is None:
+        parts = lambda w: (w.q, w.scale) if quant[0] else (w, None)
+        block = lambda w: w.block if quant[0] else None
+        return moe_expert_mlp(x, *parts(gate), *parts(up), *parts(down), ids, kind=kind, block_in=block(gate),
+                              block_out=block(down), rows_per_x=rows_per_x, backend=backend)
+    g = routed_dot(x, gate, ids, split="n", rows_per_x=rows_per_x, backend=backend)
+    u = routed_dot(x, up, ids, split="n", rows_per_x=rows_per_x, backend=backend)
+    return routed_dot(jax.nn.silu(g) * u, down, ids, split="k", backend=backend)
 
 
 # ---------------------------------------------------------------- policy

@@ -1,0 +1,107 @@
+"""The routed experts' whole SwiGLU on the device (kernels_pallas/moe_expert_mlp.py, `check_moe_swiglu`): gate
+and up in one launch, down forming silu(gate) * up from their partials, against the reference (moe_gemv's
+reference three times) and beside the three-call form the MoE block ran before (gate, up and down on moe_gemv's
+kernel, XLA's activation between: four kernels where the fused form is two), in bf16 and fp8 blocks, at small
+shapes and at Qwen3.5-35B-A3B's experts (256 experts, H 2048, I 512) for batch 1 (8 pairs reading one token's
+row, padded to two as the block hands it on cuda) and batch 8 (64 pairs). GB/s counts the bytes the three
+products must read (each pair's gate, up and down, values and scales; x; the output); the line gives both forms'
+times and their ratio. The fused form's down does more per weight (sm_90 loop at 35B-A3B: bf16 3.9 -> 8.1
+lane-instructions per value, fp8 3.7 -> 5.9, estimates): the timings say whether the launches it saves pay for
+that, and quant.SWIGLU_KINDS should follow them."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas import moe_expert_mlp as me
+from kernels_pallas import moe_gemv as mg
+from kernels_pallas.quant_layout import cdiv
+
+from .budget import out_of_time
+from .common import bandwidth, case_label, max_rel, one_line
+from .timing import time_call
+
+# (kind, fp8 block | None, pairs, experts, H, I, x dtype, pairs a row of x)
+SWIGLU_SMOKE = [("plain", None, 4, 5, 96, 40, "float32", 2)]
+SWIGLU_SMALL = SWIGLU_SMOKE + [("fp8", (128, 128), 4, 6, 300, 200, "float32", 1),
+                               ("plain", None, 8, 16, 256, 64, "bfloat16", 8),
+                               ("fp8", (128, 128), 8, 16, 256, 128, "bfloat16", 8)]
+SWIGLU_REAL = [(kind, fmt, P, 256, 2048, 512, "bfloat16", 8) for P in (8, 64)
+               for kind, fmt in (("plain", None), ("fp8", (128, 128)))]
+HBM_TARGET = 0.8
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
+def _arrays(kind, block, P, E, H, I, dtype, rows_per_x, key):
+    """x [rows + 1 never read, H], (values, scales) of gate, up and down, ids [P]: made on the device."""
+    kx, ki, *kw = jax.random.split(key, 8)
+    x = jax.random.normal(kx, (cdiv(P, rows_per_x) + 1, H), jnp.float32).astype(dtype)
+    ids = jax.random.randint(ki, (P,), 0, E, jnp.int32)
+
+    def experts(kv, ks, K, N):
+        if kind == "plain":
+            return (jax.random.normal(kv, (E, K, N), jnp.float32) / np.sqrt(K)).astype(dtype), None
+        q = jnp.clip(64 * jax.random.normal(kv, (E, K, N)), -448, 448).astype(jnp.float8_e4m3fn)
+        s = jax.random.uniform(ks, (E, cdiv(K, block[0]), cdiv(N, block[1])), jnp.float32, 0.5, 2.0) / (64 * K ** 0.5)
+        return q, s
+
+    (wg, sg), (wu, su), (wd, sd) = (experts(kw[2 * i], kw[2 * i + 1], K, N)
+                                    for i, (K, N) in enumerate(((H, I), (H, I), (I, H))))
+    return x, wg, sg, wu, su, wd, sd, ids
+
+
+def _three_calls(kind, H, I, block, rows_per_x, interpret):
+    """The MoE block's form before moe_expert_mlp.py: gate, up and down on moe_gemv's kernel, silu(g) * u in XLA."""
+    bi, bo = ((H, 1), (I, 1)) if block is None else (block, block)
+
+    def f(x, wg, sg, wu, su, wd, sd, ids):
+        call = functools.partial(mg.moe_gemv_pallas, kind=kind, interpret=interpret)
+        g = call(x, wg, sg, ids, k=H, block=bi, rows_per_x=rows_per_x)
+        u = call(x, wu, su, ids, k=H, block=bi, rows_per_x=rows_per_x)
+        return call(jax.nn.silu(g) * u, wd, sd, ids, k=I, block=bo)
+
+    return jax.jit(f)
+
+
+def check_moe_swiglu(cases, interpret, timings):
+    """Each case: the fused kernels and the three calls against the reference; with timings, both timed."""
+    kind_of_device, bw = bandwidth()
+    failures = 0
+    for i, (kind, fmt, P, E, H, I, dtype, rpx) in enumerate(cases):
+        label = case_label(f"moe experts' SwiGLU {kind} {fmt} P{P} E{E} H{H} I{I} {dtype} {rpx} pairs a row")
+        if out_of_time(f"{label} and the rest"):
+            break
+        kw = dict(kind=kind, block_in=fmt, block_out=fmt, rows_per_x=rpx)
+        try:
+            args = _arrays(kind, fmt, P, E, H, I, jnp.dtype(dtype), rpx, jax.random.PRNGKey(300 + i))
+            reason = me.unsupported_reason(*args, **kw)
+            assert reason is None, reason
+            fused = jax.jit(functools.partial(me.moe_expert_mlp_pallas, **kw, interpret=interpret))
+            three = _three_calls(kind, H, I, fmt, rpx, interpret)
+            ref = jax.jit(functools.partial(me.moe_expert_mlp_reference, **kw))
+            want = np.asarray(ref(*args).astype(jnp.float32))
+            got = np.asarray(fused(*args).astype(jnp.float32))
+            got3 = np.asarray(three(*args).astype(jnp.float32))
+        except Exception as e:  # noqa: BLE001 - one case that does not compile or run must not hide the others
+            print(f"{label}: FAIL {one_line(e)}", flush=True)
+            failures += 1
+            continue
+        tol = 1e-4 if jnp.dtype(dtype) == jnp.float32 else 2e-2
+        rel, rel3 = max_rel(got, want), max_rel(got3, want)
+        ok = rel < tol and rel3 < tol and np.isfinite(got).all()
+        failures += not ok
+        line = f"{label}: fused max_rel {rel:.1e}, three calls max_rel {rel3:.1e} {'OK' if ok else 'FAIL'}"
+        if timings:
+            x, wg, sg, wu, su, wd, sd, ids = args
+            per_expert = sum(a.nbytes // a.shape[0] for a in (wg, sg, wu, su, wd, sd) if a is not None)
+            nbytes = P * per_expert + x.nbytes + P * H * x.dtype.itemsize
+            t_f, t_3 = time_call(fused, *args), time_call(three, *args)
+            frac = (f" = {100 * nbytes / t_f / bw:.0f}% of {kind_of_device}'s {bw / 1e12:.2f} TB/s; "
+                    f"{HBM_TARGET:.0%} of HBM = {1e6 * nbytes / (HBM_TARGET * bw):.1f} us") if bw else ""
+            line += (f"; {nbytes / 1e6:.1f} MB read; fused {1e6 * t_f:.1f} us ({nbytes / t_f / 1e9:.0f} GB/s{frac}), "
+                     f"three calls {1e6 * t_3:.1f} us, fused/three {t_f / t_3:.2f}x")
+        print(line, flush=True)
+        del args
+    return failures

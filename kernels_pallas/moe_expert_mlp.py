@@ -1,0 +1,160 @@
+"""The routed experts' whole SwiGLU at decode in two kernels: for each (token, expert) pair,
+silu(x @ gate) * (x @ up) @ down of THAT expert, reading only the routed experts' weights.
+
+    moe_expert_mlp(x, wg, sg, wu, su, wd, sd, ids, *, kind, block_in, block_out, rows_per_x=1) -> [P, H]
+      x        [R, H]        pair p reads row p // rows_per_x (moe_gemv.py's rule: a token's row, read by its
+                             top_k pairs where it lies)
+      wg, wu   [E, H, I]     the experts' gate and up (plain float, or fp8 values), sg, su their float32 scales
+                             (None for plain) in quant_layout's block (bk, bn) block_in
+      wd       [E, I, H]     down, sd its scales in block_out
+      ids      [P] int32     the expert of each pair
+      out[p] = (silu(x[p // rows_per_x] @ gate_e) * (x[p // rows_per_x] @ up_e)) @ down_e,  e = ids[p], in x's dtype
+
+The reference is moe_gemv's reference three times with the activation between, in x's dtype: the three-call path
+itself (quant.routed_mlp's other branch), so a program lowered for cpu holds the same operations as before. On
+cuda, moe_gemv's kernel (routed_kernel) runs twice:
+  1. gate and up in one launch (pair=True): the grid holds the gate's column tiles then the up's, each program
+     walks one weight's tile over its part of H, and K's parts come out as float32 partials [parts, 2, P, I]
+     (their sum and the activation wait for down);
+  2. down on those partials (glu_parts): each program forms silu(gate) * up over its slice of I as it loads x,
+     each rounded to x's dtype where the reference rounds it.
+Three launches (gate, up, down) and XLA's fusion of the activation between (a kernel of its own on cuda) become
+two: two kernels a MoE layer fewer (35B-A3B at batch 1: 40 layers, 945 -> 865 kernels a decode step, deviceless
+H200 compile). The cost is down's: each of its programs forms the activation of the rows of x it reads, and
+every thread holding a row forms it (a row's columns lie across 8 threads), a few loads, a sigmoid and the
+roundings per row against 8 columns of weights. sm_90 loop at 35B-A3B (tests/test_moe_routed.py compiles it),
+lane-instructions per stored value: bf16 3.9 -> 8.1, fp8 3.7 -> 5.9, under the bytes' time at 4.8 TB/s (13.9
+and 7.0): estimates, not timings (benchmarks/gpu_check --moe-only times both forms).
+
+Plain and fp8 experts (moe_gemv's own kernel takes them); int8 / int4 experts run quant_gemv's faster kernel
+over the pairs (moe_gemv.kernel_for), three calls, which quant.routed_mlp chooses, as it does under a mesh
+(per_shard.routed splits each product). Backend: kernels_pallas/dispatch.py's rule; `unsupported_reason` falls
+back to the reference with a one-time warning.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kernels_pallas import dispatch
+from kernels_pallas import moe_gemv as mg
+
+KINDS = ("plain", "fp8")
+# gate and up's K parts at most (their plan's own choice above it): down loads each part of both for every row
+# of x, in each of its programs (35B-A3B at batch 1: 3 -> 2 parts, 256 programs, took down's sm_90 loop from 8.8 to
+# 8.1 lane-instructions per bf16 value, 6.2 to 5.9 per fp8 value)
+MAX_GLU_PARTS = 2
+
+
+def _blocks(kind, H, I, block_in, block_out):
+    """The (bk, bn) of gate / up and of down; plain experts: whole K, one column (moe_gemv's convention)."""
+    if kind == "plain":
+        return (H, 1), (I, 1)
+    return tuple(int(b) for b in block_in), tuple(int(b) for b in block_out)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "block_in", "block_out", "rows_per_x"))
+def moe_expert_mlp_reference(x, wg, sg, wu, su, wd, sd, ids, *, kind: str, block_in, block_out,
+                             rows_per_x: int = 1):
+    """moe_gemv's reference for gate, up and down, silu(gate) * up between them in x's dtype."""
+    H, I = x.shape[1], wg.shape[2]
+    bi, bo = _blocks(kind, H, I, block_in, block_out)
+    gate = mg.moe_gemv_reference(x, wg, sg, ids, kind=kind, k=H, block=bi, rows_per_x=rows_per_x)
+    up = mg.moe_gemv_reference(x, wu, su, ids, kind=kind, k=H, block=bi, rows_per_x=rows_per_x)
+    return mg.moe_gemv_reference(jax.nn.silu(gate) * up, wd, sd, ids, kind=kind, k=I, block=bo)
+
+
+def check_inputs(x, wg, sg, wu, su, wd, sd, ids, kind: str, block_in, block_out, rows_per_x: int = 1) -> None:
+    """ValueError naming what is wrong when the arrays do not form the routed experts' SwiGLU of this layout."""
+    if kind not in mg.KINDS:
+        raise ValueError(f"moe_expert_mlp: kind one of {mg.KINDS}, found {kind!r}")
+    if wg.ndim != 3 or wu.ndim != 3 or wd.ndim != 3 or x.ndim != 2:
+        raise ValueError(f"moe_expert_mlp takes x [R, H], gate / up [E, H, I], down [E, I, H], found x "
+                         f"{list(x.shape)}, gate {list(wg.shape)}, up {list(wu.shape)}, down {list(wd.shape)}")
+    H, I = x.shape[1], wg.shape[2]
+    if wg.shape != wu.shape or sg is None and su is not None or sg is not None and sg.shape != su.shape:
+        raise ValueError(f"moe_expert_mlp: gate and up of one layout, found gate {list(wg.shape)}, up "
+                         f"{list(wu.shape)}, scales {None if sg is None else list(sg.shape)} / "
+                         f"{None if su is None else list(su.shape)}")
+    if wd.shape[0] != wg.shape[0] or wd.shape[2] != H:
+        raise ValueError(f"moe_expert_mlp: down [E {wg.shape[0]}, I, H {H}] for gate {list(wg.shape)} and x "
+                         f"{list(x.shape)}, found down {list(wd.shape)}")
+    bi, bo = _blocks(kind, H, I, block_in, block_out)
+    mg.check_inputs(x, wg, sg, ids, kind, H, bi, rows_per_x)
+    mg.check_inputs(jax.ShapeDtypeStruct((ids.shape[0], I), x.dtype), wd, sd, ids, kind, I, bo)
+
+
+def unsupported_reason(x, wg, sg, wu, su, wd, sd, ids, *, kind: str, block_in, block_out, rows_per_x: int = 1):
+    """None if the two kernels take these inputs (layout already checked), else why not."""
+    if kind not in KINDS:
+        return f"{kind} experts: quant_gemv's kernel over the pairs takes them (three calls, quant.routed_mlp)"
+    H, I, P = x.shape[1], wg.shape[2], ids.shape[0]
+    bi, bo = _blocks(kind, H, I, block_in, block_out)
+    pairs = jax.ShapeDtypeStruct((2 * P,), jnp.int32)  # gate's and up's programs as one call's: plan and offsets
+    reason = mg.unsupported_reason(x, wg, sg, pairs, kind=kind, k=H, block=bi)
+    if reason is None:
+        reason = mg.unsupported_reason(jax.ShapeDtypeStruct((P, I), x.dtype), wd, sd, ids, kind=kind, k=I,
+                                       block=bo)
+    return reason
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "block_in", "block_out", "rows_per_x", "splits_in",
+                                             "splits_out", "interpret"))
+def moe_expert_mlp_pallas(x, wg, sg, wu, su, wd, sd, ids, *, kind: str, block_in, block_out,
+                          rows_per_x: int = 1, splits_in: int | None = None, splits_out: int | None = None,
+                          interpret: bool = False):
+    """The two kernels (module doc); splits_in / splits_out override the plans' K parts. Inputs must pass
+    check_inputs and unsupported_reason (moe_expert_mlp checks both)."""
+    H, I, P, dt = x.shape[1], wg.shape[2], ids.shape[0], x.dtype
+    bi, bo = _blocks(kind, H, I, block_in, block_out)
+    size = jnp.dtype(dt).itemsize
+    ids = ids.astype(jnp.int32)
+    p_in = mg.plan(2 * P, H, I, kind, bi, size, splits=splits_in)  # gate's and up's programs, one grid
+    if splits_in is None and p_in.splits > MAX_GLU_PARTS:
+        p_in = mg.plan(2 * P, H, I, kind, bi, size, splits=MAX_GLU_PARTS)
+    sg, su = mg.scales_of(sg), mg.scales_of(su)
+    gate_up = jax.ShapeDtypeStruct((p_in.splits, 2, P, I), jnp.float32)
+    parts = pl.pallas_call(
+        mg.bind(kind, H, I, bi, p_in, dt, wg.shape[1], sg.shape[1], rpx=rows_per_x, pair=True),
+        grid=(P, 2 * p_in.col_tiles, p_in.splits),
+        in_specs=[mg.whole(a) for a in (x, wg, wu, sg, su, ids)],
+        out_specs=mg.whole(gate_up),
+        out_shape=gate_up,
+        compiler_params=plt.CompilerParams(num_warps=p_in.num_warps, num_stages=p_in.num_stages),
+        interpret=interpret,
+        name=f"moe_gate_up_{kind}",
+    )(x, wg, wu, sg, su, ids)
+    p_out = mg.plan(P, I, H, kind, bo, size, splits=splits_out)
+    sd = mg.scales_of(sd)
+    out_shape = jax.ShapeDtypeStruct((p_out.splits, P, H) if p_out.splits > 1 else (P, H),
+                                     jnp.float32 if p_out.splits > 1 else dt)
+    out = pl.pallas_call(
+        mg.bind(kind, I, H, bo, p_out, dt, wd.shape[1], sd.shape[1], glu_parts=p_in.splits),
+        grid=(P, p_out.col_tiles, p_out.splits),
+        in_specs=[mg.whole(a) for a in (parts, wd, sd, ids)],
+        out_specs=mg.whole(out_shape),
+        out_shape=out_shape,
+        compiler_params=plt.CompilerParams(num_warps=p_out.num_warps, num_stages=p_out.num_stages),
+        interpret=interpret,
+        name=f"moe_down_glu_{kind}",
+    )(parts, wd, sd, ids)
+    return out.sum(axis=0).astype(dt) if p_out.splits > 1 else out
+
+
+def moe_expert_mlp(x, wg, sg, wu, su, wd, sd, ids, *, kind: str, block_in=None, block_out=None,
+                   rows_per_x: int = 1, backend: str = "auto", interpret: bool = False):
+    """The two kernels in a program lowered for cuda, the reference elsewhere (dispatch.run); module doc.
+    block_in / block_out: gate / up's and down's (bk, bn) of a quantized layout (None for plain experts)."""
+    check_inputs(x, wg, sg, wu, su, wd, sd, ids, kind, block_in, block_out, rows_per_x)
+    kw = {"kind": kind, "block_in": None if block_in is None else tuple(block_in),
+          "block_out": None if block_out is None else tuple(block_out), "rows_per_x": rows_per_x}
+    reason = unsupported_reason(x, wg, sg, wu, su, wd, sd, ids, **kw)
+    kernel = functools.partial(moe_expert_mlp_pallas, **kw, interpret=interpret)
+    reference = functools.partial(moe_expert_mlp_reference, **kw)
+    return dispatch.run("routed experts' SwiGLU", kernel, reference, reason, backend, x, wg, sg, wu, su, wd, sd,
+                        ids)
