@@ -1,36 +1,38 @@
-"""The routed experts' whole SwiGLU at decode in two kernels: for each (token, expert) pair,
+"""The routed experts' whole SwiGLU at decode in fewer launches: for each (token, expert) pair,
 silu(x @ gate) * (x @ up) @ down of THAT expert, reading only the routed experts' weights.
 
     moe_expert_mlp(x, wg, sg, wu, su, wd, sd, ids, *, kind, block_in, block_out, rows_per_x=1) -> [P, H]
       x        [R, H]        pair p reads row p // rows_per_x (moe_gemv.py's rule: a token's row, read by its
                              top_k pairs where it lies)
-      wg, wu   [E, H, I]     the experts' gate and up (plain float, or fp8 values), sg, su their float32 scales
-                             (None for plain) in quant_layout's block (bk, bn) block_in
-      wd       [E, I, H]     down, sd its scales in block_out
+      wg, wu   [E, Hq, I]    the experts' gate and up (plain float, or quant_layout's values), sg, su their
+                             float32 scales (None for plain) in block (bk, bn) block_in
+      wd       [E, Iq, H]    down, sd its scales in block_out
       ids      [P] int32     the expert of each pair
       out[p] = (silu(x[p // rows_per_x] @ gate_e) * (x[p // rows_per_x] @ up_e)) @ down_e,  e = ids[p], in x's dtype
 
 The reference is moe_gemv's reference three times with the activation between, in x's dtype: the three-call path
 itself (quant.routed_mlp's other branch), so a program lowered for cpu holds the same operations as before. On
-cuda, moe_gemv's kernel (routed_kernel) runs twice:
-  1. gate and up in one launch (pair=True): the grid holds the gate's column tiles then the up's, each program
-     walks one weight's tile over its part of H, and K's parts come out as float32 partials [parts, 2, P, I]
-     (their sum and the activation wait for down);
-  2. down on those partials (glu_parts): each program forms silu(gate) * up over its slice of I as it loads x,
-     each rounded to x's dtype where the reference rounds it.
-Three launches (gate, up, down) and XLA's fusion of the activation between (a kernel of its own on cuda) become
-two: two kernels a MoE layer fewer (35B-A3B at batch 1: 40 layers, 945 -> 865 kernels a decode step, deviceless
-H200 compile). The cost is down's: each of its programs forms the activation of the rows of x it reads, and
-every thread holding a row forms it (a row's columns lie across 8 threads), a few loads, a sigmoid and the
-roundings per row against 8 columns of weights. sm_90 loop at 35B-A3B (tests/test_moe_routed.py compiles it),
+cuda, where the MoE block ran gate, up and down as three launches and XLA's activation between them as a fourth:
+  plain and fp8 experts, two kernels (moe_gemv's routed_kernel twice):
+    1. gate and up in one launch (pair=True): the grid holds the gate's column tiles then the up's, each program
+       walks one weight's tile over its part of H, and K's parts come out as float32 partials [parts, 2, P, I]
+       (their sum and the activation wait for down);
+    2. down on those partials (glu_parts): each program forms silu(gate) * up over its slice of I as it loads
+       x, each rounded to x's dtype where the reference rounds it;
+  int8 and int4 experts, three (quant_gemv's faster kernel over the pairs, quant_gemv_grouped.py): gate and up
+    in one launch (quant_gemv_grouped_pair_pallas, the same partials), the activation in XLA (fused with the
+    arrangement of x that kernel reads), down.
+35B-A3B at batch 1 (40 MoE layers, deviceless H200 compile of the decode step): bf16 945 -> 865 kernels. The
+two-kernel form's cost is down's: each of its programs forms the activation of the rows of x it reads, and
+every thread holding a row forms it again, a few loads, a sigmoid and the roundings per row against the few
+columns of weights the thread holds. sm_90 loop at 35B-A3B (tests/test_moe_routed.py compiles it),
 lane-instructions per stored value: bf16 3.9 -> 8.1, fp8 3.7 -> 5.9, under the bytes' time at 4.8 TB/s (13.9
-and 7.0): estimates, not timings (benchmarks/gpu_check --moe-only times both forms).
+and 7.0): estimates, not timings (benchmarks/gpu_check --moe-only times the fused forms beside the three calls).
 
-Plain and fp8 experts (moe_gemv's own kernel takes them); int8 / int4 experts run quant_gemv's faster kernel
-over the pairs (moe_gemv.kernel_for), three calls, which quant.routed_mlp chooses, as it does under a mesh
-(per_shard.routed splits each product). Backend: kernels_pallas/dispatch.py's rule; `unsupported_reason` falls
-back to the reference with a one-time warning.
-"""
+quant.routed_mlp takes this form when no mesh is active and `unsupported_reason` is None, else the three calls
+(under a mesh per_shard.routed splits each product; int8 / int4 shapes quant_gemv's kernel does not take run
+moe_gemv's own kernel there). Backend: kernels_pallas/dispatch.py's rule; `unsupported_reason` falls back to the
+reference with a one-time warning."""
 
 from __future__ import annotations
 
@@ -43,8 +45,10 @@ from jax.experimental.pallas import triton as plt
 
 from kernels_pallas import dispatch
 from kernels_pallas import moe_gemv as mg
+from kernels_pallas import quant_gemv as gemv
+from kernels_pallas import quant_gemv_grouped as grouped
 
-KINDS = ("plain", "fp8")
+KINDS = mg.KINDS
 # gate and up's K parts at most (their plan's own choice above it): down loads each part of both for every row
 # of x, in each of its programs (35B-A3B at batch 1: 3 -> 2 parts, 256 programs, took down's sm_90 loop from 8.8 to
 # 8.1 lane-instructions per bf16 value, 6.2 to 5.9 per fp8 value)
@@ -90,17 +94,18 @@ def check_inputs(x, wg, sg, wu, su, wd, sd, ids, kind: str, block_in, block_out,
 
 
 def unsupported_reason(x, wg, sg, wu, su, wd, sd, ids, *, kind: str, block_in, block_out, rows_per_x: int = 1):
-    """None if the two kernels take these inputs (layout already checked), else why not."""
-    if kind not in KINDS:
-        return f"{kind} experts: quant_gemv's kernel over the pairs takes them (three calls, quant.routed_mlp)"
+    """None if the kernels take these inputs (layout already checked), else why not."""
     H, I, P = x.shape[1], wg.shape[2], ids.shape[0]
     bi, bo = _blocks(kind, H, I, block_in, block_out)
     pairs = jax.ShapeDtypeStruct((2 * P,), jnp.int32)  # gate's and up's programs as one call's: plan and offsets
+    down_x = jax.ShapeDtypeStruct((P, I), x.dtype)
+    if kind in grouped.GROUPED_KINDS:
+        reason = grouped.grouped_unsupported_reason(x, wg, sg, pairs, kind=kind, k=H, block=bi)
+        if reason is None and 2 * gemv.plan(1, H, I, kind, bi, pairs=2 * P).col_tiles > gemv.MAX_GRID:
+            reason = f"gate's and up's column tiles of {I} columns: a CUDA grid's y stops at {gemv.MAX_GRID}"
+        return reason or grouped.grouped_unsupported_reason(down_x, wd, sd, ids, kind=kind, k=I, block=bo)
     reason = mg.unsupported_reason(x, wg, sg, pairs, kind=kind, k=H, block=bi)
-    if reason is None:
-        reason = mg.unsupported_reason(jax.ShapeDtypeStruct((P, I), x.dtype), wd, sd, ids, kind=kind, k=I,
-                                       block=bo)
-    return reason
+    return reason or mg.unsupported_reason(down_x, wd, sd, ids, kind=kind, k=I, block=bo)
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "block_in", "block_out", "rows_per_x", "splits_in",
@@ -112,8 +117,14 @@ def moe_expert_mlp_pallas(x, wg, sg, wu, su, wd, sd, ids, *, kind: str, block_in
     check_inputs and unsupported_reason (moe_expert_mlp checks both)."""
     H, I, P, dt = x.shape[1], wg.shape[2], ids.shape[0], x.dtype
     bi, bo = _blocks(kind, H, I, block_in, block_out)
-    size = jnp.dtype(dt).itemsize
     ids = ids.astype(jnp.int32)
+    if kind in grouped.GROUPED_KINDS:  # quant_gemv's kernel over the pairs: gate and up in one launch, then down
+        parts = grouped.quant_gemv_grouped_pair_pallas(x, wg, sg, wu, su, ids, kind=kind, k=H, block=bi,
+                                                       splits=splits_in, rows_per_x=rows_per_x, interpret=interpret)
+        g, u = (parts[:, h].sum(axis=0).astype(dt) for h in (0, 1))
+        return grouped.quant_gemv_grouped_pallas(jax.nn.silu(g) * u, wd, sd, ids, kind=kind, k=I, block=bo,
+                                                 splits=splits_out, interpret=interpret)
+    size = jnp.dtype(dt).itemsize
     p_in = mg.plan(2 * P, H, I, kind, bi, size, splits=splits_in)  # gate's and up's programs, one grid
     if splits_in is None and p_in.splits > MAX_GLU_PARTS:
         p_in = mg.plan(2 * P, H, I, kind, bi, size, splits=MAX_GLU_PARTS)

@@ -141,137 +141,154 @@ def _value(word, shift, mask, one):
     return jax.lax.bitcast_convert_type(bits, jnp.float32) - 1.0
 
 
-def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=0):
+def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=0, pair=False):
     """grouped (the routed MoE product, quant_gemv_grouped_pallas: the pairs that read one row of x, >= 1):
     program (pair, column tile, K part) of a grid one axis longer, M = 1, the output's row the pair's, x's row
-    pair // grouped, q and the scales those of expert ids[pair]."""
+    pair // grouped, q and the scales those of expert ids[pair]. pair (with grouped: the experts' gate and up in
+    one launch, kernels_pallas/moe_expert_mlp.py): the refs hold two weights and their scales, column tiles past
+    the first weight's read the second, and the output is float32 partials [parts, 2, P, N]."""
+    if pair:
+        x_ref, xs_ref, q1_ref, q2_ref, s1_ref, s2_ref, c_ref, id_ref, o_ref = refs
+    elif grouped:
+        x_ref, xs_ref, q1_ref, s1_ref, c_ref, id_ref, o_ref = refs
+    else:
+        x_ref, xs_ref, q1_ref, s1_ref, c_ref, o_ref = refs
     if grouped:
-        x_ref, xs_ref, q_ref, s_ref, c_ref, id_ref, o_ref = refs
-        pair, j, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        e = id_ref[pair]
-        lead, row_of, x_row = (e,), (lambda m: pair), (lambda m: pair // grouped)
+        pair_id, j_all, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        e = id_ref[pair_id]
+        lead, row_of, x_row = (e,), (lambda m: pair_id), (lambda m: pair_id // grouped)
     else:
-        x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref = refs
-        j, part = pl.program_id(0), pl.program_id(1)
+        j_all, part = pl.program_id(0), pl.program_id(1)
         lead, row_of, x_row = (), (lambda m: m), (lambda m: m)
-    C, R = p.cols, p.rows
-    words = reads_words(kind)
-    nb = 4 if words else 1
-    c0 = j * C
-    cidx = c0 + jnp.arange(C, dtype=jnp.int32)
-    col_ok = cidx < (N // 4 if words else N)
 
-    # static: do rows past K exist in the last block (x must read 0 there, the values too when not int4's
-    # zero padding), do the columns end inside a tile
-    q_ragged = md != "int4" and K % p.step != 0
-    c_ragged = (N // 4 if words else N) % C != 0
+    def tiles(q_ref, s_ref, j, which):  # column tile j of weight q_ref (scales s_ref); which: its output half
+        C, R = p.cols, p.rows
+        words = reads_words(kind)
+        nb = 4 if words else 1
+        c0 = j * C
+        cidx = c0 + jnp.arange(C, dtype=jnp.int32)
+        col_ok = cidx < (N // 4 if words else N)
 
-    def x_at(m, half, r):  # the f32 entry of x that multiplies stored row r (int4: its low / high nibble)
-        return x_ref[x_row(m), half, r]
+        # static: do rows past K exist in the last block (x must read 0 there, the values too when not int4's
+        # zero padding), do the columns end inside a tile
+        q_ragged = md != "int4" and K % p.step != 0
+        c_ragged = (N // 4 if words else N) % C != 0
 
-    consts = [c_ref[i] for i in range(len(CONSTS))]  # before the loops: held in registers
-    one = consts[0]
+        def x_at(m, half, r):  # the f32 entry of x that multiplies stored row r (int4: its low / high nibble)
+            return x_ref[x_row(m), half, r]
 
-    def row(r):  # [C] stored words / bytes of stored row r; rows past the stored rows read as 0
-        if not (q_ragged or c_ragged):
-            return q_ref[lead + (r, pl.ds(c0, C))]
-        mask = col_ok & (r < kq) if q_ragged else col_ok
-        return plt.load(q_ref.at[lead + (r, pl.ds(c0, C))], mask=mask, other=0 if words else 0.0)
+        consts = [c_ref[i] for i in range(len(CONSTS))]  # before the loops: held in registers
+        one = consts[0]
 
-    def scales(g, b):  # [C] f32 scales of K block g for the columns of byte b (words) / of the tile (fp8)
-        g = jnp.minimum(g, gk - 1)
-        if bns >= N:
-            return jnp.full((C,), s_ref[lead + (g, 0)], jnp.float32)
-        cols = cidx * 4 + b if words else cidx
-        gv = jnp.full((C,), g, jnp.int32)  # a gather: the columns of byte b lie 4 apart
-        ev = tuple(jnp.full((C,), i, jnp.int32) for i in lead)
-        return plt.load(s_ref.at[ev + (gv, cols // bns)], mask=cols < N, other=0)
+        def row(r):  # [C] stored words / bytes of stored row r; rows past the stored rows read as 0
+            if not (q_ragged or c_ragged):
+                return q_ref[lead + (r, pl.ds(c0, C))]
+            mask = col_ok & (r < kq) if q_ragged else col_ok
+            return plt.load(q_ref.at[lead + (r, pl.ds(c0, C))], mask=mask, other=0 if words else 0.0)
 
-    last = p.steps * p.step - R  # the last load's first row
-
-    def tile(r0):  # the R rows from r0 (clamped: the prefetch after a part's last load reads rows it skips)
-        r0 = jnp.minimum(r0, last)
-        return [row(r0 + i) for i in range(R)]
-
-    def sub_step(r0, carry):
-        """The R stored rows from r0, already loaded (`ws`): acc[m][b] += x * value (the values still offset to
-        unsigned and scaled by 2^(p - 23)); and the next R rows' loads, issued before this arithmetic so that
-        they are in flight during it (a software pipeline of one tile)."""
-        acc, ws = carry
-        acc = [list(a) for a in acc]
-        if not p.prefetch:  # nothing carried: load these rows now
-            ws = tile(r0)
-        ws_next = tile(r0 + R) if p.prefetch else []
-        for i in range(R):
-            r = r0 + i
-            w = ws[i]
-            if kind == "int4":
-                xv = [(x_at(m, 0, r), x_at(m, 1, r)) for m in range(M)]
-                u = jax.lax.bitwise_xor(w, consts[1])
-                for b, ((s_lo, p_lo), (s_hi, p_hi)) in enumerate(INT4_FIELDS):
-                    lo = _value(u, s_lo, consts[MASK_AT[(4, p_lo)]], one)
-                    hi = _value(u, s_hi, consts[MASK_AT[(4, p_hi)]], one)
-                    for m in range(M):
-                        acc[m][b] = acc[m][b] + xv[m][0] * lo + xv[m][1] * hi
-            elif kind == "int8":
-                xv = [x_at(m, 0, r) for m in range(M)]
-                u = jax.lax.bitwise_xor(w, consts[2])
-                for b, (sh, pos) in enumerate(INT8_FIELDS):
-                    v = _value(u, sh, consts[MASK_AT[(8, pos)]], one)
-                    for m in range(M):
-                        acc[m][b] = acc[m][b] + xv[m] * v
-            else:
-                v = w.astype(jnp.float32)
-                for m in range(M):
-                    acc[m][0] = acc[m][0] + x_at(m, 0, r) * v
-        return acc, ws_next
-
-    if kind == "int4":
-        unscale = [float(2 ** (23 - fields[0][1])) for fields in INT4_FIELDS]
-    elif kind == "int8":
-        unscale = [float(2 ** (23 - pos)) for _, pos in INT8_FIELDS]
-    else:
-        unscale = [1.0]
-    offset = {"int4": 8.0, "int8": 128.0}.get(kind, 0.0)
-
-    def block_sums(t, ws):
-        """Scale block t (its first rows loaded: ws): per row m and byte b, the sum over its rows of x * value,
-        [C] f32; and the next block's first rows, loaded."""
-        zero = [[jnp.zeros((C,), jnp.float32) for _ in range(nb)] for _ in range(M)]
-        subs = p.step // R
-        if subs == 1:
-            acc, ws = sub_step(t * p.step, (zero, ws))
-        else:
-            acc, ws = jax.lax.fori_loop(0, subs, lambda i, c: sub_step(t * p.step + i * R, c), (zero, ws))
-        if md == "channel":  # the offset goes once, at the end
-            return [[acc[m][b] * unscale[b] for b in range(nb)] for m in range(M)], ws
-        return [[acc[m][b] * unscale[b] - offset * xs_ref[x_row(m), t] for b in range(nb)] for m in range(M)], ws
-
-    def step(t, carry):
-        out, ws = carry
-        ti = part * p.per + t
-        sums, ws = block_sums(ti, ws)
-        if md == "channel":
-            return [[out[m][b] + sums[m][b] for b in range(nb)] for m in range(M)], ws
-        sc = [scales(ti, b) for b in range(nb)]  # one scale block per step: its index is the step's
-        return [[out[m][b] + sums[m][b] * sc[b] for b in range(nb)] for m in range(M)], ws
-
-    out0 = [[jnp.zeros((C,), jnp.float32) for _ in range(nb)] for _ in range(M)]
-    n_steps = jnp.minimum(p.per, p.steps - part * p.per)  # the last part may hold fewer steps
-    first = tile(part * p.per * p.step) if p.prefetch else []
-    out, _ = jax.lax.fori_loop(0, n_steps, step, (out0, first))
-    if md == "channel":
-        if offset:  # the sum of x over this part's rows
-            out = [[out[m][b] - offset * xs_ref[x_row(m), part] for b in range(nb)] for m in range(M)]
-        out = [[out[m][b] * scales(0, b) for b in range(nb)] for m in range(M)]
-    for m in range(M):
-        for b in range(nb):
+        def scales(g, b):  # [C] f32 scales of K block g for the columns of byte b (words) / of the tile (fp8)
+            g = jnp.minimum(g, gk - 1)
+            if bns >= N:
+                return jnp.full((C,), s_ref[lead + (g, 0)], jnp.float32)
             cols = cidx * 4 + b if words else cidx
-            mv = jnp.full((C,), row_of(m), jnp.int32)  # a scatter: the columns of byte b lie 4 apart
-            if p.splits > 1:
-                plt.store(o_ref.at[jnp.full((C,), part, jnp.int32), mv, cols], out[m][b], mask=cols < N)
+            gv = jnp.full((C,), g, jnp.int32)  # a gather: the columns of byte b lie 4 apart
+            ev = tuple(jnp.full((C,), i, jnp.int32) for i in lead)
+            return plt.load(s_ref.at[ev + (gv, cols // bns)], mask=cols < N, other=0)
+
+        last = p.steps * p.step - R  # the last load's first row
+
+        def tile(r0):  # the R rows from r0 (clamped: the prefetch after a part's last load reads rows it skips)
+            r0 = jnp.minimum(r0, last)
+            return [row(r0 + i) for i in range(R)]
+
+        def sub_step(r0, carry):
+            """The R stored rows from r0, already loaded (`ws`): acc[m][b] += x * value (the values still offset to
+            unsigned and scaled by 2^(p - 23)); and the next R rows' loads, issued before this arithmetic so that
+            they are in flight during it (a software pipeline of one tile)."""
+            acc, ws = carry
+            acc = [list(a) for a in acc]
+            if not p.prefetch:  # nothing carried: load these rows now
+                ws = tile(r0)
+            ws_next = tile(r0 + R) if p.prefetch else []
+            for i in range(R):
+                r = r0 + i
+                w = ws[i]
+                if kind == "int4":
+                    xv = [(x_at(m, 0, r), x_at(m, 1, r)) for m in range(M)]
+                    u = jax.lax.bitwise_xor(w, consts[1])
+                    for b, ((s_lo, p_lo), (s_hi, p_hi)) in enumerate(INT4_FIELDS):
+                        lo = _value(u, s_lo, consts[MASK_AT[(4, p_lo)]], one)
+                        hi = _value(u, s_hi, consts[MASK_AT[(4, p_hi)]], one)
+                        for m in range(M):
+                            acc[m][b] = acc[m][b] + xv[m][0] * lo + xv[m][1] * hi
+                elif kind == "int8":
+                    xv = [x_at(m, 0, r) for m in range(M)]
+                    u = jax.lax.bitwise_xor(w, consts[2])
+                    for b, (sh, pos) in enumerate(INT8_FIELDS):
+                        v = _value(u, sh, consts[MASK_AT[(8, pos)]], one)
+                        for m in range(M):
+                            acc[m][b] = acc[m][b] + xv[m] * v
+                else:
+                    v = w.astype(jnp.float32)
+                    for m in range(M):
+                        acc[m][0] = acc[m][0] + x_at(m, 0, r) * v
+            return acc, ws_next
+
+        if kind == "int4":
+            unscale = [float(2 ** (23 - fields[0][1])) for fields in INT4_FIELDS]
+        elif kind == "int8":
+            unscale = [float(2 ** (23 - pos)) for _, pos in INT8_FIELDS]
+        else:
+            unscale = [1.0]
+        offset = {"int4": 8.0, "int8": 128.0}.get(kind, 0.0)
+
+        def block_sums(t, ws):
+            """Scale block t (its first rows loaded: ws): per row m and byte b, the sum over its rows of x * value,
+            [C] f32; and the next block's first rows, loaded."""
+            zero = [[jnp.zeros((C,), jnp.float32) for _ in range(nb)] for _ in range(M)]
+            subs = p.step // R
+            if subs == 1:
+                acc, ws = sub_step(t * p.step, (zero, ws))
             else:
-                plt.store(o_ref.at[mv, cols], out[m][b].astype(dt), mask=cols < N)
+                acc, ws = jax.lax.fori_loop(0, subs, lambda i, c: sub_step(t * p.step + i * R, c), (zero, ws))
+            if md == "channel":  # the offset goes once, at the end
+                return [[acc[m][b] * unscale[b] for b in range(nb)] for m in range(M)], ws
+            return [[acc[m][b] * unscale[b] - offset * xs_ref[x_row(m), t] for b in range(nb)] for m in range(M)], ws
+
+        def step(t, carry):
+            out, ws = carry
+            ti = part * p.per + t
+            sums, ws = block_sums(ti, ws)
+            if md == "channel":
+                return [[out[m][b] + sums[m][b] for b in range(nb)] for m in range(M)], ws
+            sc = [scales(ti, b) for b in range(nb)]  # one scale block per step: its index is the step's
+            return [[out[m][b] + sums[m][b] * sc[b] for b in range(nb)] for m in range(M)], ws
+
+        out0 = [[jnp.zeros((C,), jnp.float32) for _ in range(nb)] for _ in range(M)]
+        n_steps = jnp.minimum(p.per, p.steps - part * p.per)  # the last part may hold fewer steps
+        first = tile(part * p.per * p.step) if p.prefetch else []
+        out, _ = jax.lax.fori_loop(0, n_steps, step, (out0, first))
+        if md == "channel":
+            if offset:  # the sum of x over this part's rows
+                out = [[out[m][b] - offset * xs_ref[x_row(m), part] for b in range(nb)] for m in range(M)]
+            out = [[out[m][b] * scales(0, b) for b in range(nb)] for m in range(M)]
+        for m in range(M):
+            for b in range(nb):
+                cols = cidx * 4 + b if words else cidx
+                mv = jnp.full((C,), row_of(m), jnp.int32)  # a scatter: the columns of byte b lie 4 apart
+                if pair:
+                    at = (jnp.full((C,), part, jnp.int32), jnp.full((C,), which, jnp.int32), mv, cols)
+                    plt.store(o_ref.at[at], out[m][b], mask=cols < N)
+                elif p.splits > 1:
+                    plt.store(o_ref.at[jnp.full((C,), part, jnp.int32), mv, cols], out[m][b], mask=cols < N)
+                else:
+                    plt.store(o_ref.at[mv, cols], out[m][b].astype(dt), mask=cols < N)
+
+    if pair:  # the first weight's column tiles, then the second's: one branch each, the same loop
+        pl.when(j_all < p.col_tiles)(lambda: tiles(q1_ref, s1_ref, j_all, 0))
+        pl.when(j_all >= p.col_tiles)(lambda: tiles(q2_ref, s2_ref, j_all - p.col_tiles, 1))
+    else:
+        tiles(q1_ref, s1_ref, j_all, 0)
 
 
 def rows_of_x(x, kind, k, block, kq):

@@ -66,35 +66,51 @@ def quant_gemv_grouped_pallas(x, q, scale, ids, *, kind: str, k: int, block, spl
                               interpret: bool = False):
     """The routed MoE product at decode on this module's kernel (kernels_pallas/moe_gemv.py's signature):
     out[p] = x[p // rows_per_x] @ (q[ids[p]], scale[ids[p]]) -> [P, N], one program per (pair, column tile, K
-    part), each
-    reading only its pair's expert, with the conversion and the launch of the M = 1 decode kernel. splits, rows
-    and words override the plan (quant_gemv_plan.plan). Inputs must pass moe_gemv.check_inputs and
+    part), each reading only its pair's expert, with the conversion and the launch of the M = 1 decode kernel.
+    splits, rows and words override the plan (quant_gemv_plan.plan). Inputs must pass moe_gemv.check_inputs and
     grouped_unsupported_reason."""
-    block = tuple(block)
-    P, N = ids.shape[0], q.shape[2]
-    dt = x.dtype
-    kq = q.shape[1]
-    p = plan(1, k, N, kind, block, splits=splits, rows=rows, words=words, pairs=P)
+    p = plan(1, k, q.shape[2], kind, tuple(block), splits=splits, rows=rows, words=words, pairs=ids.shape[0])
+    out = _launch(x, (q,), (scale,), ids, kind, k, tuple(block), p, rows_per_x, interpret)
+    return out.sum(axis=0).astype(x.dtype) if p.splits > 1 else out
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "rows_per_x", "interpret"))
+def quant_gemv_grouped_pair_pallas(x, q1, s1, q2, s2, ids, *, kind: str, k: int, block, splits: int | None = None,
+                                   rows_per_x: int = 1, interpret: bool = False):
+    """Two routed products of one x in one launch (the experts' gate and up, kernels_pallas/moe_expert_mlp.py):
+    float32 partials [parts, 2, P, N], [s, 0] of x @ (q1, s1) and [s, 1] of x @ (q2, s2), their sum over s the
+    two products. The grid holds both weights' column tiles (planned as 2P pairs). Inputs must pass
+    moe_gemv.check_inputs and grouped_unsupported_reason for each weight."""
+    p = plan(1, k, q1.shape[2], kind, tuple(block), splits=splits, pairs=2 * ids.shape[0])
+    return _launch(x, (q1, q2), (s1, s2), ids, kind, k, tuple(block), p, rows_per_x, interpret)
+
+
+def _launch(x, qs, scales, ids, kind, k, block, p, rows_per_x, interpret):
+    """The kernel over the pairs for one weight (qs, scales of one) or two (the pair form): its output as
+    launched (partials f32 [parts, P, N] or [parts, 2, P, N], or [P, N] in x's dtype for one part of one)."""
+    P, N = ids.shape[0], qs[0].shape[2]
+    dt, kq, two = x.dtype, qs[0].shape[1], len(qs) == 2
     xr = rows_of_x(x, kind, k, block, kq if kind == "int4" else p.steps * p.step)
     xs = block_sums_of_x(xr, p.step * (p.per if mode(kind, k, block) == "channel" else 1))  # per block / part
     consts = jnp.asarray(CONSTS)
     kernel = functools.partial(gemv_kernel, kind=kind, md=mode(kind, k, block), M=1, K=k, N=N, kq=kq, bk=block[0],
-                               bns=block[1], p=p, dt=dt, gk=scale.shape[1], grouped=rows_per_x)
+                               bns=block[1], p=p, dt=dt, gk=scales[0].shape[1], grouped=rows_per_x, pair=two)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j, s: (0,) * len(a.shape))
-    if p.splits > 1:
+    if two:
+        out_shape = jax.ShapeDtypeStruct((p.splits, 2, P, N), jnp.float32)
+    elif p.splits > 1:
         out_shape = jax.ShapeDtypeStruct((p.splits, P, N), jnp.float32)
     else:
         out_shape = jax.ShapeDtypeStruct((P, N), dt)
-    stored = as_words(q)
-    ids = ids.astype(jnp.int32)
-    out = pl.pallas_call(
+    args = [xr, xs, *(as_words(q) for q in qs), *(s.astype(jnp.float32) for s in scales), consts,
+            ids.astype(jnp.int32)]
+    return pl.pallas_call(
         kernel,
-        grid=(P, p.col_tiles, p.splits),
-        in_specs=[whole(xr), whole(xs), whole(stored), whole(scale), whole(consts), whole(ids)],
+        grid=(P, p.col_tiles * len(qs), p.splits),
+        in_specs=[whole(a) for a in args],
         out_specs=whole(out_shape),
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=p.num_warps, num_stages=1),
         interpret=interpret,
-        name=f"moe_gemv_{kind}",
-    )(xr, xs, stored, scale.astype(jnp.float32), consts, ids)
-    return out.sum(axis=0).astype(dt) if p.splits > 1 else out
+        name=f"moe_gate_up_{kind}" if two else f"moe_gemv_{kind}",
+    )(*args)

@@ -25,12 +25,10 @@ import jax.numpy as jnp  # noqa: E402
 
 
 def _expert_kernels(quant) -> dict:
-    """The routed experts' kernels of one MoE block and their launches: plain and fp8 experts two
-    (moe_expert_mlp.py: gate and up in one, down with the activation), int8 / int4 three (gate, up, down)."""
-    from kernels_pallas.moe_expert_mlp import KINDS
-
+    """The routed experts' kernels of one MoE block and their launches (moe_expert_mlp.py): gate and up in one,
+    then down (with the activation for plain and fp8 experts; quant_gemv's kernel over the pairs for int8 / int4)."""
     kind = quant or "plain"
-    return {f"moe_gate_up_{kind}": 1, f"moe_down_glu_{kind}": 1} if kind in KINDS else {f"moe_gemv_{kind}": 3}
+    return {f"moe_gate_up_{kind}": 1, f"moe_down_glu_{kind}" if kind in ("plain", "fp8") else f"moe_gemv_{kind}": 1}
 
 
 def cases():

@@ -6,8 +6,9 @@ forming silu(gate) * up from their partial sums as it loads x.
   calls in a program lowered for cuda, none for cpu; a shape the kernel does not take falls back with its reason.
 * Each case also against a float64 oracle of the dequantized experts, and against the reference with gate and up
   swapped: the inputs tell the two weights apart, so a kernel that read one for the other would fail.
-* The cases cover K's parts of both calls (1, 2, 3), ragged K and N, fp8 blocks and per-channel scales, x by
-  token (rows_per_x, a padded row never read) as the MoE block hands it on cuda.
+* The cases cover K's parts of both calls (1, 2, 3), ragged K and N, fp8 blocks and per-channel scales, int8
+  and int4 (quant_gemv's kernel over the pairs), x by token (rows_per_x, a padded row never read) as the MoE
+  block hands it on cuda.
 The real shapes (35B-A3B, 122B-A10B, 397B-A17B; sm_90 compile, loop per value) are tests/test_moe_routed.py's.
 """
 
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas import moe_expert_mlp as me
-from kernels_pallas.quant_layout import cdiv
+from kernels_pallas.quant_layout import cdiv, dequantize, pack_int4, padded_k
 from tests.hf_tiny import rel_err
 
 from kernel_contract import KernelContract  # noqa: E402  (tests/ is on sys.path, as for conftest.py)
@@ -31,25 +32,29 @@ DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 
 
 def _experts(rng, kind, fmt, E, K, N, dt):
-    """(values, scales, block) of E experts [K, N]: plain float, or fp8 values over e4m3's range with scales in
-    blocks `fmt` ("channel": one per column over all of K), sized so that x @ w stays near 1."""
+    """(values, scales, block) of E experts [K, N]: plain float; fp8 values over e4m3's range, int8 over
+    -127..127, int4 over -8..7 (packed, its padded rows random) with scales in blocks `fmt` ("channel": one per
+    column over all of K; int4: a group of fmt rows), sized so that x @ w stays near 1."""
     if kind == "plain":
         return jnp.asarray(rng.standard_normal((E, K, N)) / np.sqrt(K), jnp.float32).astype(dt), None, None
-    block = (K, 1) if fmt == "channel" else fmt
-    v = rng.choice([-1.0, 1.0], (E, K, N)) * 2.0 ** rng.uniform(-6, 8.8, (E, K, N))
-    scale = rng.uniform(0.5, 2.0, (E, cdiv(K, block[0]), cdiv(N, block[1]))) / (64 * np.sqrt(K))
-    return jnp.asarray(v.astype(ml_dtypes.float8_e4m3fn)), jnp.asarray(scale, jnp.float32), block
+    block = (K, 1) if fmt == "channel" else (fmt, 1) if kind == "int4" else fmt
+    if kind == "fp8":
+        v = (rng.choice([-1.0, 1.0], (E, K, N)) * 2.0 ** rng.uniform(-6, 8.8, (E, K, N))).astype(
+            ml_dtypes.float8_e4m3fn)
+        typical = 64
+    elif kind == "int8":
+        v, typical = rng.integers(-127, 128, (E, K, N)).astype(np.int8), 64
+    else:
+        v, typical = pack_int4(rng.integers(-8, 8, (E, padded_k(kind, K, block[0]), N)), block[0]), 4
+    scale = rng.uniform(0.5, 2.0, (E, cdiv(K, block[0]), cdiv(N, block[1]))) / (typical * np.sqrt(K))
+    return jnp.asarray(v), jnp.asarray(scale, jnp.float32), block
 
 
-def _dequantized(v, s, block):
+def _dequantized(kind, v, s, K, block):
     """float64 [E, K, N] of stored values and their block scales (plain: the values)."""
-    w = np.asarray(jnp.asarray(v).astype(jnp.float32), np.float64)
     if s is None:
-        return w
-    bk, bn = block
-    rows = np.arange(w.shape[1]) // bk
-    cols = np.arange(w.shape[2]) // bn
-    return w * np.asarray(s, np.float64)[:, rows][:, :, cols]
+        return np.asarray(jnp.asarray(v).astype(jnp.float32), np.float64)
+    return dequantize(np.asarray(v), np.asarray(s, np.float64), kind, K, block, np.float64)
 
 
 # (kind, fp8 block, pairs, H, I, dtype, options: rows_per_x, pad (rows of x past those read), splits_in/out)
@@ -63,6 +68,13 @@ CASES = [
     ("fp8", (128, 128), 8, 256, 128, "bf16", {"rows_per_x": 4}),
     ("plain", None, 5, 96, 48, "f16", {}),
     ("fp8", "channel", 3, 200, 40, "f16", {"splits_in": 2}),
+    # int8 / int4: quant_gemv's kernel over the pairs, gate and up in one launch, then down
+    ("int4", 32, 4, 300, 40, "f32", {"splits_in": 3}),                       # K padded to whole groups
+    ("int4", 64, 8, 256, 128, "f32", {"rows_per_x": 8, "pad": 1}),
+    ("int8", "channel", 3, 132, 40, "f32", {"splits_out": 2}),
+    ("int8", (64, 1), 4, 200, 48, "f32", {"rows_per_x": 2, "splits_in": 2}),
+    ("int4", 128, 8, 256, 128, "bf16", {"rows_per_x": 8, "pad": 1}),
+    ("int8", "channel", 6, 132, 40, "bf16", {"rows_per_x": 3}),
 ]
 
 
@@ -134,9 +146,10 @@ class TestMoeExpertMlpContract(KernelContract):
         kw = self._kw(c)
         rows = np.asarray(x.astype(jnp.float32), np.float64)[np.arange(ids.shape[0]) // c.rows_per_x]
         e = np.asarray(ids)
-        g = np.einsum("pk,pkn->pn", rows, _dequantized(wg, sg, kw["block_in"])[e])
-        u = np.einsum("pk,pkn->pn", rows, _dequantized(wu, su, kw["block_in"])[e])
-        want = np.einsum("pk,pkn->pn", g / (1 + np.exp(-g)) * u, _dequantized(wd, sd, kw["block_out"])[e])
+        kind, H, I = c.case[0], c.case[3], c.case[4]
+        g = np.einsum("pk,pkn->pn", rows, _dequantized(kind, wg, sg, H, kw["block_in"])[e])
+        u = np.einsum("pk,pkn->pn", rows, _dequantized(kind, wu, su, H, kw["block_in"])[e])
+        want = np.einsum("pk,pkn->pn", g / (1 + np.exp(-g)) * u, _dequantized(kind, wd, sd, I, kw["block_out"])[e])
         vs_oracle = rel_err(got, want)[0]
         dtype = c.case[5]
         assert vs_oracle < (1e-5 if dtype == "f32" else 2.0 ** -5), vs_oracle
@@ -149,12 +162,8 @@ class TestMoeExpertMlpContract(KernelContract):
         return Case(("fp8", (96, 16), 2, 200, 40, "f32", {})), "K blocks of 96"
 
     def more_unsupported_reasons(self):
-        (x, *_, ids), _, _ = _inputs(Case(("plain", None, 2, 64, 32, "f32", {})))
-        q = jnp.zeros((3, 64, 32), jnp.int8)
-        s = jnp.ones((3, 1, 32), jnp.float32)
-        int8 = me.unsupported_reason(x, q, s, q, s, jnp.zeros((3, 32, 64), jnp.int8), jnp.ones((3, 1, 64)), ids,
-                                     kind="int8", block_in=(64, 1), block_out=(32, 1))
-        return [(int8, "quant_gemv's kernel over the pairs")]
+        c = Case(("int4", 32, 3, 96, 42, "f32", {}))  # int4 gate / up of 42 columns: not whole int32 words
+        return [(self.reason(c, *self.inputs(c)), "N = 42 columns")]
 
     def lowering_case(self):
         return Case(("plain", None, 3, 300, 72, "f32", {}))

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import moe_expert_mlp
 from kernels_pallas import moe_gemv as mg
 from kernels_pallas import moe_grouped
 from kernels_pallas import quant_gemv as gemv
@@ -378,19 +377,17 @@ def test_moe_block_lowers_the_kernel_for_cuda_at_real_shapes(name, quant):
 
 
 def _expert_kernels(quant):
-    """The routed experts' kernels after the router's top-k (moe_router.py): plain and fp8 experts gate and up
-    in one launch and down with the activation (moe_expert_mlp.py); int8 / int4 quant_gemv's kernel over the pairs
-    for gate and up (one lowered function: the same shapes) and for down."""
+    """The routed experts' kernels after the router's top-k (moe_router.py), gate and up in one launch
+    (moe_expert_mlp.py), then down: with the activation for plain and fp8 experts, quant_gemv's kernel over the
+    pairs for int8 / int4 (XLA's activation before it)."""
     kind = quant or "plain"
-    if kind in moe_expert_mlp.KINDS:
-        return [f"moe_gate_up_{kind}", f"moe_down_glu_{kind}"]
-    return [f"moe_gemv_{kind}"] * 2
+    return [f"moe_gate_up_{kind}", f"moe_gemv_{kind}" if kind in grouped.GROUPED_KINDS else f"moe_down_glu_{kind}"]
 
 
 def test_batch8_and_prefill_at_35b():
     """Batch 8 decode (64 pairs) routes; a prefill chunk of 64 tokens takes the grouped path (no routed kernel; the
     router's top-k is its kernel there too)."""
-    assert kernel_calls(_export("Qwen3.5-35B-A3B", "int4", "cuda", tokens=8)) == [ROUTER] + ["moe_gemv_int4"] * 2
+    assert kernel_calls(_export("Qwen3.5-35B-A3B", "int4", "cuda", tokens=8)) == [ROUTER, *_expert_kernels("int4")]
     assert kernel_calls(_export("Qwen3.5-35B-A3B", None, "cuda", tokens=8)) == [ROUTER, *_expert_kernels(None)]
     assert kernel_calls(_export("Qwen3.5-35B-A3B", None, "cuda", tokens=64)) == [ROUTER]
 
@@ -425,7 +422,8 @@ def test_kernel_compiles_for_sm90(report):
         K, N = (cfg.moe_intermediate_size, cfg.hidden_size) if label.endswith("down") else \
             (cfg.hidden_size, cfg.moe_intermediate_size)
         if quant in grouped.GROUPED_KINDS:  # quant_gemv's kernel over the pairs: one load of `rows` stored rows
-            p = gemv.plan(1, K, N, quant, layout_of(quant, (1, K, N))[2], pairs=k.grid[0])
+            pairs = k.grid[0] * (2 if k.name.startswith("moe_gate_up") else 1)  # the pair form: planned as 2P
+            p = gemv.plan(1, K, N, quant, layout_of(quant, (1, K, N))[2], pairs=pairs)
             values = p.step_values(quant)
         else:  # one scale block (fp8 K block; per channel and plain PLAIN_STEP rows) of a column tile; gate and
             # up's grid holds both weights' tiles (one loop each)

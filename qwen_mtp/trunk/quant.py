@@ -3,7 +3,7 @@
 A `QuantArray` holds one weight matrix [..., K, N] (stored [in, out]; a leading expert axis for MoE experts) in
 the layout of kernels_pallas/quant_layout.py: `q` (int8 / packed int4 / float8_e4m3fn values) and `scale`
 (float32, one per block of `block` = (bk, bn) weights). `ops.linear` takes it wherever it takes a plain matrix;
-the MoE block takes stacked experts through `grouped_dot` (prefill) and `routed_dot` (decode) here.
+the MoE block takes stacked experts through `grouped_dot` (prefill) and `routed_mlp` / `routed_dot` (decode) here.
 
 Formats (`quantize`):
   int8  symmetric, one scale per output channel: scale = max|w[:, n]| / 127, values round-half-even, clip 127
@@ -28,16 +28,16 @@ import ml_dtypes
 import numpy as np
 from flax import struct
 
+from kernels_pallas import moe_expert_mlp as expert_mlp
 from kernels_pallas import moe_grouped
 from kernels_pallas import per_shard as spmd
 from kernels_pallas import quant_layout as layout
-from kernels_pallas.moe_expert_mlp import KINDS as SWIGLU_KINDS
-from kernels_pallas.moe_expert_mlp import moe_expert_mlp
 from kernels_pallas.moe_gemv import moe_gemv
 from kernels_pallas.quant_matmul import quant_matmul
 from qwen_mtp.errors import ArgumentError
 
 KINDS = layout.KINDS
+SWIGLU_KINDS = expert_mlp.KINDS  # the experts' formats routed_mlp hands to moe_expert_mlp (a test empties it)
 FP8_BLOCK = (128, 128)
 STORAGE = layout.STORAGE  # kind -> numpy dtype of the stored values
 
@@ -192,19 +192,21 @@ def routed_dot(x, w, ids, *, split: str | None = None, rows_per_x: int = 1, back
 
 def routed_mlp(x, gate, up, down, ids, *, rows_per_x: int = 1, backend: str = "auto"):
     """The routed experts' SwiGLU at decode: pair p's silu(x_p @ gate[ids[p]]) * (x_p @ up[ids[p]]) @ down[ids[p]]
-    -> [P, H] in x's dtype, x_p = x[p // rows_per_x], reading only the routed experts. Plain and fp8 experts
-    with no mesh active: kernels_pallas.moe_expert_mlp (on cuda two kernels, gate and up in one launch and the
-    activation inside down's); otherwise three routed_dot calls (int8 / int4: quant_gemv's kernel over the pairs;
-    under a mesh each product per shard). Both lower the same reference for cpu."""
+    -> [P, H] in x's dtype, x_p = x[p // rows_per_x], reading only the routed experts. With no mesh active, one
+    layout for the three and shapes its kernels take: kernels_pallas.moe_expert_mlp (on cuda gate and up in one
+    launch; plain and fp8 experts' activation inside down's kernel); otherwise three routed_dot calls (under a
+    mesh each product per shard). Both lower the same reference for cpu."""
     quant = [isinstance(w, QuantArray) for w in (gate, up, down)]
     kind = gate.kind if quant[0] else "plain"
     one_layout = all(q == quant[0] for q in quant) and (
         not quant[0] or (up.kind == down.kind == kind and up.block == gate.block))
     if one_layout and kind in SWIGLU_KINDS and spmd.active_mesh() is None:
-        parts = lambda w: (w.q, w.scale) if quant[0] else (w, None)
-        block = lambda w: w.block if quant[0] else None
-        return moe_expert_mlp(x, *parts(gate), *parts(up), *parts(down), ids, kind=kind, block_in=block(gate),
-                              block_out=block(down), rows_per_x=rows_per_x, backend=backend)
+        parts = [(w.q, w.scale) if quant[0] else (w, None) for w in (gate, up, down)]
+        kw = dict(kind=kind, block_in=gate.block if quant[0] else None, block_out=down.block if quant[0] else None,
+                  rows_per_x=rows_per_x)
+        args = (x, *parts[0], *parts[1], *parts[2], ids)
+        if expert_mlp.unsupported_reason(*args, **kw) is None:
+            return expert_mlp.moe_expert_mlp(*args, **kw, backend=backend)
     g = routed_dot(x, gate, ids, split="n", rows_per_x=rows_per_x, backend=backend)
     u = routed_dot(x, up, ids, split="n", rows_per_x=rows_per_x, backend=backend)
     return routed_dot(jax.nn.silu(g) * u, down, ids, split="k", backend=backend)
