@@ -19,6 +19,13 @@ at 26% (int4), 43% (fp8 blocks) and 55% (int8 per channel) of HBM on the 27B lm_
   exact. x is multiplied by 2^(23 - p) once per tile row (not per weight) so the products are x * u; the
   offset comes back once per scale block as -8 (-128) times the sum of x's entries over the block. int4: 10
   integer and 16 float instructions per 8 values (one word), int8: 6 and 8 per 4;
+- reads x [M, K] as it is, in its dtype: each x entry a stored row multiplies is one scalar load (int4: rows
+  G*g + j and G*g + g/2 + j of K for packed row G*g/2 + j), turned into f32 in registers, and the sum of x over
+  a scale block (the offset's, below) is one vector load and a reduction a block (per channel: a step). XLA
+  used to arrange x in the stored rows' order in f32 and sum its blocks before the kernel: two kernels before
+  every quantized product of a new x, which a decode step paid in launches (27B int4, 4 real-width layers:
+  124 -> 100 kernels a step with the norms written by one kernel, forward._post_norm), for about 0.3
+  instructions per value here;
 - fp8 (e4m3) tiles load as bytes and convert with the hardware's paired fp8 -> f16 instruction;
 - multiplies on the FMA units (no tensor cores: at M <= ROWS_FMA rows there is nothing to pad to 16), keeps the
   tile's rows inside each thread (a CTA spreads only along columns) so the sum over K is a chain of FMAs in
@@ -29,9 +36,9 @@ at 26% (int4), 43% (fp8 blocks) and 55% (int8 per channel) of HBM on the 27B lm_
   the next R rows' loads through the loop (issued before the arithmetic on the current rows: `prefetch`), fp8
   loads each tile where it is used (fp8 bytes carried through the loop lose their packing).
 
-sm_90 machine code of the inner loop (tests/test_kernel_quant_gemv.py compiles it; per stored value, bf16 x):
-int4 M 1: 3.7 instructions (LOP3 1.1, FADD 1, FFMA 1, SHF 0.4), 151 registers, no spill; int8 M 1: 3.9;
-fp8 M 1: 2.9 (F2FP 0.5, HADD2 1, FFMA 1). Not yet timed on a GPU: benchmarks/gpu_check --quant-only times it.
+sm_90 machine code of the inner loop (benchmarks/sm90_estimates.py at 27B gate / up; per stored value, bf16 x):
+int4 M 1: 4.0 instructions (3.7 with x arranged by XLA in f32), 142 registers, no spill; int8 M 1: 4.1 (3.9);
+fp8 M 1: 2.9. Not yet timed on a GPU: benchmarks/gpu_check --quant-only times it.
 
 The FMA path costs M multiply-adds per weight on top of the conversion, so it stays under the bytes' time up
 to a few rows only (ROWS_FMA: an issue-slot budget, module `rows_fma`); quant_matmul dispatches M <= ROWS_FMA to
@@ -70,8 +77,7 @@ from kernels_pallas.quant_gemv_plan import (
 # the kernel, and its plan's names (quant_gemv_plan.py) re-exported: callers write gemv.plan, gemv.WORDS
 __all__ = ["CONSTS", "DTYPES", "MAX_ELEMENTS", "MAX_GRID", "MAX_ROWS", "MIN_STEPS_PER_SPLIT", "MOST_PER_SM",
            "ROWS_FMA", "SUB_ROWS", "TARGET_PROGRAMS", "WORDS", "Plan", "alternatives", "as_words",
-           "block_sums_of_x", "gemv_kernel", "mode", "plan", "quant_gemv_pallas", "reads_words", "rows_of_x",
-           "unsupported_reason", "vector_words"]
+           "gemv_kernel", "mode", "plan", "quant_gemv_pallas", "reads_words", "unsupported_reason", "vector_words"]
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_ROWS = 16  # decode rows: the kernel takes M <= 16
@@ -83,6 +89,9 @@ MAX_ROWS = 16  # decode rows: the kernel takes M <= 16
 #   int4 M 1: 3.7 / value -> 94% of HBM, M 2: 4.8 -> 73%, M 4: 7.3 -> 48% (tiled kernel measured 26%)
 #   int8 M 1: 3.9 -> memory bound, M 2: 5.1 -> memory bound, M 4: 7.9 -> 89% (tiled kernel / XLA measured 55%)
 #   fp8  M 1: 2.9 -> memory bound, M 4: 6.6 -> memory bound, M 8: 12.6 -> 55% (tiled kernel measured 43%)
+# and with x read as it is (2026-12-07, the module doc): int4 M 1 4.0 -> 87%, M 2 5.6 -> 63%, M 4 10.6 -> 33%;
+# int8 M 1 4.1, M 2 5.5 -> memory bound, M 4 9.3 -> 75%; fp8 M 1 2.9, M 4 7.6 -> 92%, M 8 16.5 -> 42%. Where
+# these fall behind, the tensor-core decode kernel (quant_decode.py) takes the rows first, as before.
 ROWS_FMA = {"int4": 4, "int8": 4, "fp8": 8}
 MAX_ELEMENTS = 2 ** 31
 MAX_GRID = 65535
@@ -148,11 +157,11 @@ def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=0, pai
     one launch, kernels_pallas/moe_expert_mlp.py): the refs hold two weights and their scales, column tiles past
     the first weight's read the second, and the output is float32 partials [parts, 2, P, N]."""
     if pair:
-        x_ref, xs_ref, q1_ref, q2_ref, s1_ref, s2_ref, c_ref, id_ref, o_ref = refs
+        x_ref, q1_ref, q2_ref, s1_ref, s2_ref, c_ref, id_ref, o_ref = refs
     elif grouped:
-        x_ref, xs_ref, q1_ref, s1_ref, c_ref, id_ref, o_ref = refs
+        x_ref, q1_ref, s1_ref, c_ref, id_ref, o_ref = refs
     else:
-        x_ref, xs_ref, q1_ref, s1_ref, c_ref, o_ref = refs
+        x_ref, q1_ref, s1_ref, c_ref, o_ref = refs
     if grouped:
         pair_id, j_all, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         e = id_ref[pair_id]
@@ -172,10 +181,19 @@ def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=0, pai
         # static: do rows past K exist in the last block (x must read 0 there, the values too when not int4's
         # zero padding), do the columns end inside a tile
         q_ragged = md != "int4" and K % p.step != 0
+        x_ragged = K % (bk if md == "int4" else p.step) != 0
         c_ragged = (N // 4 if words else N) % C != 0
+        hg = bk // 2  # int4: a group's stored rows
 
-        def x_at(m, half, r):  # the f32 entry of x that multiplies stored row r (int4: its low / high nibble)
-            return x_ref[x_row(m), half, r]
+        def x_at(m, k):  # x[m's row, k] as f32 (its dtype's value), 0 past K
+            if not x_ragged:
+                return x_ref[x_row(m), k].astype(jnp.float32)
+            return plt.load(x_ref.at[jnp.int32(x_row(m)), k], mask=k < K, other=0).astype(jnp.float32)
+
+        def x_sum(m, k0, n):  # the f32 sum of x[m's row, k0 : k0 + n] (0 past K): one vector load and a reduction
+            lanes = k0 + jnp.arange(1 << (n - 1).bit_length(), dtype=jnp.int32)
+            ok = (lanes < k0 + n) & (lanes < K)
+            return jnp.sum(plt.load(x_ref.at[jnp.int32(x_row(m)), lanes], mask=ok, other=0).astype(jnp.float32))
 
         consts = [c_ref[i] for i in range(len(CONSTS))]  # before the loops: held in registers
         one = consts[0]
@@ -210,11 +228,13 @@ def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=0, pai
             if not p.prefetch:  # nothing carried: load these rows now
                 ws = tile(r0)
             ws_next = tile(r0 + R) if p.prefetch else []
+            # the row of K stored row r0 + i multiplies: r0 + i (int4: its low nibbles', row G * g + j of stored
+            # row G * g / 2 + j; its high nibbles' g / 2 rows on). R rows never cross a group (R divides g / 2).
+            k0 = r0 + (r0 // hg) * hg if kind == "int4" else r0
             for i in range(R):
-                r = r0 + i
                 w = ws[i]
                 if kind == "int4":
-                    xv = [(x_at(m, 0, r), x_at(m, 1, r)) for m in range(M)]
+                    xv = [(x_at(m, k0 + i), x_at(m, k0 + i + hg)) for m in range(M)]
                     u = jax.lax.bitwise_xor(w, consts[1])
                     for b, ((s_lo, p_lo), (s_hi, p_hi)) in enumerate(INT4_FIELDS):
                         lo = _value(u, s_lo, consts[MASK_AT[(4, p_lo)]], one)
@@ -222,7 +242,7 @@ def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=0, pai
                         for m in range(M):
                             acc[m][b] = acc[m][b] + xv[m][0] * lo + xv[m][1] * hi
                 elif kind == "int8":
-                    xv = [x_at(m, 0, r) for m in range(M)]
+                    xv = [x_at(m, k0 + i) for m in range(M)]
                     u = jax.lax.bitwise_xor(w, consts[2])
                     for b, (sh, pos) in enumerate(INT8_FIELDS):
                         v = _value(u, sh, consts[MASK_AT[(8, pos)]], one)
@@ -231,7 +251,7 @@ def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=0, pai
                 else:
                     v = w.astype(jnp.float32)
                     for m in range(M):
-                        acc[m][0] = acc[m][0] + x_at(m, 0, r) * v
+                        acc[m][0] = acc[m][0] + x_at(m, k0 + i) * v
             return acc, ws_next
 
         if kind == "int4":
@@ -251,26 +271,32 @@ def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=0, pai
                 acc, ws = sub_step(t * p.step, (zero, ws))
             else:
                 acc, ws = jax.lax.fori_loop(0, subs, lambda i, c: sub_step(t * p.step + i * R, c), (zero, ws))
-            if md == "channel":  # the offset goes once, at the end
+            if md == "channel" or not offset:  # per channel the offset goes once, at the end
                 return [[acc[m][b] * unscale[b] for b in range(nb)] for m in range(M)], ws
-            return [[acc[m][b] * unscale[b] - offset * xs_ref[x_row(m), t] for b in range(nb)] for m in range(M)], ws
+            xs = [offset * x_sum(m, t * bk, bk) for m in range(M)]  # the block's rows of K (int4: the group's)
+            return [[acc[m][b] * unscale[b] - xs[m] for b in range(nb)] for m in range(M)], ws
+
+        channel_sums = md == "channel" and offset  # the sum of x over the part's rows, a step's rows a load
 
         def step(t, carry):
-            out, ws = carry
+            out, ws, xs = carry
             ti = part * p.per + t
             sums, ws = block_sums(ti, ws)
             if md == "channel":
-                return [[out[m][b] + sums[m][b] for b in range(nb)] for m in range(M)], ws
+                if channel_sums:
+                    xs = [xs[m] + x_sum(m, ti * p.step, p.step) for m in range(M)]
+                return [[out[m][b] + sums[m][b] for b in range(nb)] for m in range(M)], ws, xs
             sc = [scales(ti, b) for b in range(nb)]  # one scale block per step: its index is the step's
-            return [[out[m][b] + sums[m][b] * sc[b] for b in range(nb)] for m in range(M)], ws
+            return [[out[m][b] + sums[m][b] * sc[b] for b in range(nb)] for m in range(M)], ws, xs
 
         out0 = [[jnp.zeros((C,), jnp.float32) for _ in range(nb)] for _ in range(M)]
+        xs0 = [jnp.zeros((), jnp.float32) for _ in range(M)] if channel_sums else []
         n_steps = jnp.minimum(p.per, p.steps - part * p.per)  # the last part may hold fewer steps
         first = tile(part * p.per * p.step) if p.prefetch else []
-        out, _ = jax.lax.fori_loop(0, n_steps, step, (out0, first))
+        out, _, xs = jax.lax.fori_loop(0, n_steps, step, (out0, first, xs0))
         if md == "channel":
-            if offset:  # the sum of x over this part's rows
-                out = [[out[m][b] - offset * xs_ref[x_row(m), part] for b in range(nb)] for m in range(M)]
+            if channel_sums:
+                out = [[out[m][b] - offset * xs[m] for b in range(nb)] for m in range(M)]
             out = [[out[m][b] * scales(0, b) for b in range(nb)] for m in range(M)]
         for m in range(M):
             for b in range(nb):
@@ -291,27 +317,6 @@ def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=0, pai
         tiles(q1_ref, s1_ref, j_all, 0)
 
 
-def rows_of_x(x, kind, k, block, kq):
-    """x [M, K] -> f32 [M, H, kq]: entry [m, h, r] multiplies stored row r (int4: h = 0 its low nibbles' row of
-    K, h = 1 its high nibbles'; H = 1 otherwise), zero past K (kq: int4's stored rows, else whole loop steps); a
-    few KB that XLA arranges (fused into x's producer), so the kernel loads x at its row index with no mask."""
-    M = x.shape[0]
-    x = x.astype(jnp.float32)
-    if kind != "int4":  # zero rows up to whole loop steps: the last step's rows past K multiply 0
-        return jnp.pad(x, ((0, 0), (0, kq - k)))[:, None, :]
-    g = block[0]
-    xp = jnp.pad(x, ((0, 0), (0, 2 * kq - k)))  # K padded to whole groups
-    return xp.reshape(M, -1, 2, g // 2).transpose(0, 2, 1, 3).reshape(M, 2, kq)
-
-
-def block_sums_of_x(xr, step):
-    """f32 [M, steps]: the sum of the x entries each loop step (scale block) multiplies, for the offset to
-    unsigned values (int4 8, int8 128), which comes back once per block and column: -offset * this sum."""
-    M, _, kq = xr.shape
-    pad = -kq % step
-    return jnp.pad(xr, ((0, 0), (0, 0), (0, pad))).reshape(M, xr.shape[1], -1, step).sum(axis=(1, 3))
-
-
 def as_words(q):
     """int8 / packed int4 values [..., Kq, N] (N % 4 == 0) as int32 words [..., Kq, N / 4]: a bitcast (no copy)."""
     return jax.lax.bitcast_convert_type(q.reshape(*q.shape[:-1], q.shape[-1] // 4, 4), jnp.int32)
@@ -328,8 +333,6 @@ def quant_gemv_pallas(x, q, scale, *, kind: str, k: int, block, num_warps: int |
     dt = x.dtype
     p = plan(M, k, N, kind, block, num_warps=num_warps, splits=splits, rows=rows, prefetch=prefetch, words=words)
     stored = as_words(q) if reads_words(kind) else q
-    xr = rows_of_x(x, kind, k, block, q.shape[0] if kind == "int4" else p.steps * p.step)
-    xs = block_sums_of_x(xr, p.step * (p.per if mode(kind, k, block) == "channel" else 1))  # per block / part
     consts = jnp.asarray(CONSTS)
     kernel = functools.partial(gemv_kernel, kind=kind, md=mode(kind, k, block), M=M, K=k, N=N, kq=q.shape[0],
                                bk=block[0], bns=block[1], p=p, dt=dt, gk=scale.shape[0])
@@ -341,13 +344,13 @@ def quant_gemv_pallas(x, q, scale, *, kind: str, k: int, block, num_warps: int |
     out = pl.pallas_call(
         kernel,
         grid=(p.col_tiles, p.splits),
-        in_specs=[whole(xr), whole(xs), whole(stored), whole(scale), whole(consts)],
+        in_specs=[whole(x), whole(stored), whole(scale), whole(consts)],
         out_specs=whole(out_shape),
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=p.num_warps, num_stages=1),
         interpret=interpret,
         name=f"quant_matmul_{kind}",
-    )(xr, xs, stored, scale.astype(jnp.float32), consts)
+    )(x, stored, scale.astype(jnp.float32), consts)
     return out.sum(axis=0).astype(dt) if p.splits > 1 else out
 
 

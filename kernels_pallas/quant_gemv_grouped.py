@@ -22,9 +22,7 @@ from kernels_pallas.quant_gemv import (
     MAX_ELEMENTS,
     MAX_GRID,
     as_words,
-    block_sums_of_x,
     gemv_kernel,
-    rows_of_x,
     unsupported_reason,
 )
 from kernels_pallas.quant_gemv_plan import WORDS, alternatives, mode, plan
@@ -90,8 +88,6 @@ def _launch(x, qs, scales, ids, kind, k, block, p, rows_per_x, interpret):
     launched (partials f32 [parts, P, N] or [parts, 2, P, N], or [P, N] in x's dtype for one part of one)."""
     P, N = ids.shape[0], qs[0].shape[2]
     dt, kq, two = x.dtype, qs[0].shape[1], len(qs) == 2
-    xr = rows_of_x(x, kind, k, block, kq if kind == "int4" else p.steps * p.step)
-    xs = block_sums_of_x(xr, p.step * (p.per if mode(kind, k, block) == "channel" else 1))  # per block / part
     consts = jnp.asarray(CONSTS)
     kernel = functools.partial(gemv_kernel, kind=kind, md=mode(kind, k, block), M=1, K=k, N=N, kq=kq, bk=block[0],
                                bns=block[1], p=p, dt=dt, gk=scales[0].shape[1], grouped=rows_per_x, pair=two)
@@ -102,7 +98,7 @@ def _launch(x, qs, scales, ids, kind, k, block, p, rows_per_x, interpret):
         out_shape = jax.ShapeDtypeStruct((p.splits, P, N), jnp.float32)
     else:
         out_shape = jax.ShapeDtypeStruct((P, N), dt)
-    args = [xr, xs, *(as_words(q) for q in qs), *(s.astype(jnp.float32) for s in scales), consts,
+    args = [x, *(as_words(q) for q in qs), *(s.astype(jnp.float32) for s in scales), consts,
             ids.astype(jnp.int32)]
     return pl.pallas_call(
         kernel,

@@ -84,8 +84,8 @@ def test_decode_programs_compile_for_h200(python):
     got = {}
     for block in out.split("== ")[1:]:
         name = block.split(":")[0]
-        for m in re.finditer(r"^  (.+?): compiled for H200 in [\d.]+ s; (\d+) kernels \(fusion \d+[^)]*\) a "
-                             r"(step|round); Pallas kernels: (.+); temp", block, re.M):
+        for m in re.finditer(r"^  (.+?): compiled for H200 in [\d.]+ s; (\d+) kernels \((?:fusion|custom-call) "
+                             r"\d+[^)]*\) a (step|round); Pallas kernels: (.+); temp", block, re.M):
             got[(name, m.group(1))] = (int(m.group(2)), m.group(4))
     assert set(got) == {("35B-A3B-int4", c) for c in ("plain", "k3 native", "k3 windowed W32 S4")}, (got, out)
     for (name, case), (kernels, pallas) in got.items():

@@ -34,7 +34,7 @@ def test_short_form_runs_every_part(capsys):
     assert "== 35B-A3B-int4: 4 layers + MTP head, int4 g128 (lm_head, MTP head too) weights" in out
     for label in ("plain", "k1 native", "k1 windowed W32 S4"):
         assert f"  {label}: compiled in " in out, label
-    kernels = {int(m) for m in re.findall(r"compiled in [\d.]+ s, (\d+) kernels \(fusion \d+[^)]*\) a "
+    kernels = {int(m) for m in re.findall(r"compiled in [\d.]+ s, (\d+) kernels \((?:fusion|custom-call) \d+[^)]*\) a "
                                           r"(?:step|round)", out)}
     assert len(kernels) >= 2 and min(kernels) > 20, kernels  # a 4-layer step launches dozens; a round more
     assert "draft vocab" not in out and "(again" not in out

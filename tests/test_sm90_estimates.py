@@ -42,4 +42,6 @@ def test_moe_form_marks_the_plans_choice(capsys):
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| int4")]
     assert [(r[1].strip(), r[3].strip()) for r in rows] == [("gate/up", "1")] * 2 + [("down", "1")] * 2, rows
     assert [r[10].strip() for r in rows] == ["**yes**", "", "**yes**", ""], rows  # the plan cuts fewer parts
-    assert all("spilled" not in r[5] and float(r[6]) < 5 for r in rows), rows
+    # x read as it is (bf16 entries loaded and converted in the loop, no XLA arrangement): gate / up 6.1 at the
+    # plan's 6 parts (4.8 at 16), down 4.7
+    assert all("spilled" not in r[5] and float(r[6]) < 6.5 for r in rows), rows

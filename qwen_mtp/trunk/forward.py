@@ -14,27 +14,26 @@ from qwen_mtp.trunk.quant import QuantArray
 from qwen_mtp.trunk.weights import Weights
 
 
-def _plain(w) -> bool:
-    """Whether the products after a norm take plain weights: a mixer's first in-projection (GDN qkv, attention q), the
-    trunk's lm_head (None: the tied embedding). There the norm of one row is one kernel on cuda (ops.rmsnorm_written);
-    before quantized products XLA fuses the residual add into the norm's reduce and the normalisation into the
-    kernels' preparation of x, and the kernel would cost a kernel a layer (27B int4: 1684 -> 1749 a step)."""
-    first = getattr(w, "in_proj_qkv", getattr(w, "q_proj", getattr(w, "lm_head", None)))
-    return not isinstance(first, QuantArray)
+def _post_norm(mlp_w):
+    """The norm before a layer's feed-forward. Where its products are quantized (the decode kernel reads x as it
+    is, kernels_pallas/quant_gemv.py) the normed row is written out, at one row by one kernel on cuda
+    (ops.rmsnorm_written; XLA ran a reduce and an elementwise kernel); before plain products XLA folds the
+    normalisation into the two rows ops.linear hands them (ops.two_rows)."""
+    return rmsnorm_written if isinstance(mlp_w.gate, QuantArray) else rmsnorm_1pw
 
 
 def decoder_layer(x, lw, cfg: ModelConfig, kind: str, layer_state, pos, n_valid, gdn_mode: str):
     """One trunk layer. Its ops sit in the named scopes "attention" or "gdn" (the mixer with its input norm and
     residual) and "mlp" (dense or MoE), which profiling.py groups a trace by."""
     with jax.named_scope("attention" if kind == "full_attention" else "gdn"):
-        h = (rmsnorm_written if _plain(lw.mixer) else rmsnorm_1pw)(x, lw.input_norm, cfg.rms_norm_eps)
+        h = rmsnorm_written(x, lw.input_norm, cfg.rms_norm_eps)
         if kind == "full_attention":
             h, layer_state = attention_layer(h, lw.mixer, cfg, layer_state, pos)
         else:
             h, layer_state = gdn_layer(h, lw.mixer, cfg, layer_state, n_valid, mode=gdn_mode)
         x = x + h
     with jax.named_scope("mlp"):
-        x = x + feed_forward(rmsnorm_1pw(x, lw.post_norm, cfg.rms_norm_eps), lw.mlp, cfg)
+        x = x + feed_forward(_post_norm(lw.mlp)(x, lw.post_norm, cfg.rms_norm_eps), lw.mlp, cfg)
     return x, layer_state
 
 
@@ -53,8 +52,7 @@ def forward(weights: Weights, cfg: ModelConfig, tokens, state: tuple, pos, n_val
         x, st = decoder_layer(x, lw, cfg, kind, st, pos, n_valid, gdn_mode)
         new_state.append(st)
     with jax.named_scope("final_norm"):
-        norm = rmsnorm_written if _plain(weights) else rmsnorm_1pw
-        return norm(x, weights.final_norm, cfg.rms_norm_eps), tuple(new_state)
+        return rmsnorm_written(x, weights.final_norm, cfg.rms_norm_eps), tuple(new_state)
 
 
 def _tied_logits(hidden, e):
