@@ -26,9 +26,14 @@ the FMA rate): 26% of HBM for int4 on an H200. This kernel feeds the tensor core
   int4's loop with both nibbles on one row of x;
 - the tensor cores multiply x by these exact numbers (bf16 x bf16 products are exact in the f32 accumulator);
   the bases come back once per group (int4) or K part (int8), row and column: out += (acc - correction) *
-  scale, the correction (the bases times the sums of x they multiply) computed by XLA beside the call (a few KB);
-- x is padded to one tile of rows in XLA (x's dtype [2, 16 or 64, K']: the rows the low and high nibbles
-  multiply), so its loads need no mask; the output stores only the M real rows;
+  scale, the correction the bases times the sums of x they multiply;
+- at up to 16 rows (decode, a verify) x is read as it is [M, K]: each load a masked [16, rows] block of x (int4:
+  the group's low and high halves, rows G*g + j and G*g + g/2 + j of K; int8: x and 16 x), and the correction
+  from one more load of the step's rows of x and a reduction; at the 64-row tile (batched verifies) XLA pads x
+  into the rows the nibbles multiply (x's dtype [2, 64, K']) and computes the correction beside the call, where
+  the kernel's own sums would cost int4 3.7 -> 5.4 lane-instructions per value. Arranged by XLA at 16 rows too,
+  they were two kernels before every quantized product of a new x in a verify; the output stores only the M real
+  rows;
 - a CTA of 4 warps covers 32 words (128 columns) of 64 stored rows per loop step (8 KB), with the next steps'
   loads in flight (below), and K is split into parts (f32 partial products summed in XLA) until the grid gives
   the SMs about PROGRAMS_PER_SM CTAs each, while the partial products stay under MAX_PARTIAL_TRAFFIC of the
@@ -44,7 +49,8 @@ registers (24 and 16 KB): fewer instructions, fewer bytes in flight; benchmarks/
 both, and the faster is to become the default.
 
 sm_90 machine code of the loop (tests/test_kernel_quant_mma.py compiles it, Triton's TTIR passes first, and
-counts), 27B gate/up, bf16 x, the same code at every M <= 16: per stored value, int4 2.9 lane-instructions (LOP3
+counts), 27B gate/up, bf16 x, the same code at every M <= 16, as it was with x arranged by XLA (now, x read as it
+is: int4 3.2, int8 5.6): per stored value, int4 2.9 lane-instructions (LOP3
 0.55, PRMT 0.5 (the pairs of rows the tensor-core operand wants), SHF 0.38, HMMA 0.25, the operand's staging
 in shared memory STS 0.13 + LDSM 0.19, the per-group epilogue FADD + FFMA 0.25), int8 5.0 (the same per word,
 4 values a word); 89-128 registers, no spill, 40 KB shared (stages=1: int4 2.8, int8 4.8). Against the bytes'
@@ -175,7 +181,15 @@ def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
     return None
 
 
-def _kernel(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, *, kind, M, N, kq, p, dt):
+def _kernel(*refs, kind, M, N, K, kq, g, p, dt):
+    """x as it is [M, K] (`native`: a tile of 16 rows), or as rows_of_x arranged it with its corrections (the
+    64-row tile, where the kernel's own sums of x cost more than the bytes' time allows: int4 3.7 -> 5.4
+    lane-instructions per value)."""
+    native = p.tile_m == ROWS
+    if native:
+        x_ref, q_ref, s_ref, c_ref, o_ref = refs
+    else:
+        x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref = refs
     j, part = pl.program_id(0), pl.program_id(1)
     R, step = p.rows, p.rows * p.subs
     c0, C = j * p.words, 4 * p.words  # the tile's first word, its columns
@@ -185,6 +199,13 @@ def _kernel(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, *, kind, M, N, kq, p, dt)
     c_ragged = (N // 4) % p.words != 0
     r_ragged = kq % R != 0  # int8: K not a whole number of loads (rows past K read as 0, x is 0 there)
     col_ok = (c0 + jnp.arange(p.words, dtype=jnp.int32)) < N // 4
+    row_ok = (jnp.arange(p.tile_m, dtype=jnp.int32) < M)[:, None]
+    bases = [b for _, b in halves(kind, dt)]
+    hg = g // 2  # int4: a group's stored rows
+
+    def x_rows(k0):  # [tile_m, R] of x in its dtype: rows of K k0 .. k0 + R - 1, rows past M and K zero
+        ok = row_ok & ((k0 + jnp.arange(R, dtype=jnp.int32)) < K)[None, :]
+        return plt.load(x_ref.at[pl.ds(0, p.tile_m), pl.ds(k0, R)], mask=ok, other=0)
 
     def load(r0):  # [R, p.words] int32
         r0 = jnp.minimum(r0, last)
@@ -210,29 +231,47 @@ def _kernel(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, *, kind, M, N, kq, p, dt)
         return jnp.stack(pairs, axis=-1).reshape(R, C)  # [R, words, 2, 2] -> column 4c + 2h + b
 
     def one_step(t, carry):
-        out, wn = carry
+        out, wn, xs = carry
         # int4: a group's sums, scaled at its end; int8: one sum over the part, the products added to `out` itself
         acc = jnp.zeros((p.tile_m, C), jnp.float32) if kind == "int4" else out
+        if kind == "int4":
+            xs = jnp.zeros((p.tile_m, 1), jnp.float32)
         for s in range(p.subs):
             r0 = t * step + s * R
             if p.stages > 1:  # Triton's pipeliner keeps stages - 1 steps of loads in flight (cp.async)
                 w = load(r0)
             else:  # one step in flight, in registers
                 w, wn = wn, load(r0 + R)
-            for half in range(2):  # x rows the low / high nibbles multiply
-                xv = x_ref[half, :, pl.ds(r0, R)]
+            # x's rows the low / high nibbles multiply, read from x as it is: int4 the group's two halves (stored
+            # row G * g / 2 + j: rows G * g + j and G * g + g / 2 + j of K), int8 x and 16 x (exact)
+            if native:
+                k0 = r0 + (r0 // hg) * hg if kind == "int4" else r0
+                lo = x_rows(k0)
+                xvs = (lo, x_rows(k0 + hg) if kind == "int4" else lo * 16)
+            else:
+                xvs = [x_ref[half, :, pl.ds(r0, R)] for half in range(2)]
+            for half, xv in enumerate(xvs):
                 acc = acc + jnp.dot(xv, weights(w, half), preferred_element_type=jnp.float32)
+        if not native:  # [tile_m, 1]: the bases times the sums of x over the group (int4) / the part (int8)
+            return (acc, wn, xs) if kind == "int8" else (out + (acc - xs_ref[:, pl.ds(t, 1)]) * scales(t), wn, xs)
+        # the correction: the nibbles' bases times the sums of the x they multiply, the step's rows of K in one load
+        # (int4: the group, both halves at one base; int8: x at the low base, 16 x at the high)
+        span = g if kind == "int4" else step
+        k_step = t * span
+        ok = row_ok & ((k_step + jnp.arange(span, dtype=jnp.int32)) < K)[None, :]
+        xt = plt.load(x_ref.at[pl.ds(0, p.tile_m), pl.ds(k_step, span)], mask=ok, other=0).astype(jnp.float32)
+        xs = xs + (bases[0] if kind == "int4" else bases[0] + 16 * bases[1]) * jnp.sum(xt, axis=1, keepdims=True)
         if kind == "int8":
-            return acc, wn
-        xs = xs_ref[:, pl.ds(t, 1)]  # [tile_m, 1]: the bases times the sums of x over the group
-        return out + (acc - xs) * scales(t), wn
+            return acc, wn, xs
+        return out + (acc - xs) * scales(t), wn, xs
 
     first = part * p.per
     n = jnp.minimum(p.per, p.steps - first)
-    out, _ = jax.lax.fori_loop(first, first + n, one_step, (jnp.zeros((p.tile_m, C), jnp.float32),
-                                                            load(first * step) if p.stages == 1 else None))
+    zeros = jnp.zeros((p.tile_m, C), jnp.float32)
+    out, _, xs = jax.lax.fori_loop(first, first + n, one_step, (zeros, load(first * step) if p.stages == 1 else None,
+                                                                  jnp.zeros((p.tile_m, 1), jnp.float32)))
     if kind == "int8":  # the correction over the part's rows, then the column scales
-        out = (out - xs_ref[:, pl.ds(part, 1)]) * scales(0)
+        out = (out - (xs if native else xs_ref[:, pl.ds(part, 1)])) * scales(0)
     ok = (jnp.arange(p.tile_m, dtype=jnp.int32) < M)[:, None] & (cols < N)[None, :]
     if p.splits > 1:
         plt.store(o_ref.at[part, pl.ds(0, p.tile_m), pl.ds(c0 * 4, C)], out, mask=ok)
@@ -259,7 +298,8 @@ def rows_of_x(x, kind, block, p):
     bases = jnp.asarray([b for _, b in halves(kind, x.dtype)], jnp.float32)
     sums = xr.astype(jnp.float32).reshape(2, p.tile_m, p.steps, step).sum(axis=3)
     if kind == "int8":  # per part of `per` steps
-        sums = jnp.pad(sums, ((0, 0), (0, 0), (0, p.splits * p.per - p.steps))).reshape(2, p.tile_m, p.splits, -1).sum(3)
+        sums = jnp.pad(sums, ((0, 0), (0, 0), (0, p.splits * p.per - p.steps)))
+        sums = sums.reshape(2, p.tile_m, p.splits, -1).sum(3)
     return xr, jnp.einsum("h,hms->ms", bases, sums, precision=jax.lax.Precision.HIGHEST)
 
 
@@ -271,7 +311,7 @@ def quant_mma_pallas(x, q, scale, *, kind: str = "int4", k: int, block, splits: 
     M, N = x.shape[0], q.shape[1]
     dt = jnp.dtype(x.dtype)
     p = plan(M, k, N, block, kind=kind, splits=splits, words=words, stages=stages)
-    xr, xs = rows_of_x(x, kind, block, p)
+    xs = (x,) if p.tile_m == ROWS else rows_of_x(x, kind, block, p)  # x as it is at 16 rows (_kernel's doc)
     (m_lo, _), (m_hi, _) = halves(kind, dt)
     consts = jnp.asarray(np.array([NIBBLES, m_lo, m_hi], np.uint32).view(np.int32))
     words = as_words(q)
@@ -279,13 +319,13 @@ def quant_mma_pallas(x, q, scale, *, kind: str = "int4", k: int, block, splits: 
     out_shape = jax.ShapeDtypeStruct((p.splits, M, N) if p.splits > 1 else (M, N),
                                      jnp.float32 if p.splits > 1 else dt)
     out = pl.pallas_call(
-        functools.partial(_kernel, kind=kind, M=M, N=N, kq=q.shape[0], p=p, dt=dt),
+        functools.partial(_kernel, kind=kind, M=M, N=N, K=k, kq=q.shape[0], g=block[0], p=p, dt=dt),
         grid=(p.col_tiles, p.splits),
-        in_specs=[whole(xr), whole(xs), whole(words), whole(scale), whole(consts)],
+        in_specs=[whole(a) for a in xs] + [whole(words), whole(scale), whole(consts)],
         out_specs=whole(out_shape),
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=p.stages),
         interpret=interpret,
         name=f"quant_matmul_{kind}_mma",
-    )(xr, xs, words, scale.astype(jnp.float32), consts)
+    )(*xs, words, scale.astype(jnp.float32), consts)
     return out.sum(axis=0).astype(dt) if p.splits > 1 else out
