@@ -1,7 +1,8 @@
 """The routed experts' whole SwiGLU on the device (kernels_pallas/moe_expert_mlp.py, `check_moe_swiglu`): gate
 and up in one launch, down forming silu(gate) * up from their partials, against the reference (moe_gemv's
 reference three times) and beside the three-call form the MoE block ran before (gate, up and down on moe_gemv's
-kernel, XLA's activation between: four kernels where the fused form is two), in bf16 and fp8 blocks, at small
+kernel, XLA's activation between: four kernels where the fused form is two; int4: quant_gemv's kernel over the
+pairs, gate and up in one launch, three), in bf16, fp8 blocks and int4, at small
 shapes and at Qwen3.5-35B-A3B's experts (256 experts, H 2048, I 512) for batch 1 (8 pairs reading one token's
 row, padded to two as the block hands it on cuda) and batch 8 (64 pairs). GB/s counts the bytes the three
 products must read (each pair's gate, up and down, values and scales; x; the output); the line gives both forms'
@@ -17,19 +18,21 @@ import numpy as np
 
 from kernels_pallas import moe_expert_mlp as me
 from kernels_pallas import moe_gemv as mg
-from kernels_pallas.quant_layout import cdiv
+from kernels_pallas.quant_layout import cdiv, padded_k
 
 from .budget import out_of_time
 from .common import bandwidth, case_label, max_rel, one_line
 from .timing import time_call
 
-# (kind, fp8 block | None, pairs, experts, H, I, x dtype, pairs a row of x)
+# (kind, int4 group | fp8 block | None, pairs, experts, H, I, x dtype, pairs a row of x)
 SWIGLU_SMOKE = [("plain", None, 4, 5, 96, 40, "float32", 2)]
 SWIGLU_SMALL = SWIGLU_SMOKE + [("fp8", (128, 128), 4, 6, 300, 200, "float32", 1),
                                ("plain", None, 8, 16, 256, 64, "bfloat16", 8),
-                               ("fp8", (128, 128), 8, 16, 256, 128, "bfloat16", 8)]
+                               ("fp8", (128, 128), 8, 16, 256, 128, "bfloat16", 8),
+                               ("int4", 32, 4, 6, 96, 40, "float32", 2),
+                               ("int4", 128, 8, 16, 256, 128, "bfloat16", 8)]
 SWIGLU_REAL = [(kind, fmt, P, 256, 2048, 512, "bfloat16", 8) for P in (8, 64)
-               for kind, fmt in (("plain", None), ("fp8", (128, 128)))]
+               for kind, fmt in (("plain", None), ("fp8", (128, 128)), ("int4", 128))]
 HBM_TARGET = 0.8
 
 
@@ -43,8 +46,12 @@ def _arrays(kind, block, P, E, H, I, dtype, rows_per_x, key):
     def experts(kv, ks, K, N):
         if kind == "plain":
             return (jax.random.normal(kv, (E, K, N), jnp.float32) / np.sqrt(K)).astype(dtype), None
-        q = jnp.clip(64 * jax.random.normal(kv, (E, K, N)), -448, 448).astype(jnp.float8_e4m3fn)
-        s = jax.random.uniform(ks, (E, cdiv(K, block[0]), cdiv(N, block[1])), jnp.float32, 0.5, 2.0) / (64 * K ** 0.5)
+        bk, bn = _blocks(kind, block, H, I)[0 if K == H else 1]
+        if kind == "int4":  # packed nibbles, any byte
+            q = jax.random.randint(kv, (E, padded_k(kind, K, bk) // 2, N), 0, 256, jnp.int32).astype(jnp.uint8)
+        else:
+            q = jnp.clip(64 * jax.random.normal(kv, (E, K, N)), -448, 448).astype(jnp.float8_e4m3fn)
+        s = jax.random.uniform(ks, (E, cdiv(K, bk), cdiv(N, bn)), jnp.float32, 0.5, 2.0) / (64 * K ** 0.5)
         return q, s
 
     (wg, sg), (wu, su), (wd, sd) = (experts(kw[2 * i], kw[2 * i + 1], K, N)
@@ -52,15 +59,26 @@ def _arrays(kind, block, P, E, H, I, dtype, rows_per_x, key):
     return x, wg, sg, wu, su, wd, sd, ids
 
 
+def _blocks(kind, fmt, H, I):
+    """(gate / up's, down's) (bk, bn): plain whole K; int4 groups of fmt rows; fp8 fmt blocks."""
+    if kind == "plain":
+        return (H, 1), (I, 1)
+    return ((fmt, 1), (fmt, 1)) if kind == "int4" else (tuple(fmt), tuple(fmt))
+
+
 def _three_calls(kind, H, I, block, rows_per_x, interpret):
-    """The MoE block's form before moe_expert_mlp.py: gate, up and down on moe_gemv's kernel, silu(g) * u in XLA."""
-    bi, bo = ((H, 1), (I, 1)) if block is None else (block, block)
+    """The MoE block's form before moe_expert_mlp.py: gate, up and down each on the kernel moe_gemv's dispatch
+    picks (moe_gemv.kernel_for: quant_gemv's over the pairs for int4), silu(g) * u in XLA."""
+    bi, bo = _blocks(kind, block, H, I)
 
     def f(x, wg, sg, wu, su, wd, sd, ids):
-        call = functools.partial(mg.moe_gemv_pallas, kind=kind, interpret=interpret)
-        g = call(x, wg, sg, ids, k=H, block=bi, rows_per_x=rows_per_x)
-        u = call(x, wu, su, ids, k=H, block=bi, rows_per_x=rows_per_x)
-        return call(jax.nn.silu(g) * u, wd, sd, ids, k=I, block=bo)
+        def call(x, w, s, k, blk, rpx=1):
+            fn, _ = mg.kernel_for(x, w, s, ids, kind=kind, k=k, block=blk)
+            return fn(x, w, s, ids, kind=kind, k=k, block=blk, rows_per_x=rpx, interpret=interpret)
+
+        g = call(x, wg, sg, H, bi, rows_per_x)
+        u = call(x, wu, su, H, bi, rows_per_x)
+        return call(jax.nn.silu(g) * u, wd, sd, I, bo)
 
     return jax.jit(f)
 
@@ -73,7 +91,9 @@ def check_moe_swiglu(cases, interpret, timings):
         label = case_label(f"moe experts' SwiGLU {kind} {fmt} P{P} E{E} H{H} I{I} {dtype} {rpx} pairs a row")
         if out_of_time(f"{label} and the rest"):
             break
-        kw = dict(kind=kind, block_in=fmt, block_out=fmt, rows_per_x=rpx)
+        bi, bo = _blocks(kind, fmt, H, I)
+        kw = dict(kind=kind, block_in=None if kind == "plain" else bi, block_out=None if kind == "plain" else bo,
+                  rows_per_x=rpx)
         try:
             args = _arrays(kind, fmt, P, E, H, I, jnp.dtype(dtype), rpx, jax.random.PRNGKey(300 + i))
             reason = me.unsupported_reason(*args, **kw)
