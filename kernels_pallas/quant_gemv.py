@@ -24,7 +24,7 @@ at 26% (int4), 43% (fp8 blocks) and 55% (int8 per channel) of HBM on the 27B lm_
   a scale block (the offset's, below) is one vector load and a reduction a block (per channel: a step). XLA
   used to arrange x in the stored rows' order in f32 and sum its blocks before the kernel: two kernels before
   every quantized product of a new x, which a decode step paid in launches (27B int4, 4 real-width layers:
-  124 -> 100 kernels a step with the norms written by one kernel, forward._post_norm), for about 0.3
+  124 -> 100 kernels a step with the norms written by one kernel, forward.post_norm), for about 0.3
   instructions per value here;
 - fp8 (e4m3) tiles load as bytes and convert with the hardware's paired fp8 -> f16 instruction;
 - multiplies on the FMA units (no tensor cores: at M <= ROWS_FMA rows there is nothing to pad to 16), keeps the

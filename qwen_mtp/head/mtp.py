@@ -8,7 +8,10 @@
     out = rmsnorm_1pw(x, mtp.norm)                           # -> the trunk's lm_head
 
 The head shares embed_tokens and lm_head with the trunk and has its own one-layer KV cache. Its row t is fed
-(token t+1, trunk hidden t) and sits at RoPE position t+1, in cache slot t.
+(token t+1, trunk hidden t) and sits at RoPE position t+1, in cache slot t. Its norms follow the trunk's rule
+(forward.py): at one row the layer's input norm and the final norm are one kernel on cuda (ops.rmsnorm_written),
+the post-attention norm too before quantized products (forward.post_norm); the pre-fc norms stay XLA's (a
+kernel of their own cost a draft step two more, deviceless H200 compile).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from qwen_mtp.head.ring import init_ring, ring_attention_layer
 from qwen_mtp.trunk.attention import attention_layer
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.mlp import feed_forward
-from qwen_mtp.trunk.ops import embed_rows, linear, rmsnorm_1pw
+from qwen_mtp.trunk.forward import post_norm
+from qwen_mtp.trunk.ops import embed_rows, linear, rmsnorm_1pw, rmsnorm_written
 from qwen_mtp.trunk.state import KVCache
 from qwen_mtp.trunk.weights import Weights
 
@@ -63,18 +67,18 @@ def mtp_forward(weights: Weights, cfg: ModelConfig, tokens, hidden, cache: KVCac
         fc_in = jnp.concatenate([e, h], axis=-1)
         x = linear(fc_in, w.fc)
     with jax.named_scope("mtp_attention"):
-        ah = rmsnorm_1pw(x, w.layer.input_norm, eps)
+        ah = rmsnorm_written(x, w.layer.input_norm, eps)
         if window is None:
             attn, cache = attention_layer(ah, w.layer.mixer, cfg, cache, slot, rope_offset=ROPE_OFFSET)
         else:
             attn, cache = ring_attention_layer(ah, w.layer.mixer, cfg, cache, slot, window, sinks, ROPE_OFFSET)
         res1 = x + attn
     with jax.named_scope("mtp_mlp"):
-        mh = rmsnorm_1pw(res1, w.layer.post_norm, eps)
+        mh = post_norm(w.layer.mlp)(res1, w.layer.post_norm, eps)
         mlp_out = feed_forward(mh, w.layer.mlp, cfg)
         res2 = res1 + mlp_out
     with jax.named_scope("mtp_norm"):
-        out = rmsnorm_1pw(res2, w.norm, eps)
+        out = rmsnorm_written(res2, w.norm, eps)
     stages = None
     if trace:
         stages = dict(e=e, h=h, fc_in=fc_in, fc=x, ah=ah, attn=attn, res1=res1, mh=mh, mlp=mlp_out, res2=res2,

@@ -14,7 +14,7 @@ from qwen_mtp.trunk.quant import QuantArray
 from qwen_mtp.trunk.weights import Weights
 
 
-def _post_norm(mlp_w):
+def post_norm(mlp_w):
     """The norm before a layer's feed-forward. Where its products are quantized (the decode kernel reads x as it
     is, kernels_pallas/quant_gemv.py) the normed row is written out, at one row by one kernel on cuda
     (ops.rmsnorm_written; XLA ran a reduce and an elementwise kernel); before plain products XLA folds the
@@ -33,7 +33,7 @@ def decoder_layer(x, lw, cfg: ModelConfig, kind: str, layer_state, pos, n_valid,
             h, layer_state = gdn_layer(h, lw.mixer, cfg, layer_state, n_valid, mode=gdn_mode)
         x = x + h
     with jax.named_scope("mlp"):
-        x = x + feed_forward(_post_norm(lw.mlp)(x, lw.post_norm, cfg.rms_norm_eps), lw.mlp, cfg)
+        x = x + feed_forward(post_norm(lw.mlp)(x, lw.post_norm, cfg.rms_norm_eps), lw.mlp, cfg)
     return x, layer_state
 
 
