@@ -40,8 +40,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 from kernels_pallas import dispatch
 from kernels_pallas import moe_gemv as mg
@@ -130,31 +128,12 @@ def moe_expert_mlp_pallas(x, wg, sg, wu, su, wd, sd, ids, *, kind: str, block_in
         p_in = mg.plan(2 * P, H, I, kind, bi, size, splits=MAX_GLU_PARTS)
     sg, su = mg.scales_of(sg), mg.scales_of(su)
     gate_up = jax.ShapeDtypeStruct((p_in.splits, 2, P, I), jnp.float32)
-    parts = pl.pallas_call(
-        mg.bind(kind, H, I, bi, p_in, dt, wg.shape[1], sg.shape[1], rpx=rows_per_x, pair=True),
-        grid=(P, 2 * p_in.col_tiles, p_in.splits),
-        in_specs=[mg.whole(a) for a in (x, wg, wu, sg, su, ids)],
-        out_specs=mg.whole(gate_up),
-        out_shape=gate_up,
-        compiler_params=plt.CompilerParams(num_warps=p_in.num_warps, num_stages=p_in.num_stages),
-        interpret=interpret,
-        name=f"moe_gate_up_{kind}",
-    )(x, wg, wu, sg, su, ids)
+    parts = mg.launch(mg.bind(kind, H, I, bi, p_in, dt, wg.shape[1], sg.shape[1], rpx=rows_per_x, pair=True), p_in,
+                      P, I, dt, (x, wg, wu, sg, su, ids), f"moe_gate_up_{kind}", interpret, tiles=2, out_shape=gate_up)
     p_out = mg.plan(P, I, H, kind, bo, size, splits=splits_out)
     sd = mg.scales_of(sd)
-    out_shape = jax.ShapeDtypeStruct((p_out.splits, P, H) if p_out.splits > 1 else (P, H),
-                                     jnp.float32 if p_out.splits > 1 else dt)
-    out = pl.pallas_call(
-        mg.bind(kind, I, H, bo, p_out, dt, wd.shape[1], sd.shape[1], glu_parts=p_in.splits),
-        grid=(P, p_out.col_tiles, p_out.splits),
-        in_specs=[mg.whole(a) for a in (parts, wd, sd, ids)],
-        out_specs=mg.whole(out_shape),
-        out_shape=out_shape,
-        compiler_params=plt.CompilerParams(num_warps=p_out.num_warps, num_stages=p_out.num_stages),
-        interpret=interpret,
-        name=f"moe_down_glu_{kind}",
-    )(parts, wd, sd, ids)
-    return out.sum(axis=0).astype(dt) if p_out.splits > 1 else out
+    return mg.launch(mg.bind(kind, I, H, bo, p_out, dt, wd.shape[1], sd.shape[1], glu_parts=p_in.splits), p_out, P,
+                     H, dt, (parts, wd, sd, ids), f"moe_down_glu_{kind}", interpret)
 
 
 def moe_expert_mlp(x, wg, sg, wu, su, wd, sd, ids, *, kind: str, block_in=None, block_out=None,

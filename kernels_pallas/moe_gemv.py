@@ -334,27 +334,28 @@ def moe_gemv_pallas(x, w, scale, ids, *, kind: str, k: int, block, block_n: int 
              num_warps=num_warps, num_stages=num_stages)
     scale = scales_of(scale)
     kernel = bind(kind, k, N, block, p, dt, w.shape[1], scale.shape[1], rpx=rows_per_x)
-    if p.splits > 1:
-        out_shape = jax.ShapeDtypeStruct((p.splits, P, N), jnp.float32)
-    else:
-        out_shape = jax.ShapeDtypeStruct((P, N), dt)
-    ids = ids.astype(jnp.int32)
+    return launch(kernel, p, P, N, dt, (x, w, scale, ids.astype(jnp.int32)), f"moe_gemv_{kind}", interpret)
+
+
+def launch(kernel, p: Plan, P, N, dt, args, name, interpret, *, tiles=1, out_shape=None):
+    """routed_kernel over the grid (P, tiles x p.col_tiles, p.splits), every operand whole; the output [P, N] in
+    dt, its K parts summed (out_shape given: that array as the kernel writes it, unsummed)."""
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, j, s: (0,) * len(a.shape))  # each program slices in place
+    summed = out_shape is None
+    if summed:
+        out_shape = jax.ShapeDtypeStruct((p.splits, P, N) if p.splits > 1 else (P, N),
+                                         jnp.float32 if p.splits > 1 else dt)
     out = pl.pallas_call(
         kernel,
-        grid=(P, p.col_tiles, p.splits),
-        in_specs=[whole(a) for a in (x, w, scale, ids)],
+        grid=(P, tiles * p.col_tiles, p.splits),
+        in_specs=[whole(a) for a in args],
         out_specs=whole(out_shape),
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=p.num_warps, num_stages=p.num_stages),
         interpret=interpret,
-        name=f"moe_gemv_{kind}",
-    )(x, w, scale, ids)
-    return out.sum(axis=0).astype(dt) if p.splits > 1 else out
-
-
-def whole(a):
-    """The whole array as every program's block (each program slices it in place)."""
-    return pl.BlockSpec(a.shape, lambda i, j, s: (0,) * len(a.shape))
+        name=name,
+    )(*args)
+    return out.sum(axis=0).astype(dt) if summed and p.splits > 1 else out
 
 
 def scales_of(scale):
