@@ -226,7 +226,7 @@ def _check_policy(file, policy: QuantPolicy, quantized: dict, has_mtp: bool) -> 
         raise CheckpointError(file, "quant", f"a method of the quantized leaves ({', '.join(kinds)})",
                               repr(policy.method))
     groups = sorted({m["block"][0] for m in leaves if m.get("kind") == "int4" and isinstance(m.get("block"), list)
-                     and m["block"]})
+                     and m["block"] and type(m["block"][0]) is int})  # a malformed block: _target names it
     if policy.method == "int4" and groups and policy.group_size not in groups:
         raise CheckpointError(file, "quant", f"group_size of the int4 leaves ({groups})", repr(policy.group_size))
     if ("lm_head" in quantized) != policy.lm_head:
