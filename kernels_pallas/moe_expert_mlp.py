@@ -20,8 +20,8 @@ cuda, where the MoE block ran gate, up and down as three launches and XLA's acti
     2. down on those partials (glu_parts): each program forms silu(gate) * up over its slice of I as it loads
        x, each rounded to x's dtype where the reference rounds it;
   int8 and int4 experts, three (quant_gemv's faster kernel over the pairs, quant_gemv_grouped.py): gate and up
-    in one launch (quant_gemv_grouped_pair_pallas, the same partials), the activation in XLA (fused with the
-    arrangement of x that kernel reads), down.
+    in one launch (quant_gemv_grouped_pair_pallas, the same partials), the activation in XLA (one fusion, the
+    partials' sums with it), down.
 35B-A3B at batch 1 (40 MoE layers, deviceless H200 compile of the decode step): bf16 945 -> 865 kernels. The
 two-kernel form's cost is down's: each of its programs forms the activation of the rows of x it reads, and
 every thread holding a row forms it again, a few loads, a sigmoid and the roundings per row against the few

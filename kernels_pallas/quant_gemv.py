@@ -73,6 +73,7 @@ from kernels_pallas.quant_gemv_plan import (
     reads_words,
     vector_words,
 )
+from kernels_pallas.quant_layout import low_nibble_row
 
 # the kernel, and its plan's names (quant_gemv_plan.py) re-exported: callers write gemv.plan, gemv.WORDS
 __all__ = ["CONSTS", "DTYPES", "MAX_ELEMENTS", "MAX_GRID", "MAX_ROWS", "MIN_STEPS_PER_SPLIT", "MOST_PER_SM",
@@ -230,7 +231,7 @@ def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=0, pai
             ws_next = tile(r0 + R) if p.prefetch else []
             # the row of K stored row r0 + i multiplies: r0 + i (int4: its low nibbles', row G * g + j of stored
             # row G * g / 2 + j; its high nibbles' g / 2 rows on). R rows never cross a group (R divides g / 2).
-            k0 = r0 + (r0 // hg) * hg if kind == "int4" else r0
+            k0 = low_nibble_row(r0, bk) if kind == "int4" else r0
             for i in range(R):
                 w = ws[i]
                 if kind == "int4":

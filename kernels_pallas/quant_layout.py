@@ -54,6 +54,14 @@ def pack_int4(v, group: int, xp=np):
     return packed.reshape(*lead, kp // 2, n)
 
 
+def low_nibble_row(r, group: int):
+    """The row of K that the low nibbles of packed row r hold (pack_int4's layout: packed row G * group / 2 + j
+    holds rows G * group + j (low) and G * group + group / 2 + j (high), the high nibbles' group / 2 rows on).
+    r a Python or traced int."""
+    half = group // 2
+    return r + (r // half) * half
+
+
 def sign_extend_nibble(u, xp=np):
     """uint8 nibbles 0..15 -> int8 -8..7."""
     return ((u.astype(xp.int8) ^ 8) - 8).astype(xp.int8)

@@ -81,7 +81,7 @@ from jax.experimental.pallas import triton as plt
 
 from kernels_pallas.quant_gemv import as_words
 from kernels_pallas.split_k import SMS, k_parts
-from kernels_pallas.quant_layout import VALUES_PER_COLUMN, cdiv
+from kernels_pallas.quant_layout import VALUES_PER_COLUMN, cdiv, low_nibble_row
 
 ROWS = 16  # one tensor-core tile of rows: M = 1 .. 16
 # backend "auto" runs it (fp8: quant_mma_fp8.py) from these rows; below, the FMA decode kernel (estimated: int4
@@ -245,7 +245,7 @@ def _kernel(*refs, kind, M, N, K, kq, g, p, dt):
             # x's rows the low / high nibbles multiply, read from x as it is: int4 the group's two halves (stored
             # row G * g / 2 + j: rows G * g + j and G * g + g / 2 + j of K), int8 x and 16 x (exact)
             if native:
-                k0 = r0 + (r0 // hg) * hg if kind == "int4" else r0
+                k0 = low_nibble_row(r0, g) if kind == "int4" else r0
                 lo = x_rows(k0)
                 xvs = (lo, x_rows(k0 + hg) if kind == "int4" else lo * 16)
             else:

@@ -24,20 +24,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 
-def _expert_kernels(quant) -> dict:
-    """The routed experts' kernels of one MoE block and their launches (moe_expert_mlp.py): gate and up in one,
-    then down (with the activation for plain and fp8 experts; quant_gemv's kernel over the pairs for int8 / int4)."""
-    kind = quant or "plain"
-    return {f"moe_gate_up_{kind}": 1, f"moe_down_glu_{kind}" if kind in ("plain", "fp8") else f"moe_gemv_{kind}": 1}
-
-
 def cases():
     """(label, jitted fn, args, static kwargs, the kernel names the program must hold)."""
     from kernels_pallas.causal_attention import causal_attend
     from kernels_pallas.windowed_attention import windowed_attend, windowed_attend_pallas
     from qwen_mtp.trunk import mlp
     from tests.test_export_cuda import QUANT_REAL, REAL_HEADS, _causal_args, _kernel_args, _quant_args, _quant_fn
-    from tests.test_moe_routed import _moe_shapes
+    from tests.test_moe_routed import _expert_kernels, _moe_shapes
 
     out = []
     for kind in ("int8", "int4", "fp8"):  # backend auto: the FMA decode kernel at 1 row, the tensor-core one at 5
@@ -55,7 +48,7 @@ def cases():
                                 ("Qwen3.5-35B-A3B", "int4", 8), ("Qwen3.5-397B-A17B", None, 1)):
         cfg, args = _moe_shapes(name, quant, tokens)
         out.append((f"moe {name} {quant or 'bf16'} {tokens} token(s)", moe, (*args, cfg), {},
-                    {**_expert_kernels(quant), "moe_router_topk": 1}))  # the experts' kernels, the top-k
+                    {**dict.fromkeys(_expert_kernels(quant), 1), "moe_router_topk": 1}))  # experts, top-k
     for model, (nh, nkv) in REAL_HEADS.items():  # a draft step at W 4032 S 64; the k = 8 refill at B 8, W 8192
         for B, T, W, S in ((1, 1, 4032, 64), (8, 9, 8192, 128)):
             args = _kernel_args(B, T, nh, nkv, 256, S + W + max(T - 1, 1), jnp.bfloat16)
