@@ -79,12 +79,22 @@ def write_rows_per_row(cache, new, pos, *, as_bits: bool = False):
     return jax.lax.bitcast_convert_type(cache, dtype) if bits else cache
 
 
+# A batch of one row is written by its dynamic-update-slice on a GPU too: XLA (0.10.2) turned the batched
+# scatter into a select of the new rows against the cache's old ones and an update, and computed the new rows
+# (k's norm and RoPE, v's product) in the select's kernel, so each of k and v took two kernels; the update alone
+# takes the new rows' computation into its own kernel, in place (27B / 35B-A3B, compiled for an H200 on a CPU:
+# 3 kernels an attention layer fewer).
+ONE_ROW_WRITE = True
+
+
 def write_kv(cache: KVCache, k, v, pos, *, as_bits: bool = False) -> KVCache:
     """Write k, v [B, T, nkv, hd] into slots pos[b] .. pos[b]+T-1 of each row, rounded to the cache dtype.
     as_bits: see write_rows_per_row (on a CPU; a GPU's scatter ignores it)."""
     per_row = functools.partial(write_rows_per_row, as_bits=as_bits)
 
     def write(c, new):
+        if c.shape[0] == 1 and ONE_ROW_WRITE:  # one row: its dynamic-update-slice everywhere
+            return per_row(c, to_cache(new, c.dtype), pos)
         return jax.lax.platform_dependent(c, to_cache(new, c.dtype), pos, cpu=per_row, default=write_rows_scatter)
 
     return KVCache(write(cache.k, k), write(cache.v, v))
