@@ -154,15 +154,15 @@ def _value(word, shift, mask, one):
 def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=0, pair=False):
     """grouped (the routed MoE product, quant_gemv_grouped_pallas: the pairs that read one row of x, >= 1):
     program (pair, column tile, K part) of a grid one axis longer, M = 1, the output's row the pair's, x's row
-    pair // grouped, q and the scales those of expert ids[pair]. pair (with grouped: the experts' gate and up in
-    one launch, kernels_pallas/moe_expert_mlp.py): the refs hold two weights and their scales, column tiles past
-    the first weight's read the second, and the output is float32 partials [parts, 2, P, N]."""
-    if pair:
-        x_ref, q1_ref, q2_ref, s1_ref, s2_ref, c_ref, id_ref, o_ref = refs
-    elif grouped:
-        x_ref, q1_ref, s1_ref, c_ref, id_ref, o_ref = refs
-    else:
-        x_ref, q1_ref, s1_ref, c_ref, o_ref = refs
+    pair // grouped, q and the scales those of expert ids[pair]. pair (a gate and an up in one launch: the
+    experts', kernels_pallas/moe_expert_mlp.py, or a dense MLP's, quant_gate_up.py): the refs hold two weights and
+    their scales, column tiles past the first weight's read the second, and the output is float32 partials
+    [parts, 2, P or M, N]."""
+    n_w = 2 if pair else 1
+    x_ref, c_ref, o_ref = refs[0], refs[1 + 2 * n_w], refs[-1]
+    q1_ref, q2_ref = refs[1], refs[n_w]
+    s1_ref, s2_ref = refs[1 + n_w], refs[2 * n_w]
+    id_ref = refs[2 + 2 * n_w] if grouped else None
     if grouped:
         pair_id, j_all, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         e = id_ref[pair_id]

@@ -42,6 +42,12 @@ def cases():
     args, block = _quant_args("fp8", 5, 5120, 17408, jnp.bfloat16, fmt="channel")
     out.append(("quant fp8 per channel gate/up M5", _quant_fn("fp8", 5120, block), args, {},
                 {"quant_matmul_fp8_mma": 1}))
+    from kernels_pallas.quant_gate_up import quant_gate_up
+    for kind in ("int8", "int4", "fp8"):  # a dense MLP's gate and up in one launch (quant_gate_up.py), 27B, 1 row
+        (x, q, s), block = _quant_args(kind, 1, 5120, 17408, jnp.bfloat16)
+        fn = jax.jit(lambda *a, kind=kind, block=block: quant_gate_up(*a, kind=kind, k=5120, block=block))
+        out.append((f"quant gate/up in one launch {kind} 27B M1", fn, (x, q, s, q, s), {},
+                    {f"quant_gate_up_{kind}": 1}))
     moe = jax.jit(mlp.moe, static_argnums=2)
     for name, quant, tokens in (("Qwen3.5-35B-A3B", None, 1), ("Qwen3.5-35B-A3B", "int8", 1),
                                 ("Qwen3.5-35B-A3B", "int4", 1), ("Qwen3.5-35B-A3B", "fp8", 1),
@@ -105,7 +111,9 @@ def loops(target):
     by lax.top_k, with gate / up on copies of each token's row and with the experts' SwiGLU in three calls, as
     before moe_router.py, moe_gemv's rows_per_x and moe_expert_mlp.py, and with out_proj's input padded by XLA
     after the GDN step kernel (before its pad_row); 27B's plain step, and with its input and final norms in XLA
-    ops (before rmsnorm.py's kernel); and 27B's round with the GDN in-projections as they were before
+    ops (before rmsnorm.py's kernel), and with its KV rows written by the batched scatter (before
+    attention.ONE_ROW_WRITE); 27B int4's plain step, and with its MLPs' gate and up in two launches (before
+    quant_gate_up.py); and 27B's round with the GDN in-projections as they were before
     gdn.in_projections (four dots on one x), which XLA merged over the weights concatenated in the loop: the probe
     must find those."""
     import dataclasses
@@ -118,11 +126,11 @@ def loops(target):
     from qwen_mtp.trunk import gdn
     from qwen_mtp.trunk.ops import linear
 
-    def one(label, name, k=1):
+    def one(label, name, k=1, quant=None):
         cfg = real_shapes.config(name)
         cfg = dataclasses.replace(cfg, layer_types=cfg.layer_types[:4])
         t = time.perf_counter()
-        hlo = compile_case(cfg, "bfloat16", None, Case(k), 1, 256, 64, target=target)[0].as_text()
+        hlo = compile_case(cfg, "bfloat16", quant, Case(k), 1, 256, 64, target=target)[0].as_text()
         print(json.dumps({"label": label, "concatenations": launches.concatenations(hlo),
                           "products": launches.products(hlo), "kernels": launches.per_iteration(hlo).total(),
                           "seconds": time.perf_counter() - t}), flush=True)
@@ -161,6 +169,20 @@ def loops(target):
     jax.clear_caches()
     one("27B plain, the input and final norms in XLA ops", "Qwen3.5-27B", k=0)
     forward.rmsnorm_written = written
+    # the KV cache of a batch of one row written by its dynamic-update-slice (attention.ONE_ROW_WRITE), against the
+    # batched scatter
+    from qwen_mtp.trunk import attention
+    attention.ONE_ROW_WRITE = False
+    jax.clear_caches()
+    one("27B plain, the KV rows written by a scatter", "Qwen3.5-27B", k=0)
+    attention.ONE_ROW_WRITE = True
+    # a quantized MLP's gate and up in one launch (quant_gate_up.py), against two (quant.GATE_UP_KINDS emptied)
+    jax.clear_caches()
+    one("27B int4 plain", "Qwen3.5-27B", k=0, quant="int4")
+    kinds, quant.GATE_UP_KINDS = quant.GATE_UP_KINDS, ()
+    jax.clear_caches()
+    one("27B int4 plain, gate and up in two launches", "Qwen3.5-27B", k=0, quant="int4")
+    quant.GATE_UP_KINDS = kinds
 
     vector_max, ops.VECTOR_DOT_MAX = ops.VECTOR_DOT_MAX, 0
     jax.clear_caches()

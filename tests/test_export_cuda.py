@@ -484,10 +484,12 @@ def test_quantized_27b_speculative_loop_lowers_for_cuda():
     exported = export_spec_decode(cfg, dtype, WINDOWED, GREEDY, batch=1, cache_len=CACHE, cap=CAP, weights=weights,
                                   kv_dtype="float8_e4m3fn")
     calls = kernel_calls(exported)
-    # the draft steps (1 row) on the FMA decode kernel, the verify (k + 1 rows) on the tensor-core one; the draft
-    # head's norms of one row before quantized products on the RMSNorm row kernel (forward.post_norm)
+    # the draft steps (1 row) on the FMA decode kernel (the head's MLP gate and up in one launch, quant_gate_up.py),
+    # the verify (k + 1 rows) on the tensor-core one; the draft head's norms of one row before quantized products
+    # on the RMSNorm row kernel (forward.post_norm)
     assert calls.count(KERNEL) == 2 and set(calls) == {KERNEL, CAUSAL, GDN_VERIFY, "quant_matmul_int4",
-                                                        "quant_matmul_int4_mma", "rmsnorm_rows"}, calls
+                                                        "quant_matmul_int4_mma", "quant_gate_up_int4",
+                                                        "rmsnorm_rows"}, calls
     assert calls.count(CAUSAL) == 1  # the verify's attention (every layer's) reads the fp8 trunk cache too
     text = exported.mlir_module()
     ring = WINDOWED.sinks + WINDOWED.window + WINDOWED.k

@@ -22,6 +22,7 @@ def test_gpu_check_runs_on_cpu(capsys):
     assert "GDN conv one head (B1 C48 float32): max_rel out, state " in out  # gdn_conv.py beside the step
     assert "RMSNorm rows R1 H1000 float32: grid (1,), max_rel " in out  # rmsnorm.py
     assert "pad_row: the row and zeros" in out  # the GDN step writing out_proj's two rows
+    assert "dense gate / up in one launch int4 32 M1 K96 N40 float32: one launch max_rel" in out  # quant_gate_up.py
 
 
 def test_gpu_check_budget_skips_and_names_what_it_skips(capsys):
@@ -33,9 +34,10 @@ def test_gpu_check_budget_skips_and_names_what_it_skips(capsys):
     out = capsys.readouterr().out
     assert "max_rel" not in out and "tokens/s" not in out  # nothing ran
     for part in ("windowed attention, small", "causal attention, small", "GDN step and verify, small",
-                 "RMSNorm rows, small", "quantized matmul, small", "end to end, shipped model", "tensor parallel"):
+                 "RMSNorm rows, small", "quantized matmul, small", "dense gate / up in one launch, small",
+                 "end to end, shipped model", "tensor parallel"):
         assert f"== {part}: skipped" in out
-    assert out.rstrip().splitlines()[-1].endswith("7 of 7 parts skipped for the --budget")
+    assert out.rstrip().splitlines()[-1].endswith("8 of 8 parts skipped for the --budget")
     from gpu_check import budget  # the run's budget ends with it: a later check in this process runs its cases
     assert not budget.out_of_time("a later check")  # (test_moe_routed calls check_moe in the same worker)
     with pytest.raises(SystemExit):
@@ -102,12 +104,14 @@ def test_only_flags_combine_numerics_first(capsys):
         return [line[3:-len(": skipped, the --budget is spent")] for line in capsys.readouterr().out.splitlines()
                 if line.startswith("== ") and line.endswith("skipped, the --budget is spent")]
 
-    small = ["quantized matmul, small", "decode kernel plan alternatives, small", "MoE routed experts, small",
+    small = ["quantized matmul, small", "decode kernel plan alternatives, small",
+             "dense gate / up in one launch, small", "MoE routed experts, small",
              "MoE experts' SwiGLU, small", "MoE router top-k, small", "MoE prefill paths, small",
              "MoE routed plan alternatives, small"]
     assert skipped(["--interpret", "--moe-only", "--quant-only", "--long-only"]) == small + ["causal attention, small"]
     assert skipped(["--moe-only", "--quant-only"]) == small + [  # the device form (nothing runs: the budget is spent)
         "quantized matmul, 27B matrices, timed", "MoE routed experts, 35B-A3B experts, timed",  # main timings first
+        "dense gate / up in one launch, 27B and 35B-A3B shared expert, timed",
         "decode kernel plan alternatives, 27B matrices, timed", "MoE experts' SwiGLU, 35B-A3B experts, timed",
         "MoE router top-k, real routers, timed",
         "MoE routed plan alternatives, 35B-A3B experts, timed", "MoE prefill paths, 35B-A3B experts, timed"]

@@ -51,13 +51,13 @@ def _run(python, *args, timeout=900):
 
 def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
     """tests/gpu_compile_kernels.py: each Pallas kernel family at real Qwen3.5 shapes (quantized matmuls of 27B
-    in every format at 1 and 5 rows, the routed MoE experts of 35B-A3B and 397B-A17B, windowed and causal
-    attention, the GDN decode step, verify and conv step, the MoE router's top-k, the RMSNorm row) compiles for an
-    H200 and holds its kernel; a launch over one block's shared memory is refused by XLA's compile (the probe
+    in every format at 1 and 5 rows, its gate and up in one launch at 1 row, the routed MoE experts of 35B-A3B
+    and 397B-A17B, windowed and causal attention, the GDN decode step, verify and conv step, the MoE router's
+    top-k, the RMSNorm row) compiles for an H200 and holds its kernel; a launch over one block's shared memory is refused by XLA's compile (the probe
     reaches the machine code)."""
     rows = [json.loads(x) for x in _run(python, "tests/gpu_compile_kernels.py", "H200").splitlines()
             if x.startswith("{")]
-    assert len(rows) == 46, [r["label"] for r in rows]
+    assert len(rows) == 49, [r["label"] for r in rows]
     *good, bad = rows
     assert "error" in bad and "Shared memory size limit exceeded" in bad["error"], bad
     for r in good:
@@ -67,7 +67,7 @@ def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
     families = {k for r in good for k in r["kernels"]}
     assert {"quant_matmul_int8", "quant_matmul_int4_mma", "quant_matmul_fp8", "moe_gemv_int4", "moe_gate_up_plain",
             "moe_down_glu_fp8", "windowed_draft_attention", "causal_attention", "gdn_decode_step", "gdn_verify",
-            "gdn_conv_step", "moe_router_topk", "rmsnorm_rows"} <= families, families
+            "gdn_conv_step", "moe_router_topk", "rmsnorm_rows", "quant_gate_up_int4"} <= families, families
 
 
 def test_decode_programs_compile_for_h200(python):
@@ -142,7 +142,8 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     and a round launches fewer kernels with the GDN verify kernel than with its XLA reference, and a MoE plain
     step fewer with the router's top-k kernel, with gate / up reading the token's row, with the experts' SwiGLU in
     two kernels and with the GDN step kernel writing out_proj's two rows than without, and a 27B plain step fewer
-    with the RMSNorm kernel.
+    with the RMSNorm kernel and with its KV rows written by their dynamic-update-slice, and a 27B int4 plain step
+    fewer with its MLPs' gate and up in one launch.
     Before gdn.in_projections, XLA's dot merger joined the four GDN in-projections over their weights
     concatenated in the loop: a copy of 169 MB (27B) per GDN layer at every round, 16 GB a round at full depth.
     The same program with the four dots on one x shows the probe finds it."""
@@ -177,6 +178,12 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     # a layer's input norm and the final norm at one row as one kernel (kernels_pallas/rmsnorm.py) where XLA ran a
     # reduce and the normed row: a kernel a GDN layer and one for the final norm fewer (3 GDN layers + 1)
     assert rows["27B plain"]["kernels"] + 4 <= rows["27B plain, the input and final norms in XLA ops"]["kernels"], rows
+    # a batch of one row's KV cache written by its dynamic-update-slice (attention.ONE_ROW_WRITE): XLA fuses the new
+    # rows' computation into the update, where the scatter's select took them a kernel of their own each (k, v)
+    assert rows["27B plain"]["kernels"] + 2 <= rows["27B plain, the KV rows written by a scatter"]["kernels"], rows
+    # a quantized MLP's gate and up in one launch (quant_gate_up.py): a kernel a layer fewer (4 layers)
+    assert rows["27B int4 plain"]["kernels"] + 4 <= rows["27B int4 plain, gate and up in two launches"]["kernels"], \
+        rows
     for label, r in rows.items():
         cats = r["concatenations"]
         report(f"XLA sm_90 compile (deviceless, H200), {label}: {r['kernels']} kernels an iteration, weight "

@@ -11,6 +11,7 @@ from .budget import section, summary
 from .causal import CAUSAL_LONG, CAUSAL_SMALL, check_causal
 from .e2e_27b import check_end_to_end_27b
 from .end_to_end import check_end_to_end
+from .gate_up import GATE_UP_REAL, GATE_UP_SMALL, GATE_UP_SMOKE, check_gate_up
 from .gdn import GDN_REAL, GDN_SMALL, check_gdn
 from .long_context import check_long_context_27b
 from .moe import (
@@ -94,7 +95,9 @@ def _run(args, t0, contexts):
         small = {"quant": [("quantized matmul, small",
                             lambda: check_quant(QUANT_SMOKE if interp else QUANT_SMALL, interp, False)),
                            ("decode kernel plan alternatives, small",
-                            lambda: check_quant_plans(QUANT_PLANS_SMOKE, interp, False))],
+                            lambda: check_quant_plans(QUANT_PLANS_SMOKE, interp, False)),
+                           ("dense gate / up in one launch, small",
+                            lambda: check_gate_up(GATE_UP_SMOKE if interp else GATE_UP_SMALL, interp, False))],
                  "moe": [("MoE routed experts, small",
                           lambda: check_moe(MOE_SMOKE if interp else MOE_SMALL, interp, False)),
                          ("MoE experts' SwiGLU, small",
@@ -109,6 +112,8 @@ def _run(args, t0, contexts):
                           lambda: check_rmsnorm(NORM_SMOKE if interp else NORM_SMALL, interp, False))],
                  "long": [("causal attention, small", lambda: check_causal(CAUSAL_SMALL, interp, timings=False))]}
         timed = {"quant": [("quantized matmul, 27B matrices, timed", lambda: check_quant(QUANT_REAL, False, True)),
+                           ("dense gate / up in one launch, 27B and 35B-A3B shared expert, timed",
+                            lambda: check_gate_up(GATE_UP_REAL, False, True)),
                            ("decode kernel plan alternatives, 27B matrices, timed",
                             lambda: check_quant_plans(QUANT_PLANS_REAL, False, timings=True))],
                  "moe": [("MoE routed experts, 35B-A3B experts, timed", lambda: check_moe(MOE_REAL, False, True)),
@@ -145,6 +150,7 @@ def _run(args, t0, contexts):
         sec("GDN step and verify, small", lambda: check_gdn(GDN_SMALL[:2], True, timings=False))
         sec("RMSNorm rows, small", lambda: check_rmsnorm(NORM_SMOKE, True, timings=False))
         sec("quantized matmul, small", lambda: check_quant(QUANT_SMOKE, True, timings=False))
+        sec("dense gate / up in one launch, small", lambda: check_gate_up(GATE_UP_SMOKE, True, timings=False))
         sec("end to end, shipped model", lambda: check_end_to_end(args.max_new, thorough=False))
         sec("tensor parallel", lambda: check_tensor_parallel(args.max_new))
         print("end to end 27B slice: skipped in the --interpret smoke form (its compiles would cost CI "
@@ -158,6 +164,7 @@ def _run(args, t0, contexts):
     sec("RMSNorm rows, small", lambda: check_rmsnorm(NORM_SMALL, False, timings=False))
     sec("quantized matmul, small", lambda: check_quant(QUANT_SMALL, False, timings=False))
     sec("decode kernel plan alternatives, small", lambda: check_quant_plans(QUANT_PLANS_SMOKE, False, timings=False))
+    sec("dense gate / up in one launch, small", lambda: check_gate_up(GATE_UP_SMALL, False, timings=False))
     sec("MoE routed experts, small", lambda: check_moe(MOE_SMALL, False, timings=False))
     sec("MoE experts' SwiGLU, small", lambda: check_moe_swiglu(SWIGLU_SMALL, False, timings=False))
     sec("MoE router top-k, small", lambda: check_router(ROUTER_SMALL, False, timings=False))
@@ -171,6 +178,8 @@ def _run(args, t0, contexts):
     sec("tensor parallel", lambda: check_tensor_parallel(args.max_new))
     sec("end to end, 27B slice", lambda: check_end_to_end_27b(args.max_new, args.e2e27b_layers))
     sec("quantized matmul, 27B matrices, timed", lambda: check_quant(QUANT_REAL, False, timings=True))
+    sec("dense gate / up in one launch, 27B and 35B-A3B shared expert, timed",
+        lambda: check_gate_up(GATE_UP_REAL, False, timings=True))
     sec("MoE routed experts, 35B-A3B experts, timed", lambda: check_moe(MOE_REAL, False, timings=True))
     sec("MoE experts' SwiGLU, 35B-A3B experts, timed", lambda: check_moe_swiglu(SWIGLU_REAL, False, timings=True))
     sec("MoE router top-k, real routers, timed", lambda: check_router(ROUTER_REAL, False, timings=True))

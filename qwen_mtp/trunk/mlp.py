@@ -22,12 +22,20 @@ from kernels_pallas import per_shard as spmd
 from kernels_pallas.moe_router import router_topk as topk_kernel
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.ops import linear, pads_one_row, two_rows
+from qwen_mtp.trunk.quant import gate_up as quant_gate_up
 from qwen_mtp.trunk.quant import grouped_dot, routed_mlp
 from qwen_mtp.trunk.weights import MLPWeights, MoEWeights
 
 
+def gate_up(x, gate, up):
+    """silu(x @ gate) * (x @ up): quantized weights at decode rows in one launch (quant.gate_up), else the two
+    products."""
+    h = quant_gate_up(x, gate, up)
+    return jax.nn.silu(linear(x, gate)) * linear(x, up) if h is None else h
+
+
 def mlp(x, w: MLPWeights):
-    return linear(jax.nn.silu(linear(x, w.gate)) * linear(x, w.up), w.down)
+    return linear(gate_up(x, w.gate, w.up), w.down)
 
 
 def router_topk(probs, k: int):

@@ -31,6 +31,7 @@ from flax import struct
 from kernels_pallas import moe_expert_mlp as expert_mlp
 from kernels_pallas import moe_grouped
 from kernels_pallas import per_shard as spmd
+from kernels_pallas import quant_gate_up
 from kernels_pallas import quant_layout as layout
 from kernels_pallas.moe_gemv import moe_gemv
 from kernels_pallas.quant_matmul import quant_matmul
@@ -38,6 +39,7 @@ from qwen_mtp.errors import ArgumentError
 
 KINDS = layout.KINDS
 SWIGLU_KINDS = expert_mlp.KINDS  # the experts' formats routed_mlp hands to moe_expert_mlp (a test empties it)
+GATE_UP_KINDS = quant_gate_up.KINDS  # the dense formats gate_up hands to quant_gate_up (a test empties it)
 FP8_BLOCK = (128, 128)
 STORAGE = layout.STORAGE  # kind -> numpy dtype of the stored values
 
@@ -158,6 +160,23 @@ def linear(x, w: QuantArray, *, backend: str = "auto"):
     call = lambda x, q, s, k, block: quant_matmul(x, q, s, kind=w.kind, k=k, block=block, backend=backend)
     y = spmd.quant_linear(x.reshape(-1, K), w.q, w.scale, w.spec, K, w.block, call)
     return y.reshape(*x.shape[:-1], N)
+
+
+def gate_up(x, gate, up, *, backend: str = "auto"):
+    """silu(x @ gate) * (x @ up) -> [..., N] in x's dtype, gate and up QuantArrays [K, N] of one layout, in one
+    launch (kernels_pallas/quant_gate_up.py) where it takes them: no mesh active and rows the decode kernel is
+    backend "auto"'s choice for. None otherwise: the caller's two products (mlp.gate_up), as before."""
+    if not (isinstance(gate, QuantArray) and isinstance(up, QuantArray) and gate.ndim == up.ndim == 2
+            and gate.kind == up.kind and gate.kind in GATE_UP_KINDS and tuple(gate.block) == tuple(up.block)
+            and spmd.active_mesh() is None):
+        return None
+    K, N = gate.shape
+    x2 = x.reshape(-1, K)
+    args = (x2, gate.q, gate.scale, up.q, up.scale)
+    kw = dict(kind=gate.kind, k=K, block=tuple(gate.block))
+    if quant_gate_up.unsupported_reason(*args, **kw) is not None:
+        return None
+    return quant_gate_up.quant_gate_up(*args, **kw, backend=backend).reshape(*x.shape[:-1], N)
 
 
 def grouped_dot(x, w, group_sizes, *, impl: str = "auto"):

@@ -1,0 +1,78 @@
+"""A quantized dense MLP's gate and up in one launch on the device (kernels_pallas/quant_gate_up.py,
+`check_gate_up`): against the reference (quant_matmul_reference twice, the activation between) and beside the
+two launches of quant_gemv's decode kernel and XLA's activation that the MLP ran before, in int4 groups, fp8
+blocks and int8 per channel, at small shapes and at Qwen3.5-27B's gate / up (5120 x 17408) and 35B-A3B's shared
+expert (2048 x 512) at the rows the one launch takes. GB/s counts the bytes both products must read (values,
+scales, x, the output); the line gives both forms' times and their ratio: quant.GATE_UP_KINDS should follow it
+(the one launch saves a kernel a layer; each of its programs is the single launch's, so the ratio is what the
+launch and the fusion after it cost)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas import quant_gate_up as gu
+from kernels_pallas.quant_decode import quant_gemv
+
+from .budget import out_of_time
+from .common import bandwidth, case_label, max_rel, one_line
+from .quant import _quant_inputs
+from .timing import time_call
+
+# (kind, "channel" | int4 group | fp8 block, M, K, N, x dtype)
+GATE_UP_SMOKE = [("int4", 32, 1, 96, 40, "float32")]
+GATE_UP_SMALL = GATE_UP_SMOKE + [("int8", "channel", 2, 200, 72, "bfloat16"),
+                                 ("fp8", (128, 128), 3, 300, 136, "float32"), ("int4", 128, 1, 300, 136, "bfloat16")]
+GATE_UP_REAL = [(kind, fmt, M, K, N, "bfloat16") for (K, N) in ((5120, 17408), (2048, 512))
+                for kind, fmt, M in (("int4", 128, 1), ("fp8", (128, 128), 1), ("int8", "channel", 1),
+                                     ("fp8", (128, 128), 3))]
+HBM_TARGET = 0.8
+
+
+def _two_launches(kind, K, block, interpret):
+    """The MLP's form before quant_gate_up.py: gate and up each on the decode kernel, silu(g) * u in XLA."""
+    call = functools.partial(quant_gemv, kind=kind, k=K, block=block, backend="pallas", interpret=interpret)
+    return jax.jit(lambda x, qg, sg, qu, su: jax.nn.silu(call(x, qg, sg)) * call(x, qu, su))
+
+
+def check_gate_up(cases, interpret, timings):
+    """Each case: the one launch and the two launches against the reference; with timings, both timed."""
+    kind_of_device, bw = bandwidth()
+    failures = 0
+    for i, (kind, fmt, M, K, N, dtype) in enumerate(cases):
+        label = case_label(f"dense gate / up in one launch {kind} {fmt} M{M} K{K} N{N} {dtype}")
+        if out_of_time(f"{label} and the rest"):
+            break
+        try:
+            x, qg, sg, block = _quant_inputs(kind, fmt, M, K, N, jnp.dtype(dtype), 700 + i)
+            _, qu, su, _ = _quant_inputs(kind, fmt, M, K, N, jnp.dtype(dtype), 800 + i)
+            args = (x, qg, sg, qu, su)
+            kw = dict(kind=kind, k=K, block=block)
+            reason = gu.unsupported_reason(*args, **kw)
+            assert reason is None, reason
+            one = jax.jit(functools.partial(gu.quant_gate_up_pallas, **kw, interpret=interpret))
+            two = _two_launches(kind, K, block, interpret)
+            want = np.asarray(jax.jit(functools.partial(gu.quant_gate_up_reference, **kw))(*args), np.float32)
+            got = np.asarray(one(*args).astype(jnp.float32))
+            got2 = np.asarray(two(*args).astype(jnp.float32))
+        except Exception as e:  # noqa: BLE001 - one case that does not compile or run must not hide the others
+            print(f"{label}: FAIL {one_line(e)}", flush=True)
+            failures += 1
+            continue
+        tol = 1e-4 if jnp.dtype(dtype) == jnp.float32 else 2e-2
+        rel, rel2 = max_rel(got, want), max_rel(got2, want)
+        ok = rel < tol and rel2 < tol and np.isfinite(got).all()
+        failures += not ok
+        line = f"{label}: one launch max_rel {rel:.1e}, two launches max_rel {rel2:.1e} {'OK' if ok else 'FAIL'}"
+        if timings:
+            nbytes = sum(a.nbytes for a in (qg, sg, qu, su)) + x.nbytes + M * N * x.dtype.itemsize
+            t_1, t_2 = time_call(one, *args), time_call(two, *args)
+            frac = (f" = {100 * nbytes / t_1 / bw:.0f}% of {kind_of_device}'s {bw / 1e12:.2f} TB/s; "
+                    f"{HBM_TARGET:.0%} of HBM = {1e6 * nbytes / (HBM_TARGET * bw):.1f} us") if bw else ""
+            line += (f"; {nbytes / 1e6:.1f} MB read; one launch {1e6 * t_1:.1f} us ({nbytes / t_1 / 1e9:.0f} GB/s"
+                     f"{frac}), two launches {1e6 * t_2:.1f} us, one/two {t_1 / t_2:.2f}x")
+        print(line, flush=True)
+        del args
+    return failures

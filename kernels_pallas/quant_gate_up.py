@@ -1,0 +1,116 @@
+"""A quantized dense MLP's gate and up at decode rows in one launch: silu(x @ gate) * (x @ up), the SwiGLU's
+input to down, for a dense layer's MLP (27B), a MoE layer's shared expert and the MTP head's MLP.
+
+    quant_gate_up(x, qg, sg, qu, su, *, kind, k, block) -> [M, N] in x's dtype
+      x        [M, K]         decode rows, f32 / bf16 / f16
+      qg, qu   [Kq, N]        gate's and up's values in quant_layout's format (one kind, one block for both)
+      sg, su   [gk, gn]       their float32 scales
+      out = silu(x @ gate) * (x @ up), each product rounded to x's dtype, the activation in x's dtype
+
+The reference is the MLP as it was: quant_matmul_reference for each product (what quant.linear lowers for cpu),
+the activation between, so a program lowered for cpu is unchanged. On cuda, where the two products were two
+launches of quant_gemv.py's decode kernel: one launch of the same kernel whose grid holds gate's column tiles
+then up's (gemv_kernel's pair form, as the routed experts' gate / up in moe_expert_mlp.py), float32 partials
+[parts, 2, M, N], their sums, the roundings and the activation in one XLA fusion after it, as before. Each
+program is the same program as in the single launch (the plan of one weight: the same column tile, the same K
+parts), so what gpu_check measures of quant_gemv holds for each half. 27B int4 at batch 1 (deviceless H200
+compile): a kernel a layer fewer.
+
+Taken where backend "auto" of quant.linear would run quant_gemv's kernel for both products (quant_decode.
+decode_kernel: int4 at 1 row, int8 and fp8 at 1 .. 3; more rows go to the tensor-core kernel, and the two
+launches stay) and no mesh is active (quant.gate_up); elsewhere the two calls as before. Backend:
+kernels_pallas/dispatch.py's rule; `unsupported_reason` falls back to the reference with a one-time warning.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kernels_pallas import dispatch
+from kernels_pallas import quant_gemv as gemv
+from kernels_pallas.quant_decode import decode_kernel, quant_gemv
+from kernels_pallas.quant_reference import check_inputs, quant_matmul_reference
+
+KINDS = ("int8", "int4", "fp8")
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block"))
+def quant_gate_up_reference(x, qg, sg, qu, su, *, kind: str, k: int, block):
+    """quant_matmul_reference for gate and for up, silu(gate) * up in x's dtype."""
+    g = quant_matmul_reference(x, qg, sg, kind=kind, k=k, block=block)
+    u = quant_matmul_reference(x, qu, su, kind=kind, k=k, block=block)
+    return jax.nn.silu(g) * u
+
+
+def unsupported_reason(x, qg, sg, qu, su, *, kind: str, k: int, block):
+    """None if the one launch takes these inputs (each weight's layout already checked), else why not: gate and up
+    of one shape, dtype and scale layout, rows the decode kernel is backend "auto"'s choice for."""
+    if kind not in KINDS:
+        return f"{kind}: the gate / up launch takes {' / '.join(KINDS)} weights"
+    if qg.shape != qu.shape or qg.dtype != qu.dtype or sg.shape != su.shape:
+        return (f"gate {list(qg.shape)} {qg.dtype} (scales {list(sg.shape)}) and up {list(qu.shape)} {qu.dtype} "
+                f"(scales {list(su.shape)}) differ")
+    reason = gemv.unsupported_reason(x, qg, sg, kind=kind, k=k, block=block)
+    if reason is not None:
+        return reason
+    if decode_kernel(x, qg, sg, kind, k, block) is not quant_gemv:
+        return f"{x.shape[0]} rows of {kind}: the tensor-core decode kernel's (quant_decode.decode_kernel)"
+    p = gemv.plan(x.shape[0], k, qg.shape[1], kind, tuple(block))
+    if p.splits * 2 * x.shape[0] * qg.shape[1] >= gemv.MAX_ELEMENTS:
+        return f"partials [{p.splits}, 2, {x.shape[0]}, {qg.shape[1]}]: more than 2^31 elements"
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "rows", "interpret"))
+def quant_gate_up_partials(x, qg, sg, qu, su, *, kind: str, k: int, block, splits: int | None = None,
+                           rows: int | None = None, interpret: bool = False):
+    """The one launch: float32 partials [parts, 2, M, N], [s, 0] of x @ gate and [s, 1] of x @ up over K's part s.
+    splits and rows override the plan of one weight (quant_gemv_plan.plan), as for quant_gemv_pallas."""
+    block = tuple(block)
+    M, N = x.shape[0], qg.shape[1]
+    p = gemv.plan(M, k, N, kind, block, splits=splits, rows=rows)
+    stored = (gemv.as_words(qg), gemv.as_words(qu)) if gemv.reads_words(kind) else (qg, qu)
+    kernel = functools.partial(gemv.gemv_kernel, kind=kind, md=gemv.mode(kind, k, block), M=M, K=k, N=N,
+                               kq=qg.shape[0], bk=block[0], bns=block[1], p=p, dt=x.dtype, gk=sg.shape[0],
+                               pair=True)
+    args = [x, *stored, sg.astype(jnp.float32), su.astype(jnp.float32), jnp.asarray(gemv.CONSTS)]
+    out_shape = jax.ShapeDtypeStruct((p.splits, 2, M, N), jnp.float32)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, s: (0,) * len(a.shape))
+    return pl.pallas_call(
+        kernel,
+        grid=(2 * p.col_tiles, p.splits),
+        in_specs=[whole(a) for a in args],
+        out_specs=whole(out_shape),
+        out_shape=out_shape,
+        compiler_params=plt.CompilerParams(num_warps=p.num_warps, num_stages=1),
+        interpret=interpret,
+        name=f"quant_gate_up_{kind}",
+    )(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "rows", "interpret"))
+def quant_gate_up_pallas(x, qg, sg, qu, su, *, kind: str, k: int, block, splits: int | None = None,
+                         rows: int | None = None, interpret: bool = False):
+    """The kernel's form: the one launch, then each product's sum over K's parts rounded to x's dtype (as
+    quant_gemv_pallas rounds it) and the activation."""
+    parts = quant_gate_up_partials(x, qg, sg, qu, su, kind=kind, k=k, block=block, splits=splits, rows=rows,
+                                   interpret=interpret)
+    g, u = (parts[:, i].sum(axis=0).astype(x.dtype) for i in (0, 1))
+    return jax.nn.silu(g) * u
+
+
+def quant_gate_up(x, qg, sg, qu, su, *, kind: str, k: int, block, backend: str = "auto",
+                  interpret: bool = False):
+    """The kernel in a program lowered for cuda, the reference elsewhere (dispatch.run); see the module doc."""
+    block = tuple(int(b) for b in block)
+    check_inputs(x, qg, sg, kind, k, block)
+    check_inputs(x, qu, su, kind, k, block)
+    kernel = functools.partial(quant_gate_up_pallas, kind=kind, k=k, block=block, interpret=interpret)
+    reference = functools.partial(quant_gate_up_reference, kind=kind, k=k, block=block)
+    reason = unsupported_reason(x, qg, sg, qu, su, kind=kind, k=k, block=block)
+    return dispatch.run("quantized gate / up (one launch)", kernel, reference, reason, backend, x, qg, sg, qu, su)
