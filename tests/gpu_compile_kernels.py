@@ -110,7 +110,8 @@ def loops(target):
     (its reference, as before kernels_pallas/gdn_verify.py's kernel); 35B-A3B's plain step with the router's top-k
     by lax.top_k, with gate / up on copies of each token's row and with the experts' SwiGLU in three calls, as
     before moe_router.py, moe_gemv's rows_per_x and moe_expert_mlp.py, and with out_proj's input padded by XLA
-    after the GDN step kernel (before its pad_row); 27B's plain step, and with its input and final norms in XLA
+    after the GDN step kernel (before its pad_row) and with its input norms' two rows made by XLA after the norm's
+    kernel (before rmsnorm's pad_row); 27B's plain step, and with its input and final norms in XLA
     ops (before rmsnorm.py's kernel), and with its KV rows written by the batched scatter (before
     attention.ONE_ROW_WRITE); 27B int4's plain step, and with its MLPs' gate and up in two launches (before
     quant_gate_up.py); and 27B's round with the GDN in-projections as they were before
@@ -162,13 +163,20 @@ def loops(target):
     jax.clear_caches()
     one("35B-A3B plain, out_proj's input padded after the GDN step kernel", "Qwen3.5-35B-A3B", k=0)
     gdn.pads_one_row = pads
-    # a layer's input norm and the final norm at one row as one kernel (ops.rmsnorm_written), against XLA's two
+    # a layer's input norm writing the row's two rows (rmsnorm pad_row, forward.PADDED_INPUT), against XLA's pad
     from qwen_mtp.trunk import forward
+    forward.PADDED_INPUT = False
+    jax.clear_caches()
+    one("35B-A3B plain, the input norm's two rows made by XLA", "Qwen3.5-35B-A3B", k=0)
+    forward.PADDED_INPUT = True
+    # a layer's input norm and the final norm at one row as one kernel (ops.rmsnorm_written), against XLA's two
     one("27B plain", "Qwen3.5-27B", k=0)
-    written, forward.rmsnorm_written = forward.rmsnorm_written, ops.rmsnorm_1pw
+    written = forward.rmsnorm_written
+    forward.rmsnorm_written = lambda x, w, eps, pad_row=False: ops.rmsnorm_1pw(x, w, eps)
+    forward.PADDED_INPUT = False  # (the norm's kernel's pad_row: XLA's norm has none)
     jax.clear_caches()
     one("27B plain, the input and final norms in XLA ops", "Qwen3.5-27B", k=0)
-    forward.rmsnorm_written = written
+    forward.rmsnorm_written, forward.PADDED_INPUT = written, True
     # the KV cache of a batch of one row written by its dynamic-update-slice (attention.ONE_ROW_WRITE), against the
     # batched scatter
     from qwen_mtp.trunk import attention
@@ -193,7 +201,7 @@ def loops(target):
     jax.clear_caches()
     one("27B k1 native, the GDN verify in XLA ops (its reference)", "Qwen3.5-27B")
     gdn.gdn_verify = kernel
-    gdn.in_projections = lambda x, w: tuple(linear(x, m) for m in (w.in_proj_qkv, w.in_proj_z, w.in_proj_b,
+    gdn.in_projections = lambda x, w, two=None: tuple(linear(x, m) for m in (w.in_proj_qkv, w.in_proj_z, w.in_proj_b,
                                                                     w.in_proj_a))
     jax.clear_caches()  # the loop was traced with the fixed function
     one("27B k1 native, the in-projections on one x (before the fix)", "Qwen3.5-27B")

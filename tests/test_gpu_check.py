@@ -21,6 +21,7 @@ def test_gpu_check_runs_on_cpu(capsys):
     assert "end to end 27B slice: skipped" in out
     assert "GDN conv one head (B1 C48 float32): max_rel out, state " in out  # gdn_conv.py beside the step
     assert "RMSNorm rows R1 H1000 float32: grid (1,), max_rel " in out  # rmsnorm.py
+    assert "RMSNorm rows R1 H1000 float32 pad_row (the row and its two rows): max_rel " in out
     assert "pad_row: the row and zeros" in out  # the GDN step writing out_proj's two rows
     assert "dense gate / up in one launch int4 32 M1 K96 N40 float32: one launch max_rel" in out  # quant_gate_up.py
 

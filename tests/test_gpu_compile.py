@@ -141,7 +141,8 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     concatenation of 4 MB or more in its loop, nor does 35B-A3B's plain step write out a weight-sized product,
     and a round launches fewer kernels with the GDN verify kernel than with its XLA reference, and a MoE plain
     step fewer with the router's top-k kernel, with gate / up reading the token's row, with the experts' SwiGLU in
-    two kernels and with the GDN step kernel writing out_proj's two rows than without, and a 27B plain step fewer
+    two kernels, with the GDN step kernel writing out_proj's two rows and with the input norm's kernel writing its
+    row's two rows than without, and a 27B plain step fewer
     with the RMSNorm kernel and with its KV rows written by their dynamic-update-slice, and a 27B int4 plain step
     fewer with its MLPs' gate and up in one launch.
     Before gdn.in_projections, XLA's dot merger joined the four GDN in-projections over their weights
@@ -175,6 +176,9 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     # the GDN step kernel writes out_proj's input as the two rows its product takes (gdn_step's pad_row): a pad
     # kernel a GDN layer fewer (3 of the 4 layers; at 27B XLA runs the one-row out_proj unpadded, 31M > VECTOR_DOT_MAX)
     assert plain + 3 <= rows["35B-A3B plain, out_proj's input padded after the GDN step kernel"]["kernels"], rows
+    # a layer's input norm writes the row's two rows (rmsnorm's pad_row): XLA's pad after the kernel, a kernel a
+    # layer fewer (4 layers: every 35B-A3B mixer has an in-projection ops.linear pads)
+    assert plain + 4 <= rows["35B-A3B plain, the input norm's two rows made by XLA"]["kernels"], rows
     # a layer's input norm and the final norm at one row as one kernel (kernels_pallas/rmsnorm.py) where XLA ran a
     # reduce and the normed row: a kernel a GDN layer and one for the final norm fewer (3 GDN layers + 1)
     assert rows["27B plain"]["kernels"] + 4 <= rows["27B plain, the input and final norms in XLA ops"]["kernels"], rows

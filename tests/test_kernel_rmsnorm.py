@@ -149,4 +149,62 @@ def test_kernel_lowers_and_compiles_for_sm90_at_real_shapes(report):
         args = (S((1, 1, H), dtype), S((H,), dtype))
         assert unsupported_reason(*args) is None
         cases.append((f"{model} H{H} {jnp.dtype(dtype).name}", lambda x, w: rmsnorm_rows(x, w, eps=EPS), args))
+    args = (S((1, 1, 2048), jnp.bfloat16), S((2048,), jnp.bfloat16))  # a 35B-A3B layer's input norm, pad_row
+    cases.append(("35B-A3B H2048 bfloat16 pad_row", lambda x, w: rmsnorm_rows(x, w, eps=EPS, pad_row=True), args))
     compiles_for_sm90(cases, "rmsnorm_rows", "RMSNorm row", report)
+
+
+@pytest.mark.parametrize("lead,H,dtype", [((1, 1), 1000, jnp.float32), ((1, 1), 2048, jnp.bfloat16),
+                                          ((3, 1), 640, jnp.float32)])
+def test_pad_row_writes_the_rows_and_a_zero_row(lead, H, dtype):
+    """pad_row: (y, y2), y2 the rows again and a row of zeros after them, as the reference makes them (f32 at the
+    sums' order, bf16 at its rounding); y is the kernel's own output without pad_row, bit for bit, and y2's rows
+    are y's (the program of the zero row writes nothing into y). A shape that is not [B, 1, .., 1, H] is refused."""
+    x, w = _inputs((lead, H), 11, dtype, dtype)
+    y, y2 = rmsnorm_rows_pallas(x, w, eps=EPS, pad_row=True, interpret=True)
+    ref, ref2 = rmsnorm_reference(x, w, eps=EPS, pad_row=True)
+    assert y.shape == x.shape and y2.shape == (lead[0] + 1, *lead[1:], H), (y.shape, y2.shape)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(rmsnorm_rows_pallas(x, w, eps=EPS, interpret=True)))
+    np.testing.assert_array_equal(np.asarray(y2[:-1]), np.asarray(y))
+    assert not np.asarray(y2[-1], np.float32).any() and np.asarray(ref2[-1], np.float32).sum() == 0
+    assert (np.abs(np.asarray(y, np.float32)).max(axis=-1) > 0).all()  # every row written
+    tol = 1e-6 if dtype == jnp.float32 else 2e-2
+    assert rel_err(y.astype(jnp.float32), ref.astype(jnp.float32))[0] < tol
+    with pytest.raises(ValueError, match=r"pad_row=True\) takes x \[B, 1, \.\., 1, H\].*found x \[1, 2, 64\]"):
+        rmsnorm_rows(jnp.zeros((1, 2, 64)), jnp.zeros((64,)), eps=EPS, pad_row=True)
+
+
+def test_a_layer_input_norm_writes_the_padded_rows_on_cuda(monkeypatch):
+    """forward.decoder_layer at one row: a layer's input norm writes the row and its two rows (pad_row) where the
+    mixer has a plain in-projection ops.linear pads (GDN z, attention k / v here; 35B-A3B: every layer), the
+    program lowered for cuda holds the norm kernel and no pad after it (tests/test_gpu_compile.py counts the
+    kernels), and on this CPU the decode step's value is bit for bit the one with forward.PADDED_INPUT off."""
+    from qwen_mtp.tools.lowering import export_for, kernel_calls
+    from qwen_mtp.trunk import forward
+    from qwen_mtp.trunk.config import parse_config
+    from qwen_mtp.trunk.random_weights import random_weights
+    from qwen_mtp.trunk.state import init_state
+
+    cfg = parse_config({"model_type": "qwen3_5_text", "num_hidden_layers": 2, "hidden_size": 64,
+                        "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
+                        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+                        "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "vocab_size": 128,
+                        "full_attention_interval": 2, "rms_norm_eps": 1e-6, "mtp_num_hidden_layers": 0,
+                        "max_position_embeddings": 64, "tie_word_embeddings": False}, "<pads test>")
+    w = random_weights(cfg, jax.random.PRNGKey(0), "bfloat16", mtp=False)
+    assert all(forward.input_pads(jnp.zeros((1, 1, 64)), lw.mixer) for lw in w.layers)
+    st = init_state(cfg, 1, 16, jnp.bfloat16)
+    step = jax.jit(lambda w, t, st, pos: forward.forward(w, cfg, t, st, pos, jnp.ones((1,), jnp.int32),
+                                                         gdn_mode="step"))
+    args = (w, jnp.array([[5]], jnp.int32), st, jnp.array([3], jnp.int32))
+    # ops.two_rows: the normed row and a zero row concatenated into the [2, H] a padded product takes
+    two_rows = lambda: sum("stablehlo.concatenate" in line and line.rstrip().split(" loc(")[0].endswith(
+        "-> tensor<2x64xbf16>") for line in export_for(step, *args).mlir_module().splitlines())
+    padded = step(*args)
+    assert two_rows() == 0 and "rmsnorm_rows" in kernel_calls(export_for(step, *args))
+    monkeypatch.setattr(forward, "PADDED_INPUT", False)
+    jax.clear_caches()
+    for a, b in zip(jax.tree.leaves(padded), jax.tree.leaves(step(*args))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert two_rows() == 5  # the control: the rows made after the kernel (GDN qkv and z; attention q, k and v)
+    assert kernel_calls(export_for(step, *args, platform="cpu")) == []

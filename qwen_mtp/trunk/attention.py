@@ -21,21 +21,24 @@ from kernels_pallas import per_shard as spmd
 from kernels_pallas.causal_attention import causal_attend, causal_attend_before_write, takes_dense_form
 from kernels_pallas.masked_attention import BLOCK_DIAGONAL_ROWS
 from qwen_mtp.trunk.config import ModelConfig
-from qwen_mtp.trunk.ops import linear, rmsnorm_1pw
+from qwen_mtp.trunk.ops import linear, linear_of_two, rmsnorm_1pw
 from qwen_mtp.trunk.rope import apply_rope, rope_cos_sin
 from qwen_mtp.trunk.state import KVCache, to_cache
 from qwen_mtp.trunk.weights import AttnWeights
 
 
-def project_qkv(x, w: AttnWeights, cfg: ModelConfig, positions):
-    """x [B, T, H], positions [B, T] -> q [B,T,nh,hd], k, v [B,T,nkv,hd] (RoPE applied), gate [B,T,nh*hd]."""
+def project_qkv(x, w: AttnWeights, cfg: ModelConfig, positions, two=None):
+    """x [B, T, H], positions [B, T] -> q [B,T,nh,hd], k, v [B,T,nkv,hd] (RoPE applied), gate [B,T,nh*hd].
+    two: one row's x and a zero row [2, 1, H] as the input norm's kernel wrote them, read through
+    ops.linear_of_two."""
     B, T, _ = x.shape
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qg = linear(x, w.q_proj).reshape(B, T, nh, 2 * hd)
+    lin = linear if two is None else (lambda x, m: linear_of_two(x, two, m))
+    qg = lin(x, w.q_proj).reshape(B, T, nh, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(B, T, nh * hd)
     q = rmsnorm_1pw(q, w.q_norm, cfg.rms_norm_eps)
-    k = rmsnorm_1pw(linear(x, w.k_proj).reshape(B, T, nkv, hd), w.k_norm, cfg.rms_norm_eps)
-    v = linear(x, w.v_proj).reshape(B, T, nkv, hd)
+    k = rmsnorm_1pw(lin(x, w.k_proj).reshape(B, T, nkv, hd), w.k_norm, cfg.rms_norm_eps)
+    v = lin(x, w.v_proj).reshape(B, T, nkv, hd)
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
@@ -105,7 +108,7 @@ def output(o, gate, w: AttnWeights):
     return linear(o.reshape(B, T, -1) * jax.nn.sigmoid(gate), w.o_proj)
 
 
-def attention_layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, rope_offset: int = 0):
+def attention_layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, rope_offset: int = 0, two=None):
     """Causal attention of T new tokens in slots pos[b] + t of the row's cache, each seeing slots <= its own.
     RoPE position = slot + rope_offset (0 for the trunk; 1 for the MTP head, whose row t sits at t + 1).
     The new rows are rounded to the cache dtype, written, and read back from the cache (upcast to the compute
@@ -116,10 +119,11 @@ def attention_layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, ro
     the cache BEFORE the write instead, with the same rounded new rows held apart (causal_attend_before_write:
     the same slots, the same values), and then writes them in place. Written first, the cache had two readers
     after its update, and XLA's CPU backend computed the update twice or copied the cache whole: in f32, the
-    shipped model with a short prompt in a 128K-slot cache took 90 ms per plain step, 24.5 ms read first."""
+    shipped model with a short prompt in a 128K-slot cache took 90 ms per plain step, 24.5 ms read first.
+    two: one row's x and a zero row (project_qkv)."""
     B, T, _ = x.shape
     positions = pos[:, None] + jnp.arange(T, dtype=pos.dtype)[None]
-    q, k, v, gate = project_qkv(x, w, cfg, positions + rope_offset)
+    q, k, v, gate = project_qkv(x, w, cfg, positions + rope_offset, two)
     k, v = to_cache(k, cache.k.dtype), to_cache(v, cache.v.dtype)
 
     def write_then_read(q, k, v, cache, positions):

@@ -9,9 +9,9 @@ from qwen_mtp.trunk.attention import attention_layer
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.gdn import gdn_layer
 from qwen_mtp.trunk.mlp import feed_forward
-from qwen_mtp.trunk.ops import contract, embed_rows, logits, rmsnorm_1pw, rmsnorm_written
+from qwen_mtp.trunk.ops import contract, embed_rows, logits, pads_one_row, rmsnorm_1pw, rmsnorm_written
 from qwen_mtp.trunk.quant import QuantArray
-from qwen_mtp.trunk.weights import Weights
+from qwen_mtp.trunk.weights import AttnWeights, Weights
 
 
 def post_norm(mlp_w):
@@ -22,15 +22,30 @@ def post_norm(mlp_w):
     return rmsnorm_written if isinstance(mlp_w.gate, QuantArray) else rmsnorm_1pw
 
 
+# The input norm of one row writes the row and a zero row (rmsnorm_written's pad_row) where its mixer has a plain
+# in-projection that ops.linear hands two rows on cuda (ops.pads_one_row): XLA's pad after the norm's kernel was
+# a kernel of its own (35B-A3B bf16: every layer; 27B bf16: the attention layers' k / v). A test empties it.
+PADDED_INPUT = True
+
+
+def input_pads(x, mixer) -> bool:
+    """Whether a layer's input norm writes one row and a zero row (PADDED_INPUT) for these rows and weights."""
+    weights = (mixer.q_proj, mixer.k_proj, mixer.v_proj) if isinstance(mixer, AttnWeights) else \
+        (mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a)
+    return PADDED_INPUT and x.shape[:-1] == (1, 1) and any(pads_one_row(m) for m in weights)
+
+
 def decoder_layer(x, lw, cfg: ModelConfig, kind: str, layer_state, pos, n_valid, gdn_mode: str):
     """One trunk layer. Its ops sit in the named scopes "attention" or "gdn" (the mixer with its input norm and
     residual) and "mlp" (dense or MoE), which profiling.py groups a trace by."""
     with jax.named_scope("attention" if kind == "full_attention" else "gdn"):
-        h = rmsnorm_written(x, lw.input_norm, cfg.rms_norm_eps)
+        pad = input_pads(x, lw.mixer)
+        h = rmsnorm_written(x, lw.input_norm, cfg.rms_norm_eps, pad_row=pad)
+        h, two = h if pad else (h, None)
         if kind == "full_attention":
-            h, layer_state = attention_layer(h, lw.mixer, cfg, layer_state, pos)
+            h, layer_state = attention_layer(h, lw.mixer, cfg, layer_state, pos, two=two)
         else:
-            h, layer_state = gdn_layer(h, lw.mixer, cfg, layer_state, n_valid, mode=gdn_mode)
+            h, layer_state = gdn_layer(h, lw.mixer, cfg, layer_state, n_valid, mode=gdn_mode, two=two)
         x = x + h
     with jax.named_scope("mlp"):
         x = x + feed_forward(post_norm(lw.mlp)(x, lw.post_norm, cfg.rms_norm_eps), lw.mlp, cfg)

@@ -18,7 +18,7 @@ from kernels_pallas.gdn_conv import causal_conv, conv_step, conv_window_at
 from kernels_pallas.gdn_step import gate_terms, gated_rmsnorm, gdn_step, split_heads
 from kernels_pallas.gdn_verify import gdn_verify, unit_lower_inverse, within_chunk
 from qwen_mtp.trunk.config import ModelConfig
-from qwen_mtp.trunk.ops import linear, pads_one_row
+from qwen_mtp.trunk.ops import linear, linear_of_two, pads_one_row
 from qwen_mtp.trunk.quant import QuantArray
 from qwen_mtp.trunk.state import GDNState, GDNVerify
 from qwen_mtp.trunk.weights import GDNWeights
@@ -94,7 +94,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     return jnp.moveaxis(out, 0, 1), state
 
 
-def in_projections(x, w: GDNWeights):
+def in_projections(x, w: GDNWeights, two=None):
     """The input-normed rows x [B, T, H] through the four in-projections: (qkv before the conv, z, b, a). The
     dots take x from three copies out of one optimization barrier (qkv's, z's, and one for the small b and a) so
     that XLA's dot merger cannot see one shared operand: over k + 1 rows it merged all four into one dot over the
@@ -103,12 +103,15 @@ def in_projections(x, w: GDNWeights):
     b and a may still merge (a 2 x H x nv concatenation, 1 MB at 27B); at one row they run as one kernel.
     tests/test_gpu_compile.py: no weight of 4 MB or more is concatenated in a decode loop compiled for an H200.
     With qkv and z both quantized there is no dot of theirs to merge (a QuantArray's product is a kernel) and one
-    x keeps one preparation of it for both kernels (three copies cost a 27B int4 step 3 kernels a GDN layer)."""
+    x keeps one preparation of it for both kernels (three copies cost a 27B int4 step 3 kernels a GDN layer).
+    two: x's one row and a zero row as the input norm's kernel wrote them (forward.decoder_layer), read by the
+    products through ops.linear_of_two (the barrier holds them, not a slice of them)."""
     if isinstance(w.in_proj_qkv, QuantArray) and isinstance(w.in_proj_z, QuantArray):
-        x_qkv = x_z = x_ba = x
-    else:
-        x_qkv, x_z, x_ba = jax.lax.optimization_barrier((x, x, x))
-    return linear(x_qkv, w.in_proj_qkv), linear(x_z, w.in_proj_z), linear(x_ba, w.in_proj_b), linear(x_ba, w.in_proj_a)
+        return tuple(linear(x, m) for m in (w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a))
+    # each product's x (and x's two rows where it takes them) through the barrier
+    x_qkv, x_z, x_ba = jax.lax.optimization_barrier(((x, two), (x, two), (x, two)))
+    lin = lambda xs, m: linear(xs[0], m) if two is None else linear_of_two(*xs, m)
+    return lin(x_qkv, w.in_proj_qkv), lin(x_z, w.in_proj_z), lin(x_ba, w.in_proj_b), lin(x_ba, w.in_proj_a)
 
 
 def rule_inputs(qkv, z, b, a, w: GDNWeights, cfg: ModelConfig):
@@ -157,13 +160,13 @@ def _out_proj_of_one_row(out, w):
                                       default=lambda o, w: linear(o[:1], w))
 
 
-def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode: str):
+def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode: str, two=None):
     """x [B, T, H] (already input-normed). mode: "chunk" (prefill), "chunk_fast" (training: the chunk form
     with the all-matmul doubling inverse), "step" (decode: one row a call is decode_rows' kernel) or "verify" (a
     speculative verify: the second result is a GDNVerify, from which rollback.select_states builds the GDNState
-    after the accepted position)."""
+    after the accepted position). two: one row's x and a zero row [2, 1, H] (in_projections)."""
     T = x.shape[1]
-    pre, z, b, a = in_projections(x, w)
+    pre, z, b, a = in_projections(x, w, two)
     if mode == "step" and T == 1:  # the conv and its next state: one kernel on cuda, the state in place
         qkv, conv = per_shard.conv_rows(conv_step, pre[:, 0], st.conv, w.conv, n_valid > 0)
         # one row: out_proj's input comes out of the step kernel as the two rows its product takes on cuda

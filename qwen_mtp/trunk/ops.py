@@ -74,6 +74,16 @@ def _as_two_rows(x, w):
     return y.reshape(*x.shape[:-1], w.shape[-1])
 
 
+def linear_of_two(x, x2, w):
+    """linear(x, w) for one row x [1, ..., in], given x2 [2, ..., in] the row and a row of zeros (rmsnorm_written's
+    pad_row): on cuda, for a weight `linear` hands two rows (pads_one_row), the product of x2 itself, so that no
+    pad kernel makes them; elsewhere, and for every other weight, linear of x."""
+    if pads_one_row(w):
+        return jax.lax.platform_dependent(x, x2, w, cuda=lambda x, x2, w: _product(x2, w)[:1],
+                                          default=lambda x, x2, w: linear(x, w))
+    return linear(x, w)
+
+
 def logits(x, w):
     """x [..., in] @ w [in, out] -> [..., out] in f32: an lm_head. A plain low-precision weight keeps the f32
     accumulation (no rounding of the logits to x's dtype); a QuantArray runs `linear`."""
@@ -150,10 +160,14 @@ def rmsnorm_1pw(x, w, eps):
     return rmsnorm_reference(x, w, eps=eps)
 
 
-def rmsnorm_written(x, w, eps):
+def rmsnorm_written(x, w, eps, *, pad_row: bool = False):
     """rmsnorm_1pw of a norm whose output is written out (a layer's input norm, the final norm): at one row, one
     kernel on cuda (kernels_pallas/rmsnorm.py) where XLA runs a reduce and an elementwise kernel; at several rows
-    rmsnorm_1pw, whose normalisation XLA folds into the products that read it."""
+    rmsnorm_1pw, whose normalisation XLA folds into the products that read it. pad_row (one row [1, 1, H]):
+    (the normed row, [2, 1, H] the normed row and a row of zeros), both written by the same kernel, the second
+    for linear_of_two."""
     if math.prod(x.shape[:-1]) == 1:
-        return rmsnorm_rows(x, w, eps=eps)
+        return rmsnorm_rows(x, w, eps=eps, pad_row=pad_row)
+    if pad_row:
+        raise ValueError(f"rmsnorm_written(pad_row=True) takes one row, found x {list(x.shape)}")
     return rmsnorm_1pw(x, w, eps)
