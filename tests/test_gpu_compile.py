@@ -53,8 +53,8 @@ def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
     """tests/gpu_compile_kernels.py: each Pallas kernel family at real Qwen3.5 shapes (quantized matmuls of 27B
     in every format at 1 and 5 rows, its gate and up in one launch at 1 row, the routed MoE experts of 35B-A3B
     and 397B-A17B, windowed and causal attention, the GDN decode step, verify and conv step, the MoE router's
-    top-k, the RMSNorm row) compiles for an H200 and holds its kernel; a launch over one block's shared memory is refused by XLA's compile (the probe
-    reaches the machine code)."""
+    top-k, the RMSNorm row) compiles for an H200 and holds its kernel; a launch over one block's shared memory is
+    refused by XLA's compile (the probe reaches the machine code)."""
     rows = [json.loads(x) for x in _run(python, "tests/gpu_compile_kernels.py", "H200").splitlines()
             if x.startswith("{")]
     assert len(rows) == 49, [r["label"] for r in rows]
