@@ -111,7 +111,7 @@ def loops(target):
     by lax.top_k, with gate / up on copies of each token's row and with the experts' SwiGLU in three calls, as
     before moe_router.py, moe_gemv's rows_per_x and moe_expert_mlp.py, and with out_proj's input padded by XLA
     after the GDN step kernel (before its pad_row) and with its input norms' two rows made by XLA after the norm's
-    kernel (before rmsnorm's pad_row); 27B's plain step, and with its input and final norms in XLA
+    kernel (before rmsnorm's pad_row), and in int4 with and without them; 27B's plain step, and with its input and final norms in XLA
     ops (before rmsnorm.py's kernel), and with its KV rows written by the batched scatter (before
     attention.ONE_ROW_WRITE); 27B int4's plain step, and with its MLPs' gate and up in two launches (before
     quant_gate_up.py); and 27B's round with the GDN in-projections as they were before
@@ -168,7 +168,11 @@ def loops(target):
     forward.PADDED_INPUT = False
     jax.clear_caches()
     one("35B-A3B plain, the input norm's two rows made by XLA", "Qwen3.5-35B-A3B", k=0)
+    jax.clear_caches()  # and int4 experts: the post norm's kernel writing the router's two rows too
+    one("35B-A3B int4 plain, the norms' two rows made by XLA", "Qwen3.5-35B-A3B", k=0, quant="int4")
     forward.PADDED_INPUT = True
+    jax.clear_caches()
+    one("35B-A3B int4 plain", "Qwen3.5-35B-A3B", k=0, quant="int4")
     # a layer's input norm and the final norm at one row as one kernel (ops.rmsnorm_written), against XLA's two
     one("27B plain", "Qwen3.5-27B", k=0)
     written = forward.rmsnorm_written

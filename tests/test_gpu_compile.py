@@ -179,6 +179,10 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     # a layer's input norm writes the row's two rows (rmsnorm's pad_row): XLA's pad after the kernel, a kernel a
     # layer fewer (4 layers: every 35B-A3B mixer has an in-projection ops.linear pads)
     assert plain + 4 <= rows["35B-A3B plain, the input norm's two rows made by XLA"]["kernels"], rows
+    # ... and with int4 experts, the post norm's kernel writing the router's two rows (the input norms pad nothing
+    # there: the in-projections are quantized): a kernel a MoE layer fewer
+    int4 = rows["35B-A3B int4 plain"]["kernels"]
+    assert int4 + 4 <= rows["35B-A3B int4 plain, the norms' two rows made by XLA"]["kernels"], rows
     # a layer's input norm and the final norm at one row as one kernel (kernels_pallas/rmsnorm.py) where XLA ran a
     # reduce and the normed row: a kernel a GDN layer and one for the final norm fewer (3 GDN layers + 1)
     assert rows["27B plain"]["kernels"] + 4 <= rows["27B plain, the input and final norms in XLA ops"]["kernels"], rows

@@ -208,3 +208,38 @@ def test_a_layer_input_norm_writes_the_padded_rows_on_cuda(monkeypatch):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert two_rows() == 5  # the control: the rows made after the kernel (GDN qkv and z; attention q, k and v)
     assert kernel_calls(export_for(step, *args, platform="cpu")) == []
+
+
+def test_a_moe_post_norm_writes_the_router_rows_on_cuda(monkeypatch):
+    """A MoE layer whose post norm its kernel writes (quantized experts: forward.post_norm) at one row writes the
+    row's two rows for the router's product (forward.router_pads: 256 experts here, as 35B-A3B's), which the routed
+    experts read too: the program lowered for cuda makes no two rows after the kernel; on this CPU the step's value
+    is bit for bit the one with forward.PADDED_INPUT off (the control, which makes them again)."""
+    from qwen_mtp.tools.lowering import export_for
+    from qwen_mtp.trunk import forward
+    from qwen_mtp.trunk.config import parse_config
+    from qwen_mtp.trunk.random_weights import random_weights
+    from qwen_mtp.trunk.state import init_state
+
+    cfg = parse_config({"model_type": "qwen3_5_moe_text", "num_hidden_layers": 1, "hidden_size": 64,
+                        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "linear_num_key_heads": 1,
+                        "linear_num_value_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                        "linear_conv_kernel_dim": 4, "vocab_size": 128, "full_attention_interval": 2,
+                        "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 32,
+                        "shared_expert_intermediate_size": 32, "rms_norm_eps": 1e-6, "mtp_num_hidden_layers": 0,
+                        "max_position_embeddings": 64, "tie_word_embeddings": False}, "<router pads test>")
+    w = random_weights(cfg, jax.random.PRNGKey(1), "bfloat16", "int8", mtp=False)
+    assert forward.router_pads(jnp.zeros((1, 1, 64)), w.layers[0].mlp)
+    st = init_state(cfg, 1, 16, jnp.bfloat16)
+    step = jax.jit(lambda w, t, st, pos: forward.forward(w, cfg, t, st, pos, jnp.ones((1,), jnp.int32),
+                                                         gdn_mode="step"))
+    args = (w, jnp.array([[7]], jnp.int32), st, jnp.array([2], jnp.int32))
+    two_rows = lambda: sum("stablehlo.concatenate" in line and line.rstrip().split(" loc(")[0].endswith(
+        "-> tensor<2x64xbf16>") for line in export_for(step, *args).mlir_module().splitlines())
+    padded = step(*args)
+    assert two_rows() == 0
+    monkeypatch.setattr(forward, "PADDED_INPUT", False)
+    jax.clear_caches()
+    for a, b in zip(jax.tree.leaves(padded), jax.tree.leaves(step(*args))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert two_rows() >= 1  # the control: ops.two_rows after the kernel, for the router and the experts

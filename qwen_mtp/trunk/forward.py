@@ -11,7 +11,7 @@ from qwen_mtp.trunk.gdn import gdn_layer
 from qwen_mtp.trunk.mlp import feed_forward
 from qwen_mtp.trunk.ops import contract, embed_rows, logits, pads_one_row, rmsnorm_1pw, rmsnorm_written
 from qwen_mtp.trunk.quant import QuantArray
-from qwen_mtp.trunk.weights import AttnWeights, Weights
+from qwen_mtp.trunk.weights import AttnWeights, MoEWeights, Weights
 
 
 def post_norm(mlp_w):
@@ -24,7 +24,8 @@ def post_norm(mlp_w):
 
 # The input norm of one row writes the row and a zero row (rmsnorm_written's pad_row) where its mixer has a plain
 # in-projection that ops.linear hands two rows on cuda (ops.pads_one_row): XLA's pad after the norm's kernel was
-# a kernel of its own (35B-A3B bf16: every layer; 27B bf16: the attention layers' k / v). A test empties it.
+# a kernel of its own (35B-A3B bf16: every layer; 27B bf16: the attention layers' k / v); so was the pad after a
+# MoE layer's post norm written by its kernel, before the router (35B-A3B int4). A test sets it False.
 PADDED_INPUT = True
 
 
@@ -33,6 +34,12 @@ def input_pads(x, mixer) -> bool:
     weights = (mixer.q_proj, mixer.k_proj, mixer.v_proj) if isinstance(mixer, AttnWeights) else \
         (mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a)
     return PADDED_INPUT and x.shape[:-1] == (1, 1) and any(pads_one_row(m) for m in weights)
+
+
+def router_pads(x, mlp_w) -> bool:
+    """Whether a MoE layer's post norm written by its kernel (post_norm) writes one row and a zero row for the
+    router's product (PADDED_INPUT; mlp.moe's `two`): 35B-A3B with quantized experts, every layer."""
+    return PADDED_INPUT and x.shape[:-1] == (1, 1) and isinstance(mlp_w, MoEWeights) and pads_one_row(mlp_w.router)
 
 
 def decoder_layer(x, lw, cfg: ModelConfig, kind: str, layer_state, pos, n_valid, gdn_mode: str):
@@ -48,7 +55,12 @@ def decoder_layer(x, lw, cfg: ModelConfig, kind: str, layer_state, pos, n_valid,
             h, layer_state = gdn_layer(h, lw.mixer, cfg, layer_state, n_valid, mode=gdn_mode, two=two)
         x = x + h
     with jax.named_scope("mlp"):
-        x = x + feed_forward(post_norm(lw.mlp)(x, lw.post_norm, cfg.rms_norm_eps), lw.mlp, cfg)
+        norm = post_norm(lw.mlp)
+        if norm is rmsnorm_written and router_pads(x, lw.mlp):  # the row's two rows for the router's product
+            h, two = rmsnorm_written(x, lw.post_norm, cfg.rms_norm_eps, pad_row=True)
+        else:
+            h, two = norm(x, lw.post_norm, cfg.rms_norm_eps), None
+        x = x + feed_forward(h, lw.mlp, cfg, two)
     return x, layer_state
 
 

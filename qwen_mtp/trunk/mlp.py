@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from kernels_pallas import per_shard as spmd
 from kernels_pallas.moe_router import router_topk as topk_kernel
 from qwen_mtp.trunk.config import ModelConfig
-from qwen_mtp.trunk.ops import linear, pads_one_row, two_rows
+from qwen_mtp.trunk.ops import linear, linear_of_two, pads_one_row, two_rows
 from qwen_mtp.trunk.quant import gate_up as quant_gate_up
 from qwen_mtp.trunk.quant import grouped_dot, routed_mlp
 from qwen_mtp.trunk.weights import MLPWeights, MoEWeights
@@ -49,20 +49,24 @@ def reads_routed_only(n_tokens: int, cfg: ModelConfig) -> bool:
     return n_tokens * cfg.top_k <= cfg.num_experts
 
 
-def moe(x, w: MoEWeights, cfg: ModelConfig):
+def moe(x, w: MoEWeights, cfg: ModelConfig, two=None):
     """x [..., H]. Few tokens: each (token, expert) pair reads its expert's weights only (quant.routed_mlp);
-    many: tokens sorted by expert through grouped matmuls (quant.grouped_dot). Module doc."""
+    many: tokens sorted by expert through grouped matmuls (quant.grouped_dot). Module doc. two: one token's row
+    and a zero row [2, ..., H] as the post norm's kernel wrote them (forward.decoder_layer), read by the router's
+    product (ops.linear_of_two) and the routed experts where they would read ops.two_rows of the row."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
+    two = None if two is None else two.reshape(2, shape[-1])
     n, k, E = x2.shape[0], cfg.top_k, cfg.num_experts
-    probs = jax.nn.softmax(linear(x2, w.router).astype(jnp.float32), axis=-1)
+    logits = linear(x2, w.router) if two is None else linear_of_two(x2, two, w.router)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     top_p, top_e = router_topk(probs, k)
     if cfg.norm_topk_prob:
         top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
     top_p = top_p.astype(x.dtype)
     shared = mlp(x2, w.shared) * jax.nn.sigmoid(linear(x2, w.shared_gate))
     if reads_routed_only(n, cfg):
-        return (_routed_pairs(x2, w, top_p, top_e) + shared).reshape(shape)
+        return (_routed_pairs(x2, w, top_p, top_e, two) + shared).reshape(shape)
 
     flat_e = top_e.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)
@@ -77,7 +81,7 @@ def moe(x, w: MoEWeights, cfg: ModelConfig):
     return (routed + shared).reshape(shape)
 
 
-def _routed_pairs(x2, w: MoEWeights, top_p, top_e):
+def _routed_pairs(x2, w: MoEWeights, top_p, top_e, two=None):
     """x2 [n, H]; pair p = t * k + j is token t with its j-th expert. Weighted by the router and summed over each
     token's k pairs in float32 -> [n, H] in x's dtype. Gate and up read each token's row where it lies (k pairs a
     row), not k copies of it; one row as the two rows ops.linear makes of it for the router's product on cuda
@@ -85,11 +89,12 @@ def _routed_pairs(x2, w: MoEWeights, top_p, top_e):
     fewer)."""
     n, k = top_e.shape
     pair_e = top_e.reshape(-1)
-    rows = two_rows(x2) if n == 1 and pads_one_row(w.router) else x2
+    rows = two if two is not None else two_rows(x2) if n == 1 and pads_one_row(w.router) else x2
     y = routed_mlp(rows, w.gate, w.up, w.down, pair_e, rows_per_x=k)
     y = (y * top_p.reshape(-1, 1)).astype(jnp.float32)
     return y.reshape(n, k, -1).sum(axis=1).astype(x2.dtype)
 
 
-def feed_forward(x, w, cfg: ModelConfig):
-    return moe(x, w, cfg) if isinstance(w, MoEWeights) else mlp(x, w)
+def feed_forward(x, w, cfg: ModelConfig, two=None):
+    """The layer's MLP or MoE block; two: see moe (a MoE block's only)."""
+    return moe(x, w, cfg, two) if isinstance(w, MoEWeights) else mlp(x, w)
