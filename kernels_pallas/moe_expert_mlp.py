@@ -45,6 +45,7 @@ from kernels_pallas import dispatch
 from kernels_pallas import moe_gemv as mg
 from kernels_pallas import quant_gemv as gemv
 from kernels_pallas import quant_gemv_grouped as grouped
+from kernels_pallas.split_k import sum_parts
 
 KINDS = mg.KINDS
 # gate and up's K parts at most (their plan's own choice above it): down loads each part of both for every row
@@ -119,7 +120,7 @@ def moe_expert_mlp_pallas(x, wg, sg, wu, su, wd, sd, ids, *, kind: str, block_in
     if kind in grouped.GROUPED_KINDS:  # quant_gemv's kernel over the pairs: gate and up in one launch, then down
         parts = grouped.quant_gemv_grouped_pair_pallas(x, wg, sg, wu, su, ids, kind=kind, k=H, block=bi,
                                                        splits=splits_in, rows_per_x=rows_per_x, interpret=interpret)
-        g, u = (parts[:, h].sum(axis=0).astype(dt) for h in (0, 1))
+        g, u = (sum_parts(parts[:, h]).astype(dt) for h in (0, 1))
         return grouped.quant_gemv_grouped_pallas(jax.nn.silu(g) * u, wd, sd, ids, kind=kind, k=I, block=bo,
                                                  splits=splits_out, interpret=interpret)
     size = jnp.dtype(dt).itemsize

@@ -67,6 +67,7 @@ from kernels_pallas.quant_layout import (
     padded_k,
     values,
 )
+from kernels_pallas.split_k import sum_parts
 
 KINDS = ("plain", "int8", "int4", "fp8")
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -355,7 +356,7 @@ def launch(kernel, p: Plan, P, N, dt, args, name, interpret, *, tiles=1, out_sha
         interpret=interpret,
         name=name,
     )(*args)
-    return out.sum(axis=0).astype(dt) if summed and p.splits > 1 else out
+    return sum_parts(out).astype(dt) if summed and p.splits > 1 else out
 
 
 def scales_of(scale):

@@ -35,6 +35,7 @@ from kernels_pallas import dispatch
 from kernels_pallas import quant_gemv as gemv
 from kernels_pallas.quant_decode import decode_kernel, quant_gemv
 from kernels_pallas.quant_reference import check_inputs, quant_matmul_reference
+from kernels_pallas.split_k import sum_parts
 
 KINDS = ("int8", "int4", "fp8")
 
@@ -100,7 +101,7 @@ def quant_gate_up_pallas(x, qg, sg, qu, su, *, kind: str, k: int, block, splits:
     quant_gemv_pallas rounds it) and the activation."""
     parts = quant_gate_up_partials(x, qg, sg, qu, su, kind=kind, k=k, block=block, splits=splits, rows=rows,
                                    interpret=interpret)
-    g, u = (parts[:, i].sum(axis=0).astype(x.dtype) for i in (0, 1))
+    g, u = (sum_parts(parts[:, i]).astype(x.dtype) for i in (0, 1))
     return jax.nn.silu(g) * u
 
 

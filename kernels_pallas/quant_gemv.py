@@ -74,6 +74,7 @@ from kernels_pallas.quant_gemv_plan import (
     vector_words,
 )
 from kernels_pallas.quant_layout import low_nibble_row
+from kernels_pallas.split_k import sum_parts
 
 # the kernel, and its plan's names (quant_gemv_plan.py) re-exported: callers write gemv.plan, gemv.WORDS
 __all__ = ["CONSTS", "DTYPES", "MAX_ELEMENTS", "MAX_GRID", "MAX_ROWS", "MIN_STEPS_PER_SPLIT", "MOST_PER_SM",
@@ -352,6 +353,6 @@ def quant_gemv_pallas(x, q, scale, *, kind: str, k: int, block, num_warps: int |
         interpret=interpret,
         name=f"quant_matmul_{kind}",
     )(x, stored, scale.astype(jnp.float32), consts)
-    return out.sum(axis=0).astype(dt) if p.splits > 1 else out
+    return sum_parts(out).astype(dt) if p.splits > 1 else out
 
 

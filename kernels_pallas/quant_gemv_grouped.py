@@ -26,6 +26,7 @@ from kernels_pallas.quant_gemv import (
     unsupported_reason,
 )
 from kernels_pallas.quant_gemv_plan import WORDS, alternatives, mode, plan
+from kernels_pallas.split_k import sum_parts
 
 
 GROUPED_KINDS = ("int8", "int4")
@@ -69,7 +70,7 @@ def quant_gemv_grouped_pallas(x, q, scale, ids, *, kind: str, k: int, block, spl
     grouped_unsupported_reason."""
     p = plan(1, k, q.shape[2], kind, tuple(block), splits=splits, rows=rows, words=words, pairs=ids.shape[0])
     out = _launch(x, (q,), (scale,), ids, kind, k, tuple(block), p, rows_per_x, interpret)
-    return out.sum(axis=0).astype(x.dtype) if p.splits > 1 else out
+    return sum_parts(out).astype(x.dtype) if p.splits > 1 else out
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "rows_per_x", "interpret"))

@@ -82,6 +82,7 @@ from kernels_pallas import dispatch
 from kernels_pallas.quant_decode import decode_kernel, gemv_rows, quant_gemv, quant_mma
 from kernels_pallas.quant_layout import STORAGE, cdiv, padded_k
 from kernels_pallas.quant_reference import check_inputs, quant_matmul_reference
+from kernels_pallas.split_k import sum_parts
 
 __all__ = ["check_inputs", "decode_kernel", "gemv_rows", "plan", "quant_gemv", "quant_matmul", "quant_matmul_pallas",
            "quant_matmul_reference", "quant_mma", "unsupported_reason", "xla_is_faster"]
@@ -325,7 +326,7 @@ def quant_matmul_pallas(x, q, scale, *, kind: str, k: int, block, block_m: int |
         interpret=interpret,
         name=f"quant_matmul_{kind}",
     )(x, q, scale.astype(jnp.float32))
-    return out.sum(axis=0).astype(dt) if p.splits > 1 else out
+    return sum_parts(out).astype(dt) if p.splits > 1 else out
 
 
 def quant_matmul(x, q, scale, *, kind: str, k: int, block, backend: str = "auto", interpret: bool = False):

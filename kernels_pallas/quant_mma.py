@@ -80,7 +80,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels_pallas.quant_gemv import as_words
-from kernels_pallas.split_k import SMS, k_parts
+from kernels_pallas.split_k import SMS, k_parts, sum_parts
 from kernels_pallas.quant_layout import VALUES_PER_COLUMN, cdiv, low_nibble_row
 
 ROWS = 16  # one tensor-core tile of rows: M = 1 .. 16
@@ -328,4 +328,4 @@ def quant_mma_pallas(x, q, scale, *, kind: str = "int4", k: int, block, splits: 
         interpret=interpret,
         name=f"quant_matmul_{kind}_mma",
     )(*xs, words, scale.astype(jnp.float32), consts)
-    return out.sum(axis=0).astype(dt) if p.splits > 1 else out
+    return sum_parts(out).astype(dt) if p.splits > 1 else out

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas.split_k import k_parts
+from kernels_pallas.split_k import k_parts, sum_parts
 from kernels_pallas.quant_layout import cdiv
 from kernels_pallas.quant_mma import (
     K_PARTS,
@@ -193,4 +193,4 @@ def quant_mma_fp8_pallas(x, q, scale, *, kind: str = "fp8", k: int, block, split
         interpret=interpret,
         name="quant_matmul_fp8_mma",
     )(xr, back, q, scale.astype(jnp.float32))
-    return out.sum(axis=0).astype(x.dtype) if p.splits > 1 else out
+    return sum_parts(out).astype(x.dtype) if p.splits > 1 else out

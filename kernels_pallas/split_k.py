@@ -1,6 +1,6 @@
 """K cut into parts: the decode kernels' shared rule for how many K parts (f32 partial products [splits, M, N],
-summed by XLA after the call) a grid takes to give the SMs enough programs (quant_gemv.py, quant_gemv_grouped.py,
-quant_mma.py, quant_mma_fp8.py)."""
+summed by XLA after the call: sum_parts) a grid takes to give the SMs enough programs (quant_gemv.py,
+quant_gemv_grouped.py, quant_mma.py, quant_mma_fp8.py)."""
 
 from __future__ import annotations
 
@@ -28,3 +28,23 @@ def k_parts(steps, col_tiles, weight_bytes, M, N, *, target, min_steps, max_traf
     splits = max(1, min(int(splits), steps))
     per = cdiv(steps, splits)
     return cdiv(steps, per), per
+
+
+# XLA's GPU compiler (0.10.2) sums a column reduction of fewer than 32 rows elementwise inside the fusion that reads
+# it (IsUnnestedReductionFasterThanElemental); one of 32 rows or more is a reduction kernel of its own. K's
+# partials are summed in chunks under that, each fused into the consumer (27B int4's down, 46 parts: a kernel a
+# layer fewer, deviceless H200 compile).
+ELEMENTAL_ROWS = 31
+
+
+def sum_parts(out, chunk: int | None = None):
+    """The sum over axis 0 of K's float32 partials [parts, ...], in chunks of at most `chunk` (ELEMENTAL_ROWS) parts
+    added in f32."""
+    chunk = chunk or ELEMENTAL_ROWS
+    if out.shape[0] <= chunk:
+        return out.sum(axis=0)
+    chunks = [out[i:i + chunk].sum(axis=0) for i in range(0, out.shape[0], chunk)]
+    total = chunks[0]
+    for c in chunks[1:]:
+        total = total + c
+    return total

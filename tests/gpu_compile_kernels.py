@@ -114,7 +114,7 @@ def loops(target):
     kernel (before rmsnorm's pad_row), and in int4 with and without them; 27B's plain step, and with its input and final norms in XLA
     ops (before rmsnorm.py's kernel), and with its KV rows written by the batched scatter (before
     attention.ONE_ROW_WRITE); 27B int4's plain step, and with its MLPs' gate and up in two launches (before
-    quant_gate_up.py); and 27B's round with the GDN in-projections as they were before
+    quant_gate_up.py), and with K's parts summed by one reduce (before split_k.sum_parts); and 27B's round with the GDN in-projections as they were before
     gdn.in_projections (four dots on one x), which XLA merged over the weights concatenated in the loop: the probe
     must find those."""
     import dataclasses
@@ -195,6 +195,12 @@ def loops(target):
     jax.clear_caches()
     one("27B int4 plain, gate and up in two launches", "Qwen3.5-27B", k=0, quant="int4")
     quant.GATE_UP_KINDS = kinds
+    # K's partials summed in chunks XLA runs inside the consumer (split_k.sum_parts), against one reduce of them all
+    from kernels_pallas import split_k
+    split_k.ELEMENTAL_ROWS = 1 << 20
+    jax.clear_caches()
+    one("27B int4 plain, K's parts summed by one reduce", "Qwen3.5-27B", k=0, quant="int4")
+    split_k.ELEMENTAL_ROWS = 31
 
     vector_max, ops.VECTOR_DOT_MAX = ops.VECTOR_DOT_MAX, 0
     jax.clear_caches()

@@ -144,7 +144,7 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     two kernels, with the GDN step kernel writing out_proj's two rows and with the input norm's kernel writing its
     row's two rows than without, and a 27B plain step fewer
     with the RMSNorm kernel and with its KV rows written by their dynamic-update-slice, and a 27B int4 plain step
-    fewer with its MLPs' gate and up in one launch.
+    fewer with its MLPs' gate and up in one launch and with K's partials summed in chunks XLA fuses.
     Before gdn.in_projections, XLA's dot merger joined the four GDN in-projections over their weights
     concatenated in the loop: a copy of 169 MB (27B) per GDN layer at every round, 16 GB a round at full depth.
     The same program with the four dots on one x shows the probe finds it."""
@@ -191,6 +191,10 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     assert rows["27B plain"]["kernels"] + 2 <= rows["27B plain, the KV rows written by a scatter"]["kernels"], rows
     # a quantized MLP's gate and up in one launch (quant_gate_up.py): a kernel a layer fewer (4 layers)
     assert rows["27B int4 plain"]["kernels"] + 4 <= rows["27B int4 plain, gate and up in two launches"]["kernels"], \
+        rows
+    # K's 46 partials of down summed in chunks of at most 31 (split_k.sum_parts), each inside the residual add's
+    # fusion, where one reduce of 46 rows was a kernel of its own: a kernel a layer fewer
+    assert rows["27B int4 plain"]["kernels"] + 4 <= rows["27B int4 plain, K's parts summed by one reduce"]["kernels"], \
         rows
     for label, r in rows.items():
         cats = r["concatenations"]

@@ -217,3 +217,20 @@ def test_decode_kernel_compiles_for_sm90(report):
                f"warp, {p.programs / 132:.1f} per SM of 132; {per_sm} fit an SM), {r['registers']} registers, "
                f"shared {r['shared']} B, {r['stack']} B stack, {r['local']} B local")
         assert r["shared"] <= SM90_SHARED_LIMIT and r["stack"] == 0 and r["local"] == 0, (label, r)
+
+
+def test_k_parts_are_summed_in_chunks_xla_fuses():
+    """split_k.sum_parts: K's partials [parts, M, N] summed in chunks of at most ELEMENTAL_ROWS (31) parts, each a
+    reduce XLA's GPU emitter runs inside the fusion that reads it (tests/test_gpu_compile.py counts the kernels: 27B
+    int4's down, 46 parts). The same sum as one reduce to f32 rounding; the program holds one reduce a chunk."""
+    import numpy as np
+
+    from kernels_pallas.split_k import ELEMENTAL_ROWS, sum_parts
+
+    rng = np.random.default_rng(0)
+    for parts in (1, 31, 32, 46, 93):
+        out = jnp.asarray(rng.standard_normal((parts, 2, 40)), jnp.float32)
+        want = np.asarray(out, np.float64).sum(axis=0)
+        np.testing.assert_allclose(np.asarray(sum_parts(out)), want, rtol=1e-5, atol=1e-5)
+        reduces = str(jax.make_jaxpr(sum_parts)(out)).count("reduce_sum")
+        assert reduces == -(-parts // ELEMENTAL_ROWS), (parts, reduces)
