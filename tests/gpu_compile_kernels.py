@@ -109,14 +109,14 @@ def loops(target):
     plain step, and again without ops.VECTOR_DOT_MAX's two rows; then 27B's round with the GDN verify in XLA ops
     (its reference, as before kernels_pallas/gdn_verify.py's kernel); 35B-A3B's plain step with the router's top-k
     by lax.top_k, with gate / up on copies of each token's row and with the experts' SwiGLU in three calls, as
-    before moe_router.py, moe_gemv's rows_per_x and moe_expert_mlp.py, and with out_proj's input padded by XLA
-    after the GDN step kernel (before its pad_row) and with its input norms' two rows made by XLA after the norm's
-    kernel (before rmsnorm's pad_row), and in int4 with and without them; 27B's plain step, and with its input and final norms in XLA
-    ops (before rmsnorm.py's kernel), and with its KV rows written by the batched scatter (before
-    attention.ONE_ROW_WRITE); 27B int4's plain step, and with its MLPs' gate and up in two launches (before
-    quant_gate_up.py), and with K's parts summed by one reduce (before split_k.sum_parts); and 27B's round with the GDN in-projections as they were before
-    gdn.in_projections (four dots on one x), which XLA merged over the weights concatenated in the loop: the probe
-    must find those."""
+    before moe_router.py, moe_gemv's rows_per_x and moe_expert_mlp.py, with out_proj's input padded by XLA after
+    the GDN step kernel (before its pad_row) and with its input norms' two rows made by XLA after the norm's
+    kernel (before rmsnorm's pad_row), and in int4 with and without them; 27B's plain step, and with its input
+    and final norms in XLA ops (before rmsnorm.py's kernel), and with its KV rows written by the batched scatter
+    (before attention.ONE_ROW_WRITE); 27B int4's plain step, and with its MLPs' gate and up in two launches
+    (before quant_gate_up.py), and with K's parts summed by one reduce (before split_k.sum_parts); and 27B's
+    round with the GDN in-projections as they were before gdn.in_projections (four dots on one x), which XLA
+    merged over the weights concatenated in the loop: the probe must find those."""
     import dataclasses
     import functools
 
