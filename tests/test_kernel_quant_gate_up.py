@@ -31,6 +31,7 @@ from qwen_mtp.trunk import mlp, quant
 from qwen_mtp.trunk.quant import QuantArray, layout_of
 from qwen_mtp.trunk.weights import MLPWeights
 from tests.hf_tiny import rel_err
+from tests.test_kernel_quant_gemv import Run as GemvRun
 from tests.test_kernel_quant_gemv import _real_args
 from tests.test_kernel_quant_matmul import ORACLE_BOUND, _inputs, _oracle
 
@@ -49,17 +50,8 @@ CASES = [
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
-    case: tuple
-
-    @property
-    def block(self):
-        kind, fmt, _, K, N = self.case[:5]
-        if fmt == "channel":
-            return (K, 1)
-        if fmt == "tensor":
-            return (K, N)
-        return (fmt, 1) if kind == "int4" else tuple(fmt)
+class Run(GemvRun):
+    """quant_gemv's case (its scale block), with the keywords of this kernel's functions."""
 
     @property
     def kw(self):

@@ -179,11 +179,9 @@ def test_a_layer_input_norm_writes_the_padded_rows_on_cuda(monkeypatch):
     mixer has a plain in-projection ops.linear pads (GDN z, attention k / v here; 35B-A3B: every layer), the
     program lowered for cuda holds the norm kernel and no pad after it (tests/test_gpu_compile.py counts the
     kernels), and on this CPU the decode step's value is bit for bit the one with forward.PADDED_INPUT off."""
-    from qwen_mtp.tools.lowering import export_for, kernel_calls
     from qwen_mtp.trunk import forward
     from qwen_mtp.trunk.config import parse_config
     from qwen_mtp.trunk.random_weights import random_weights
-    from qwen_mtp.trunk.state import init_state
 
     cfg = parse_config({"model_type": "qwen3_5_text", "num_hidden_layers": 2, "hidden_size": 64,
                         "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
@@ -193,21 +191,32 @@ def test_a_layer_input_norm_writes_the_padded_rows_on_cuda(monkeypatch):
                         "max_position_embeddings": 64, "tie_word_embeddings": False}, "<pads test>")
     w = random_weights(cfg, jax.random.PRNGKey(0), "bfloat16", mtp=False)
     assert all(forward.input_pads(jnp.zeros((1, 1, 64)), lw.mixer) for lw in w.layers)
+    # the control makes the rows after the kernel: GDN qkv and z; attention q, k and v
+    _padded_step_is_the_same(cfg, w, monkeypatch, made_after=5)
+
+
+def _padded_step_is_the_same(cfg, w, monkeypatch, made_after):
+    """A decode step of `cfg` at one row: lowered for cuda it makes no [2, 64] two rows after a kernel (ops.two_rows'
+    concatenation) and holds the norm kernel, none lowered for cpu; on this CPU its value is bit for bit the one with
+    forward.PADDED_INPUT off, which makes `made_after` of them."""
+    from qwen_mtp.tools.lowering import export_for, kernel_calls
+    from qwen_mtp.trunk import forward
+    from qwen_mtp.trunk.state import init_state
+
     st = init_state(cfg, 1, 16, jnp.bfloat16)
     step = jax.jit(lambda w, t, st, pos: forward.forward(w, cfg, t, st, pos, jnp.ones((1,), jnp.int32),
                                                          gdn_mode="step"))
     args = (w, jnp.array([[5]], jnp.int32), st, jnp.array([3], jnp.int32))
-    # ops.two_rows: the normed row and a zero row concatenated into the [2, H] a padded product takes
     two_rows = lambda: sum("stablehlo.concatenate" in line and line.rstrip().split(" loc(")[0].endswith(
         "-> tensor<2x64xbf16>") for line in export_for(step, *args).mlir_module().splitlines())
     padded = step(*args)
     assert two_rows() == 0 and "rmsnorm_rows" in kernel_calls(export_for(step, *args))
+    assert kernel_calls(export_for(step, *args, platform="cpu")) == []
     monkeypatch.setattr(forward, "PADDED_INPUT", False)
     jax.clear_caches()
     for a, b in zip(jax.tree.leaves(padded), jax.tree.leaves(step(*args))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert two_rows() == 5  # the control: the rows made after the kernel (GDN qkv and z; attention q, k and v)
-    assert kernel_calls(export_for(step, *args, platform="cpu")) == []
+    assert two_rows() == made_after
 
 
 def test_a_moe_post_norm_writes_the_router_rows_on_cuda(monkeypatch):
@@ -215,11 +224,9 @@ def test_a_moe_post_norm_writes_the_router_rows_on_cuda(monkeypatch):
     row's two rows for the router's product (forward.router_pads: 256 experts here, as 35B-A3B's), which the routed
     experts read too: the program lowered for cuda makes no two rows after the kernel; on this CPU the step's value
     is bit for bit the one with forward.PADDED_INPUT off (the control, which makes them again)."""
-    from qwen_mtp.tools.lowering import export_for
     from qwen_mtp.trunk import forward
     from qwen_mtp.trunk.config import parse_config
     from qwen_mtp.trunk.random_weights import random_weights
-    from qwen_mtp.trunk.state import init_state
 
     cfg = parse_config({"model_type": "qwen3_5_moe_text", "num_hidden_layers": 1, "hidden_size": 64,
                         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "linear_num_key_heads": 1,
@@ -230,16 +237,4 @@ def test_a_moe_post_norm_writes_the_router_rows_on_cuda(monkeypatch):
                         "max_position_embeddings": 64, "tie_word_embeddings": False}, "<router pads test>")
     w = random_weights(cfg, jax.random.PRNGKey(1), "bfloat16", "int8", mtp=False)
     assert forward.router_pads(jnp.zeros((1, 1, 64)), w.layers[0].mlp)
-    st = init_state(cfg, 1, 16, jnp.bfloat16)
-    step = jax.jit(lambda w, t, st, pos: forward.forward(w, cfg, t, st, pos, jnp.ones((1,), jnp.int32),
-                                                         gdn_mode="step"))
-    args = (w, jnp.array([[7]], jnp.int32), st, jnp.array([2], jnp.int32))
-    two_rows = lambda: sum("stablehlo.concatenate" in line and line.rstrip().split(" loc(")[0].endswith(
-        "-> tensor<2x64xbf16>") for line in export_for(step, *args).mlir_module().splitlines())
-    padded = step(*args)
-    assert two_rows() == 0
-    monkeypatch.setattr(forward, "PADDED_INPUT", False)
-    jax.clear_caches()
-    for a, b in zip(jax.tree.leaves(padded), jax.tree.leaves(step(*args))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert two_rows() >= 1  # the control: ops.two_rows after the kernel, for the router and the experts
+    _padded_step_is_the_same(cfg, w, monkeypatch, made_after=2)  # the control: the router's and the experts'
