@@ -109,12 +109,12 @@ def test_fp8_plain_logits_close_to_f32(model, plain, report):
            f"(max_abs={abs_:.2e}); the f32 cache picks the same token at {top1:.0%} of the steps")
 
 
-def _unrounded_attention_layer(x, w, cfg, cache, pos, rope_offset: int = 0):
+def _unrounded_attention_layer(x, w, cfg, cache, pos, rope_offset: int = 0, two=None):
     """attention.attention_layer with one bug: the call's own new rows are read in the compute dtype instead of
     as the cache holds them (the cache itself is still written rounded)."""
     T = x.shape[1]
     positions = pos[:, None] + jnp.arange(T, dtype=pos.dtype)[None]
-    q, k, v, gate = attention.project_qkv(x, w, cfg, positions + rope_offset)
+    q, k, v, gate = attention.project_qkv(x, w, cfg, positions + rope_offset, two)
     cache = attention.write_kv(cache, k, v, pos)
     view = attention.write_kv(KVCache(cache.k.astype(q.dtype), cache.v.astype(q.dtype)), k, v, pos)
     key_ok = jnp.arange(cache.k.shape[1], dtype=pos.dtype)[None, None, :] <= positions[:, :, None]
