@@ -163,13 +163,12 @@ def test_mlp_lowers_the_one_launch_for_cuda_at_real_shapes():
     """The MLP at decode rows lowered for cuda: one launch for gate / up, then down's decode kernel, at every real
     shape and format at the rows the FMA kernel takes; int4 at 2 rows (the tensor-core kernel's) the two
     launches as before; lowered for cpu, no kernel."""
-    for name, (K, N) in REAL.items():
-        for kind, rows in (("int4", (1,)), ("int8", (1, 3)), ("fp8", (1, 3))):
-            for M in rows:
-                assert _mlp_calls(kind, M, K, N) == [f"quant_gate_up_{kind}", f"quant_matmul_{kind}"], (name, kind, M)
-        # gate and up of one shape lower one kernel function, called twice (kernel_calls: one entry), then down's
-        assert _mlp_calls("int4", 2, K, N) == ["quant_matmul_int4_mma"] * 2, name
-        assert _mlp_calls("int4", 1, K, N, platform="cpu") == [], name
+    for name, (K, N) in REAL.items():  # each format at its most rows (27B: at 1 row too)
+        for kind, M in [("int4", 1), ("int8", 3), ("fp8", 3)] + [("int8", 1), ("fp8", 1)] * (name == "27B"):
+            assert _mlp_calls(kind, M, K, N) == [f"quant_gate_up_{kind}", f"quant_matmul_{kind}"], (name, kind, M)
+    # gate and up of one shape lower one kernel function, called twice (kernel_calls: one entry), then down's
+    assert _mlp_calls("int4", 2, 5120, 17408) == ["quant_matmul_int4_mma"] * 2
+    assert _mlp_calls("int4", 1, 5120, 17408, platform="cpu") == []
 
 
 def test_mlp_on_cpu_is_the_two_products(monkeypatch):

@@ -108,6 +108,9 @@ def test_draft_steps_unrolled_for_a_gpu_draft_the_same(model, monkeypatch):
     assert looped.count("stablehlo.while") - unrolled.count("stablehlo.while") == 1, (looped, unrolled)
     np.testing.assert_array_equal(D2, D)
     assert len(set(np.asarray(D).ravel().tolist())) > 2  # real drafts, not one id repeated
-    np.testing.assert_allclose(Q2, Q, rtol=1e-6, atol=1e-7)
+    # the two programs are fused and contracted apart by XLA's CPU compiler: on a CPU with other vector units a
+    # draft probability came out 1.8e-6 apart (2.5e-7 at 0.14), f32 rounding through the softmax; the drafts,
+    # sampled from them, are equal above
+    np.testing.assert_allclose(Q2, Q, rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(cache2), jax.tree.leaves(cache)):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
