@@ -31,6 +31,7 @@ from qwen_mtp.trunk import mlp, quant
 from qwen_mtp.trunk.quant import QuantArray, layout_of
 from qwen_mtp.trunk.weights import MLPWeights
 from tests.hf_tiny import rel_err
+from tests.test_kernel_quant_gemv import GemvCases
 from tests.test_kernel_quant_gemv import Run as GemvRun
 from tests.test_kernel_quant_gemv import _real_args
 from tests.test_kernel_quant_matmul import ORACLE_BOUND, _inputs, _oracle
@@ -58,18 +59,8 @@ class Run(GemvRun):
         return {"kind": self.case[0], "k": self.case[3], "block": self.block}
 
 
-class TestQuantGateUpContract(KernelContract):
-    F32_TOL = (1e-5,)
-
-    def f32_cases(self):
-        return [Run(c) for c in CASES if c[5] == "f32"]
-
-    def low_precision_cases(self):
-        return [Run(c) for c in CASES if c[5] != "f32"]
-
-    def case_id(self, run):
-        c = run.case
-        return f"{c[0]}-{c[1]}-M{c[2]}K{c[3]}N{c[4]}-{c[5]}".replace(" ", "")
+class TestQuantGateUpContract(GemvCases, KernelContract):
+    CASES, RUN = CASES, Run
 
     def inputs(self, run):
         kind, fmt, M, K, N, dtype = run.case[:6]

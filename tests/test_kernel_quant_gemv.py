@@ -51,20 +51,26 @@ class Run:
         return (fmt, 1) if kind == "int4" else tuple(fmt)
 
 
-class TestQuantGemvContract(QuantHooks, KernelContract):
-    """The kernel contract for the decode kernel; each case also against the float64 oracle (check_more)."""
+class GemvCases:
+    """The contract's case hooks over CASES-shaped tuples (this file's, quant_gate_up's): f32 cases tight, the
+    others at their rounding; RUN wraps a case."""
 
+    CASES, RUN = CASES, Run
     F32_TOL = (1e-5,)
 
     def f32_cases(self):
-        return [Run(c) for c in CASES if c[5] == "f32"]
+        return [self.RUN(c) for c in self.CASES if c[5] == "f32"]
 
     def low_precision_cases(self):
-        return [Run(c) for c in CASES if c[5] != "f32"]
+        return [self.RUN(c) for c in self.CASES if c[5] != "f32"]
 
     def case_id(self, run):
         c = run.case
         return f"{c[0]}-{c[1]}-M{c[2]}K{c[3]}N{c[4]}-{c[5]}".replace(" ", "")
+
+
+class TestQuantGemvContract(GemvCases, QuantHooks, KernelContract):
+    """The kernel contract for the decode kernel; each case also against the float64 oracle (check_more)."""
 
     def inputs(self, run):
         kind, fmt, M, K, N, dtype = run.case[:6]

@@ -17,7 +17,7 @@ from kernels_pallas import quant_gate_up as gu
 from kernels_pallas.quant_decode import quant_gemv
 
 from .budget import out_of_time
-from .common import bandwidth, case_label, max_rel, one_line
+from .common import case_label, compare_forms, one_line, timed_forms
 from .quant import _quant_inputs
 from .timing import time_call
 
@@ -29,6 +29,7 @@ GATE_UP_REAL = [(kind, fmt, M, K, N, "bfloat16") for (K, N) in ((5120, 17408), (
                 for kind, fmt, M in (("int4", 128, 1), ("fp8", (128, 128), 1), ("int8", "channel", 1),
                                      ("fp8", (128, 128), 3))]
 HBM_TARGET = 0.8
+NAMES = ("one launch", "two launches", "one/two")
 
 
 def _two_launches(kind, K, block, interpret):
@@ -39,7 +40,6 @@ def _two_launches(kind, K, block, interpret):
 
 def check_gate_up(cases, interpret, timings):
     """Each case: the one launch and the two launches against the reference; with timings, both timed."""
-    kind_of_device, bw = bandwidth()
     failures = 0
     for i, (kind, fmt, M, K, N, dtype) in enumerate(cases):
         label = case_label(f"dense gate / up in one launch {kind} {fmt} M{M} K{K} N{N} {dtype}")
@@ -61,18 +61,11 @@ def check_gate_up(cases, interpret, timings):
             print(f"{label}: FAIL {one_line(e)}", flush=True)
             failures += 1
             continue
-        tol = 1e-4 if jnp.dtype(dtype) == jnp.float32 else 2e-2
-        rel, rel2 = max_rel(got, want), max_rel(got2, want)
-        ok = rel < tol and rel2 < tol and np.isfinite(got).all()
+        ok, line = compare_forms(label, NAMES, dtype, want, got, got2)
         failures += not ok
-        line = f"{label}: one launch max_rel {rel:.1e}, two launches max_rel {rel2:.1e} {'OK' if ok else 'FAIL'}"
         if timings:
             nbytes = sum(a.nbytes for a in (qg, sg, qu, su)) + x.nbytes + M * N * x.dtype.itemsize
-            t_1, t_2 = time_call(one, *args), time_call(two, *args)
-            frac = (f" = {100 * nbytes / t_1 / bw:.0f}% of {kind_of_device}'s {bw / 1e12:.2f} TB/s; "
-                    f"{HBM_TARGET:.0%} of HBM = {1e6 * nbytes / (HBM_TARGET * bw):.1f} us") if bw else ""
-            line += (f"; {nbytes / 1e6:.1f} MB read; one launch {1e6 * t_1:.1f} us ({nbytes / t_1 / 1e9:.0f} GB/s"
-                     f"{frac}), two launches {1e6 * t_2:.1f} us, one/two {t_1 / t_2:.2f}x")
+            line += timed_forms(NAMES, nbytes, time_call(one, *args), time_call(two, *args), HBM_TARGET)
         print(line, flush=True)
         del args
     return failures

@@ -21,7 +21,7 @@ from kernels_pallas import moe_gemv as mg
 from kernels_pallas.quant_layout import cdiv, padded_k
 
 from .budget import out_of_time
-from .common import bandwidth, case_label, max_rel, one_line
+from .common import case_label, compare_forms, one_line, timed_forms
 from .timing import time_call
 
 # (kind, int4 group | fp8 block | None, pairs, experts, H, I, x dtype, pairs a row of x)
@@ -34,6 +34,7 @@ SWIGLU_SMALL = SWIGLU_SMOKE + [("fp8", (128, 128), 4, 6, 300, 200, "float32", 1)
 SWIGLU_REAL = [(kind, fmt, P, 256, 2048, 512, "bfloat16", 8) for P in (8, 64)
                for kind, fmt in (("plain", None), ("fp8", (128, 128)), ("int4", 128))]
 HBM_TARGET = 0.8
+NAMES = ("fused", "three calls", "fused/three")
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
@@ -85,7 +86,6 @@ def _three_calls(kind, H, I, block, rows_per_x, interpret):
 
 def check_moe_swiglu(cases, interpret, timings):
     """Each case: the fused kernels and the three calls against the reference; with timings, both timed."""
-    kind_of_device, bw = bandwidth()
     failures = 0
     for i, (kind, fmt, P, E, H, I, dtype, rpx) in enumerate(cases):
         label = case_label(f"moe experts' SwiGLU {kind} {fmt} P{P} E{E} H{H} I{I} {dtype} {rpx} pairs a row")
@@ -108,20 +108,13 @@ def check_moe_swiglu(cases, interpret, timings):
             print(f"{label}: FAIL {one_line(e)}", flush=True)
             failures += 1
             continue
-        tol = 1e-4 if jnp.dtype(dtype) == jnp.float32 else 2e-2
-        rel, rel3 = max_rel(got, want), max_rel(got3, want)
-        ok = rel < tol and rel3 < tol and np.isfinite(got).all()
+        ok, line = compare_forms(label, NAMES, dtype, want, got, got3)
         failures += not ok
-        line = f"{label}: fused max_rel {rel:.1e}, three calls max_rel {rel3:.1e} {'OK' if ok else 'FAIL'}"
         if timings:
             x, wg, sg, wu, su, wd, sd, ids = args
             per_expert = sum(a.nbytes // a.shape[0] for a in (wg, sg, wu, su, wd, sd) if a is not None)
             nbytes = P * per_expert + x.nbytes + P * H * x.dtype.itemsize
-            t_f, t_3 = time_call(fused, *args), time_call(three, *args)
-            frac = (f" = {100 * nbytes / t_f / bw:.0f}% of {kind_of_device}'s {bw / 1e12:.2f} TB/s; "
-                    f"{HBM_TARGET:.0%} of HBM = {1e6 * nbytes / (HBM_TARGET * bw):.1f} us") if bw else ""
-            line += (f"; {nbytes / 1e6:.1f} MB read; fused {1e6 * t_f:.1f} us ({nbytes / t_f / 1e9:.0f} GB/s{frac}), "
-                     f"three calls {1e6 * t_3:.1f} us, fused/three {t_f / t_3:.2f}x")
+            line += timed_forms(NAMES, nbytes, time_call(fused, *args), time_call(three, *args), HBM_TARGET)
         print(line, flush=True)
         del args
     return failures
