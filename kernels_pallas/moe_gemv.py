@@ -28,16 +28,15 @@ instruction (I2F issues at 16 per SM per clock on sm_90, an eighth of the FMA ra
 44% of an H200's HBM). This module's kernel keeps plain and fp8 experts, and int8 / int4 shapes the other does
 not take (N not a multiple of 4), where it converts with no I2F too: the byte, or each nibble, offset to
 unsigned and XOR-ed under the exponent of 2^23 is the float 2^23 + u, one subtraction gives the value, exact.
-sm_90 loop, 35B-A3B experts at batch 1 (8 pairs; tests/test_moe_routed.py compiles it), lane-instructions per
-stored value: int4 4.5 (the first form of this kernel: 7.2 with one I2F per value; its I2F-free form 6.3), int8
-5.4, fp8 blocks 3.7 (was 4.5, the scales applied per element), bf16 3.9. Against the bytes' time at 4.8 TB/s
-(int4 3.5, int8 / fp8 7.0, bf16 13.9) int4 is estimated at 77% of HBM, the others memory bound: estimates, not
-timings (gpu_check --moe-only times them). K is split into parts (partial sums in f32 summed after the call)
-when pairs x column tiles alone give too few programs for 132 SMs (35B-A3B gate / up at batch 1: 8 pairs x 4
-tiles of 128 columns).
+sm_90 loop, 35B-A3B experts at batch 1 (tests/test_moe_routed.py compiles it), lane-instructions per stored
+value: fp8 blocks 3.7 (was 4.5, the scales applied per element), bf16 3.9, under the bytes' time at 4.8 TB/s
+(fp8 7.0, bf16 13.9): estimates, not timings (gpu_check --moe-only times them). K is split into parts (partial
+sums in f32 summed after the call) when pairs x column tiles alone give too few programs for 132 SMs (35B-A3B
+gate / up at batch 1: 8 pairs x 4 tiles of 128 columns).
 
 The same kernel (routed_kernel) runs the experts' whole SwiGLU in two launches for moe_expert_mlp.py: gate and up
-in one grid (pair=True), down forming the activation from their partials as it loads x (glu_parts).
+in one grid (pair=True), down forming the activation from their partials as it loads x (glu_parts), the MoE
+block's shared expert one more pair a token in both (shared).
 
 Backend: kernels_pallas/dispatch.py's rule, the kernel in a program lowered for cuda, the reference
 elsewhere; `backend="pallas"` with interpret=True runs the kernel on CPU (tests). A format or shape the kernel
@@ -88,9 +87,7 @@ def _mode(kind: str, k: int, block) -> str:
 
 def pair_rows(x, pairs: int, rows_per_x: int):
     """x's row of each of `pairs` pairs (pair p: row p // rows_per_x), [pairs, K]."""
-    if rows_per_x == 1 and x.shape[0] == pairs:
-        return x
-    return x[jnp.arange(pairs) // rows_per_x]
+    return x if rows_per_x == 1 and x.shape[0] == pairs else x[jnp.arange(pairs) // rows_per_x]
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "k", "block", "rows_per_x"))
@@ -232,26 +229,27 @@ def _exact(bits, offset):
 
 
 def routed_kernel(*refs, mode, K, N, kq, n_groups, bk, bns, bn, tk, dk, per, dt, parts, rpx, pair=False,
-                  glu_parts=0):
+                  glu_parts=0, shared=0, shared_row0=0):
     """Program (pair p, column tile j, K part). pair (moe_expert_mlp.py's gate / up call): the refs hold two
     weights and their scales, tiles past N's own read the second, the output is float32 partials
     [parts, 2, P, N]. glu_parts: x is such partials [glu_parts, 2, P, K] and pair p's row of x is
-    silu(gate) * up of its row, each rounded to dt where the reference rounds it (down's call)."""
-    if pair:
-        x_ref, w_ref, w2_ref, s_ref, s2_ref, id_ref, o_ref = refs
-    else:
-        x_ref, w_ref, s_ref, id_ref, o_ref = refs
+    silu(gate) * up of its row, each rounded to dt where the reference rounds it (down's call). shared (routed
+    pairs P; 0: none): pairs P + t are the shared expert's (its arrays one expert [1, ...] each, after the ids, as
+    the routed ones'), reading x's row shared_row0 + t."""
+    n_w = 2 if pair else 1
+    x_ref, o_ref = refs[0], refs[-1]
+    routed = (refs[1:1 + n_w], refs[1 + n_w:1 + 2 * n_w])  # the weights' refs, their scales' refs
+    id_ref = refs[1 + 2 * n_w]
     p, j, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    e = id_ref[p]
-    zero_w = 0.0 if w_ref.dtype in (STORAGE["fp8"],) or mode == "plain" else 0
+    zero_w = 0.0 if routed[0][0].dtype in (STORAGE["fp8"],) or mode == "plain" else 0
 
-    def x_chunk(k0):  # [dk, 1] f32: x[p // rpx, k0 : k0 + dk], past K read as 0
+    def x_chunk(k0, row):  # [dk, 1] f32: x[row, k0 : k0 + dk], past K read as 0
         ok = (k0 + jnp.arange(dk, dtype=jnp.int32)) < K
         if not glu_parts:
-            return plt.load(x_ref.at[p // rpx, pl.ds(k0, dk)], mask=ok, other=0).astype(jnp.float32)[:, None]
+            return plt.load(x_ref.at[row, pl.ds(k0, dk)], mask=ok, other=0).astype(jnp.float32)[:, None]
 
         def total(h):  # the gate's (h 0) or up's (h 1) product, its parts summed, in dt as the reference has it
-            t = sum(plt.load(x_ref.at[jnp.int32(s), jnp.int32(h), p, pl.ds(k0, dk)], mask=ok, other=0)
+            t = sum(plt.load(x_ref.at[jnp.int32(s), jnp.int32(h), row, pl.ds(k0, dk)], mask=ok, other=0)
                     for s in range(glu_parts))
             return t.astype(dt).astype(jnp.float32)
 
@@ -259,7 +257,7 @@ def routed_kernel(*refs, mode, K, N, kq, n_groups, bk, bns, bn, tk, dk, per, dt,
         act = (g * jax.nn.sigmoid(g)).astype(dt).astype(jnp.float32)
         return (act * u).astype(dt).astype(jnp.float32)[:, None]
 
-    def run(w_ref, s_ref, jt, which):  # column tile jt of weight w_ref (scales s_ref)
+    def run(w_ref, s_ref, jt, which, e, row):  # column tile jt of weight w_ref (scales s_ref) of expert e, x's row
         n0 = jt * bn
         col_ok = (n0 + jnp.arange(bn, dtype=jnp.int32)) < N
 
@@ -285,13 +283,13 @@ def routed_kernel(*refs, mode, K, N, kq, n_groups, bk, bns, bn, tk, dk, per, dt,
             k0 = (part * per + t) * tk
             if mode in ("plain", "channel"):
                 for c in range(0, tk, dk):
-                    acc = acc + x_chunk(k0 + c) * value(w_tile(k0 + c, K))
+                    acc = acc + x_chunk(k0 + c, row) * value(w_tile(k0 + c, K))
                 return acc
             s = col_scale(k0 // bk)
             g = jnp.zeros((dk, bn), jnp.float32)  # the K block's (int4: group's) products, scaled once at its end
             if mode == "block":
                 for c in range(0, tk, dk):
-                    g = g + x_chunk(k0 + c) * value(w_tile(k0 + c, K))
+                    g = g + x_chunk(k0 + c, row) * value(w_tile(k0 + c, K))
                 return acc + g * s
             h = bk // 2  # int4: one group; its h packed rows hold rows k0 .. k0+h-1 (low), k0+h .. k0+bk-1 (high)
             for c in range(0, h, dk):
@@ -300,7 +298,7 @@ def routed_kernel(*refs, mode, K, N, kq, n_groups, bk, bns, bn, tk, dk, per, dt,
                 lo = _exact(jax.lax.bitwise_xor(jax.lax.bitwise_and(u, jnp.int32(0xF)), jnp.int32(MAGIC | 8)), 8.0)
                 hi = _exact(jax.lax.bitwise_xor(jax.lax.shift_right_logical(u, jnp.int32(4)),
                                                 jnp.int32(MAGIC | 8)), 8.0)
-                g = g + x_chunk(k0 + c) * lo + x_chunk(k0 + h + c) * hi
+                g = g + x_chunk(k0 + c, row) * lo + x_chunk(k0 + h + c, row) * hi
             return acc + g * s
 
         acc = jax.lax.fori_loop(0, per, step, jnp.zeros((dk, bn), jnp.float32))
@@ -314,12 +312,21 @@ def routed_kernel(*refs, mode, K, N, kq, n_groups, bk, bns, bn, tk, dk, per, dt,
         else:
             plt.store(o_ref.at[p, pl.ds(n0, bn)], out.astype(dt), mask=col_ok)
 
-    if pair:  # the first N's tiles the gate's, the next the up's: one branch each, the same loop
-        tiles = cdiv(N, bn)
-        pl.when(j < tiles)(lambda: run(w_ref, s_ref, j, 0))
-        pl.when(j >= tiles)(lambda: run(w2_ref, s2_ref, j - tiles, 1))
-    else:
-        run(w_ref, s_ref, j, 0)
+    def weights(ws, ss, e, row):
+        if pair:  # the first N's tiles the gate's, the next the up's: one branch each, the same loop
+            tiles = cdiv(N, bn)
+            pl.when(j < tiles)(lambda: run(ws[0], ss[0], j, 0, e, row))
+            pl.when(j >= tiles)(lambda: run(ws[1], ss[1], j - tiles, 1, e, row))
+        else:
+            run(ws[0], ss[0], j, 0, e, row)
+
+    own_row = p if glu_parts else p // rpx
+    if not shared:
+        weights(*routed, id_ref[p], own_row)
+    else:  # the routed pairs, then the shared expert's: one branch each, the same loops
+        own = (refs[2 + 2 * n_w:2 + 3 * n_w], refs[2 + 3 * n_w:2 + 4 * n_w])
+        pl.when(p < shared)(lambda: weights(*routed, id_ref[p], own_row))
+        pl.when(p >= shared)(lambda: weights(*own, jnp.int32(0), p - shared + shared_row0))
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "k", "block", "block_n", "dot_k", "splits", "num_warps",

@@ -152,27 +152,29 @@ def _value(word, shift, mask, one):
     return jax.lax.bitcast_convert_type(bits, jnp.float32) - 1.0
 
 
-def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=0, pair=False):
+def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=0, pair=False, shared=0, shared_row0=0):
     """grouped (the routed MoE product, quant_gemv_grouped_pallas: the pairs that read one row of x, >= 1):
     program (pair, column tile, K part) of a grid one axis longer, M = 1, the output's row the pair's, x's row
     pair // grouped, q and the scales those of expert ids[pair]. pair (a gate and an up in one launch: the
     experts', kernels_pallas/moe_expert_mlp.py, or a dense MLP's, quant_gate_up.py): the refs hold two weights and
     their scales, column tiles past the first weight's read the second, and the output is float32 partials
-    [parts, 2, P or M, N]."""
+    [parts, 2, P or M, N]. shared (grouped only: the number of routed pairs P, 0 for none): the MoE block's shared
+    expert as pairs P, P + 1, ...: its weights and scales (one expert, [1, Kq, N / 4] / [1, gk, gn], as many as
+    the routed ones') follow the ids, and pair P + t reads x's row shared_row0 + t."""
     n_w = 2 if pair else 1
     x_ref, c_ref, o_ref = refs[0], refs[1 + 2 * n_w], refs[-1]
-    q1_ref, q2_ref = refs[1], refs[n_w]
-    s1_ref, s2_ref = refs[1 + n_w], refs[2 * n_w]
+    routed = (refs[1:1 + n_w], refs[1 + n_w:1 + 2 * n_w])  # the weights' refs, their scales' refs
     id_ref = refs[2 + 2 * n_w] if grouped else None
     if grouped:
         pair_id, j_all, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        e = id_ref[pair_id]
-        lead, row_of, x_row = (e,), (lambda m: pair_id), (lambda m: pair_id // grouped)
+        row_of = lambda m: pair_id
     else:
         j_all, part = pl.program_id(0), pl.program_id(1)
-        lead, row_of, x_row = (), (lambda m: m), (lambda m: m)
+        row_of = lambda m: m
 
-    def tiles(q_ref, s_ref, j, which):  # column tile j of weight q_ref (scales s_ref); which: its output half
+    def tiles(q_ref, s_ref, j, which, lead, x_row):
+        """Column tile j of weight q_ref (scales s_ref; lead: the expert's index into them, () for one weight);
+        which: its output half; x_row(m): x's row of output row m."""
         C, R = p.cols, p.rows
         words = reads_words(kind)
         nb = 4 if words else 1
@@ -312,11 +314,21 @@ def gemv_kernel(*refs, kind, md, M, K, N, kq, bk, bns, p, dt, gk, grouped=0, pai
                 else:
                     plt.store(o_ref.at[mv, cols], out[m][b].astype(dt), mask=cols < N)
 
-    if pair:  # the first weight's column tiles, then the second's: one branch each, the same loop
-        pl.when(j_all < p.col_tiles)(lambda: tiles(q1_ref, s1_ref, j_all, 0))
-        pl.when(j_all >= p.col_tiles)(lambda: tiles(q2_ref, s2_ref, j_all - p.col_tiles, 1))
-    else:
-        tiles(q1_ref, s1_ref, j_all, 0)
+    def weights(qs, ss, lead, x_row):
+        if pair:  # the first weight's column tiles, then the second's: one branch each, the same loop
+            pl.when(j_all < p.col_tiles)(lambda: tiles(qs[0], ss[0], j_all, 0, lead, x_row))
+            pl.when(j_all >= p.col_tiles)(lambda: tiles(qs[1], ss[1], j_all - p.col_tiles, 1, lead, x_row))
+        else:
+            tiles(qs[0], ss[0], j_all, 0, lead, x_row)
+
+    if not grouped:
+        weights(*routed, (), lambda m: m)
+    elif not shared:
+        weights(*routed, (id_ref[pair_id],), lambda m: pair_id // grouped)
+    else:  # the routed pairs, then the shared expert's: one branch each, the same loops
+        own = (refs[3 + 2 * n_w:3 + 3 * n_w], refs[3 + 3 * n_w:3 + 4 * n_w])
+        pl.when(pair_id < shared)(lambda: weights(*routed, (id_ref[pair_id],), lambda m: pair_id // grouped))
+        pl.when(pair_id >= shared)(lambda: weights(*own, (jnp.int32(0),), lambda m: pair_id - shared + shared_row0))
 
 
 def as_words(q):

@@ -111,10 +111,11 @@ def loops(target):
     by lax.top_k, with gate / up on copies of each token's row and with the experts' SwiGLU in three calls, as
     before moe_router.py, moe_gemv's rows_per_x and moe_expert_mlp.py, with out_proj's input padded by XLA after
     the GDN step kernel (before its pad_row) and with its input norms' two rows made by XLA after the norm's
-    kernel (before rmsnorm's pad_row), and in int4 with and without them; 27B's plain step, and with its input
-    and final norms in XLA ops (before rmsnorm.py's kernel), and with its KV rows written by the batched scatter
-    (before attention.ONE_ROW_WRITE); 27B int4's plain step, and with its MLPs' gate and up in two launches
-    (before quant_gate_up.py), and with K's parts summed by one reduce (before split_k.sum_parts); and 27B's
+    kernel (before rmsnorm's pad_row), and in int4 with and without them, and with the shared expert's products
+    apart from the routed experts' launches (before mlp._routed_and_shared), bf16 and int4; 27B's plain step, and
+    with its input and final norms in XLA ops (before rmsnorm.py's kernel), and with its KV rows written by the
+    batched scatter (before attention.ONE_ROW_WRITE); 27B int4's plain step, and with its MLPs' gate and up in
+    two launches (before quant_gate_up.py), and with K's parts summed by one reduce (before split_k.sum_parts); and 27B's
     round with the GDN in-projections as they were before gdn.in_projections (four dots on one x), which XLA
     merged over the weights concatenated in the loop: the probe must find those."""
     import dataclasses
@@ -143,16 +144,24 @@ def loops(target):
 
     # the MoE block as it was: the router's top-k by lax.top_k (XLA: a sort and a slice), and the routed gate / up
     # on k copies of each token's row (before moe_gemv's rows_per_x)
-    router, routed_mlp = mlp.router_topk, mlp.routed_mlp
+    router, routed_mlp, routed_and_shared = mlp.router_topk, mlp.routed_mlp, mlp._routed_and_shared
     mlp.router_topk = jax.lax.top_k
     jax.clear_caches()
     one("35B-A3B plain, the router's top-k by lax.top_k", "Qwen3.5-35B-A3B", k=0)
     mlp.router_topk = router
     mlp.routed_mlp = lambda x, g, u, d, ids, *, rows_per_x=1, **kw: routed_mlp(
         x[jax.numpy.arange(ids.shape[0]) // rows_per_x] if rows_per_x > 1 else x, g, u, d, ids, **kw)
+    mlp._routed_and_shared = lambda *a: None  # (the routed experts' own launches: the shared expert apart)
     jax.clear_caches()
     one("35B-A3B plain, gate / up on copies of the row", "Qwen3.5-35B-A3B", k=0)
     mlp.routed_mlp = routed_mlp
+    # the shared expert as one more pair a token in the routed experts' launches (mlp._routed_and_shared), against
+    # its own products beside them
+    jax.clear_caches()
+    one("35B-A3B plain, the shared expert apart", "Qwen3.5-35B-A3B", k=0)
+    jax.clear_caches()
+    one("35B-A3B int4 plain, the shared expert apart", "Qwen3.5-35B-A3B", k=0, quant="int4")
+    mlp._routed_and_shared = routed_and_shared
     # the routed experts' SwiGLU as three calls and XLA's activation between (before moe_expert_mlp.py)
     fused, quant.SWIGLU_KINDS = quant.SWIGLU_KINDS, ()
     jax.clear_caches()

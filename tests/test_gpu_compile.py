@@ -141,8 +141,8 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     concatenation of 4 MB or more in its loop, nor does 35B-A3B's plain step write out a weight-sized product,
     and a round launches fewer kernels with the GDN verify kernel than with its XLA reference, and a MoE plain
     step fewer with the router's top-k kernel, with gate / up reading the token's row, with the experts' SwiGLU in
-    two kernels, with the GDN step kernel writing out_proj's two rows and with the input norm's kernel writing its
-    row's two rows than without, and a 27B plain step fewer
+    two kernels, with the GDN step kernel writing out_proj's two rows, with the input norm's kernel writing its
+    row's two rows and with the shared expert in the routed experts' launches than without, and a 27B plain step fewer
     with the RMSNorm kernel and with its KV rows written by their dynamic-update-slice, and a 27B int4 plain step
     fewer with its MLPs' gate and up in one launch and with K's partials summed in chunks XLA fuses.
     Before gdn.in_projections, XLA's dot merger joined the four GDN in-projections over their weights
@@ -169,7 +169,8 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     # k copies of it were a fusion of their own): a kernel a MoE layer fewer each (4 layers: 126 -> 122 -> 118)
     plain = rows["35B-A3B plain"]["kernels"]
     assert plain + 4 <= rows["35B-A3B plain, the router's top-k by lax.top_k"]["kernels"], rows
-    assert plain + 4 <= rows["35B-A3B plain, gate / up on copies of the row"]["kernels"], rows
+    apart = rows["35B-A3B plain, the shared expert apart"]["kernels"]  # (the routed experts' launches alone)
+    assert apart + 4 <= rows["35B-A3B plain, gate / up on copies of the row"]["kernels"], rows
     # the routed experts' SwiGLU in two kernels (moe_expert_mlp.py) where gate, up and down were three and XLA's
     # activation between them a fourth: two kernels a MoE layer fewer (4 layers: 110 -> 102)
     assert plain + 8 <= rows["35B-A3B plain, the experts' SwiGLU in three calls"]["kernels"], rows
@@ -183,6 +184,10 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     # there: the in-projections are quantized): a kernel a MoE layer fewer
     int4 = rows["35B-A3B int4 plain"]["kernels"]
     assert int4 + 4 <= rows["35B-A3B int4 plain, the norms' two rows made by XLA"]["kernels"], rows
+    # the shared expert as one more pair a token in the routed experts' two launches (mlp._routed_and_shared): its
+    # gate / up and down (and int4: its activation) kernels gone, 2 a MoE layer fewer in bf16, 3 in int4
+    assert plain + 8 <= rows["35B-A3B plain, the shared expert apart"]["kernels"], rows
+    assert int4 + 12 <= rows["35B-A3B int4 plain, the shared expert apart"]["kernels"], rows
     # a layer's input norm and the final norm at one row as one kernel (kernels_pallas/rmsnorm.py) where XLA ran a
     # reduce and the normed row: a kernel a GDN layer and one for the final norm fewer (3 GDN layers + 1)
     assert rows["27B plain"]["kernels"] + 4 <= rows["27B plain, the input and final norms in XLA ops"]["kernels"], rows

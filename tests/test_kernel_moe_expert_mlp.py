@@ -8,7 +8,8 @@ forming silu(gate) * up from their partial sums as it loads x.
   swapped: the inputs tell the two weights apart, so a kernel that read one for the other would fail.
 * The cases cover K's parts of both calls (1, 2, 3), ragged K and N, fp8 blocks and per-channel scales, int8
   and int4 (quant_gemv's kernel over the pairs), x by token (rows_per_x, a padded row never read) as the MoE
-  block hands it on cuda.
+  block hands it on cuda, and the shared expert as one more pair a token (`shared`): the oracle takes it as one
+  more expert, and its rows exchanged between tokens are caught.
 The real shapes (35B-A3B, 122B-A10B, 397B-A17B; sm_90 compile, loop per value) are tests/test_moe_routed.py's.
 """
 
@@ -64,17 +65,20 @@ CASES = [
     ("plain", None, 2, 96, 40, "f32", {"splits_in": 3}),
     ("fp8", (128, 128), 4, 300, 200, "f32", {"rows_per_x": 2, "pad": 1}),   # partial blocks, x by token
     ("fp8", "channel", 3, 200, 40, "f32", {"splits_out": 2}),
-    ("plain", None, 8, 256, 64, "bf16", {"rows_per_x": 8, "pad": 1}),     # one token, top-8, as on cuda
+    ("plain", None, 8, 256, 64, "bf16", {"rows_per_x": 8, "pad": 1, "shared": True}),  # one token, top-8, as on cuda
     ("fp8", (128, 128), 8, 256, 128, "bf16", {"rows_per_x": 4}),
     ("plain", None, 5, 96, 48, "f16", {}),
     ("fp8", "channel", 3, 200, 40, "f16", {"splits_in": 2}),
+    # the shared expert (shared: one more pair a token after the routed ones, trunk/mlp.py's MoE block on cuda)
+    ("plain", None, 6, 130, 72, "f32", {"rows_per_x": 2, "shared": True, "splits_in": 2}),
+    ("fp8", (128, 128), 8, 256, 128, "f32", {"rows_per_x": 4, "shared": True, "pad": 1}),
     # int8 / int4: quant_gemv's kernel over the pairs, gate and up in one launch, then down
-    ("int4", 32, 4, 300, 40, "f32", {"splits_in": 3}),                       # K padded to whole groups
+    ("int4", 32, 4, 300, 40, "f32", {"rows_per_x": 2, "shared": True, "splits_in": 3, "splits_out": 2}),  # K padded
     ("int4", 64, 8, 256, 128, "f32", {"rows_per_x": 8, "pad": 1}),
     ("int8", "channel", 3, 132, 40, "f32", {"splits_out": 2}),
     ("int8", (64, 1), 4, 200, 48, "f32", {"rows_per_x": 2, "splits_in": 2}),
-    ("int4", 128, 8, 256, 128, "bf16", {"rows_per_x": 8, "pad": 1}),
-    ("int8", "channel", 6, 132, 40, "bf16", {"rows_per_x": 3}),
+    ("int4", 128, 8, 256, 128, "bf16", {"rows_per_x": 8, "pad": 1, "shared": True}),
+    ("int8", "channel", 6, 132, 40, "bf16", {"rows_per_x": 3, "shared": True}),
 ]
 
 
@@ -98,7 +102,11 @@ def _inputs(c: Case):
     x = jnp.asarray(rng.standard_normal((cdiv(P, c.rows_per_x) + c.options.get("pad", 0), H)), jnp.float32)
     gate, up, down = (_experts(rng, kind, fmt, E, K, N, dt) for K, N in ((H, I), (H, I), (I, H)))
     ids = jnp.asarray(rng.integers(0, E, P), jnp.int32)
-    return (x.astype(dt), gate[0], gate[1], up[0], up[1], down[0], down[1], ids), gate[2], down[2]
+    args = (x.astype(dt), gate[0], gate[1], up[0], up[1], down[0], down[1], ids)
+    if c.options.get("shared"):  # one more expert of the same layout, its arrays without the experts' axis
+        one = [_experts(rng, kind, fmt, 1, K, N, dt)[:2] for K, N in ((H, I), (H, I), (I, H))]
+        args += (tuple(None if a is None else a[0] for pair in one for a in pair),)
+    return args, gate[2], down[2]
 
 
 class TestMoeExpertMlpContract(KernelContract):
@@ -124,16 +132,16 @@ class TestMoeExpertMlpContract(KernelContract):
 
     def kernel(self, c, *args):
         splits = {k: v for k, v in c.options.items() if k.startswith("splits")}
-        return me.moe_expert_mlp_pallas(*args, **self._kw(c), interpret=True, **splits)
+        return me.moe_expert_mlp_pallas(*args[:8], **self._kw(c), interpret=True, **splits, **_shared(args))
 
     def reference(self, c, *args):
-        return me.moe_expert_mlp_reference(*args, **self._kw(c))
+        return me.moe_expert_mlp_reference(*args[:8], **self._kw(c), **_shared(args))
 
     def dispatching(self, c, *args, **kw):
-        return me.moe_expert_mlp(*args, **self._kw(c), **kw)
+        return me.moe_expert_mlp(*args[:8], **self._kw(c), **kw, **_shared(args))
 
     def reason(self, c, *args):
-        return me.unsupported_reason(*args, **self._kw(c))
+        return me.unsupported_reason(*args[:8], **self._kw(c), **_shared(args))
 
     def error(self, got, want):
         return rel_err(got, want)[:1]
@@ -142,21 +150,38 @@ class TestMoeExpertMlpContract(KernelContract):
         return (1e-2,)  # the roundings of gate, up and the activation to x's dtype, at the other order of sums
 
     def check_more(self, c, args, got, ref, report):
-        x, wg, sg, wu, su, wd, sd, ids = args
+        x, wg, sg, wu, su, wd, sd, ids = args[:8]
         kw = self._kw(c)
-        rows = np.asarray(x.astype(jnp.float32), np.float64)[np.arange(ids.shape[0]) // c.rows_per_x]
+        P = ids.shape[0]
+        rows = np.asarray(x.astype(jnp.float32), np.float64)[np.arange(P) // c.rows_per_x]
         e = np.asarray(ids)
         kind, H, I = c.case[0], c.case[3], c.case[4]
-        g = np.einsum("pk,pkn->pn", rows, _dequantized(kind, wg, sg, H, kw["block_in"])[e])
-        u = np.einsum("pk,pkn->pn", rows, _dequantized(kind, wu, su, H, kw["block_in"])[e])
-        want = np.einsum("pk,pkn->pn", g / (1 + np.exp(-g)) * u, _dequantized(kind, wd, sd, I, kw["block_out"])[e])
+        weights = [(wg, sg), (wu, su), (wd, sd)]
+        if len(args) > 8:  # the shared expert as expert E of the oracle's stack, one more pair a token
+            sh = args[8]
+            weights = [(jnp.concatenate([w, sh[2 * i][None]]), None if s is None else
+                        jnp.concatenate([s, sh[2 * i + 1][None]])) for i, (w, s) in enumerate(weights)]
+            rows = np.concatenate([rows, rows[::c.rows_per_x]])
+            e = np.concatenate([e, np.full(P // c.rows_per_x, wg.shape[0])])
+        (g_v, g_s), (u_v, u_s), (d_v, d_s) = weights
+        g = np.einsum("pk,pkn->pn", rows, _dequantized(kind, g_v, g_s, H, kw["block_in"])[e])
+        u = np.einsum("pk,pkn->pn", rows, _dequantized(kind, u_v, u_s, H, kw["block_in"])[e])
+        want = np.einsum("pk,pkn->pn", g / (1 + np.exp(-g)) * u, _dequantized(kind, d_v, d_s, I, kw["block_out"])[e])
         vs_oracle = rel_err(got, want)[0]
         dtype = c.case[5]
         assert vs_oracle < (1e-5 if dtype == "f32" else 2.0 ** -5), vs_oracle
-        swapped = me.moe_expert_mlp_reference(x, wu, su, wg, sg, wd, sd, ids, **kw)
+        sw = {"shared": tuple(args[8][i] for i in (2, 3, 0, 1, 4, 5))} if len(args) > 8 else {}
+        swapped = me.moe_expert_mlp_reference(x, wu, su, wg, sg, wd, sd, ids, **kw, **sw)
         assert rel_err(got, swapped)[0] > 0.1, "the inputs do not tell gate from up"
+        extra = ""
+        if len(args) > 8:  # the shared rows read the right tokens: their rows exchanged (reversed) is far
+            T = P // c.rows_per_x
+            moved = jnp.concatenate([ref[:P], ref[P:][::-1]])
+            assert T < 2 or rel_err(got, moved)[0] > 0.1, "the shared expert's rows do not tell tokens apart"
+            alone = rel_err(got[P:], want[P:])[0]
+            extra = f", the shared expert's rows alone vs float64 {alone:.1e}"
         report(f"moe_expert_mlp kernel {c.case[0]} {c.case[1]} P{c.case[2]} H{c.case[3]} I{c.case[4]} {dtype}: "
-               f"max_rel vs float64 {vs_oracle:.1e}, vs gate and up swapped {rel_err(got, swapped)[0]:.2f}")
+               f"max_rel vs float64 {vs_oracle:.1e}, vs gate and up swapped {rel_err(got, swapped)[0]:.2f}{extra}")
 
     def unsupported_case(self):
         return Case(("fp8", (96, 16), 2, 200, 40, "f32", {})), "K blocks of 96"
@@ -175,6 +200,11 @@ class TestMoeExpertMlpContract(KernelContract):
         return [f"moe_gate_up_{c.case[0]}", f"moe_down_glu_{c.case[0]}"]
 
 
+def _shared(args):
+    """The shared expert's arrays where a case has them (the contract's inputs end with their tuple)."""
+    return {"shared": args[8]} if len(args) > 8 else {}
+
+
 def test_bad_inputs_name_what_is_wrong():
     args, _, _ = _inputs(Case(("plain", None, 3, 64, 32, "f32", {})))
     x, wg, sg, wu, su, wd, sd, ids = args
@@ -186,3 +216,15 @@ def test_bad_inputs_name_what_is_wrong():
         me.moe_expert_mlp(x, wg, sg, wu, su, wd, sd, ids[:2], kind="plain")
     with pytest.raises(ValueError, match="kind one of"):
         me.moe_expert_mlp(x, wg, sg, wu, su, wd, sd, ids, kind="int2")
+
+    shared = (wg[0], None, wu[0], None, wd[0], None)
+    with pytest.raises(ValueError, match="the shared expert's up one expert of the routed ones' layout"):
+        me.moe_expert_mlp(x, wg, sg, wu, su, wd, sd, ids, kind="plain", shared=(wg[0], None, wu[0, :, :16], None,
+                                                                                wd[0], None))
+    with pytest.raises(ValueError, match="the shared expert's gate scale"):
+        me.moe_expert_mlp(x, wg, sg, wu, su, wd, sd, ids, kind="plain", shared=(wg[0], jnp.ones((1, 1)), wu[0], None,
+                                                                                wd[0], None))
+    with pytest.raises(ValueError, match="x by token"):
+        me.moe_expert_mlp(x, wg, sg, wu, su, wd, sd, ids, kind="plain", rows_per_x=2, shared=shared)
+    with pytest.raises(ValueError, match="shared = the shared expert's"):
+        me.moe_expert_mlp(x, wg, sg, wu, su, wd, sd, ids, kind="plain", shared=shared[:4])

@@ -118,3 +118,73 @@ def check_moe_swiglu(cases, interpret, timings):
         print(line, flush=True)
         del args
     return failures
+
+
+# the shared expert as one more pair a token (trunk/mlp.py's MoE block on cuda): 35B-A3B's experts and its shared
+# expert of the same size, at batch 1 and 8
+SHARED_SMOKE = [("plain", None, 4, 5, 96, 40, "float32", 2), ("int4", 32, 4, 6, 96, 40, "float32", 2)]
+SHARED_REAL = [(kind, fmt, P, 256, 2048, 512, "bfloat16", 8) for P in (8, 64)
+               for kind, fmt in (("plain", None), ("fp8", (128, 128)), ("int4", 128))]
+SHARED_NAMES = ("one launch pair", "shared expert apart", "one/apart")
+
+
+def _apart(kind, H, I, fmt, rows_per_x, kw, interpret):
+    """What the MoE block ran before: the routed experts' two launches, then the shared expert as a dense MLP
+    (trunk/mlp.mlp: on cuda quant_gate_up.py and quant_gemv's kernel for quantized weights, XLA's dots for plain)."""
+    from qwen_mtp.trunk.mlp import mlp
+    from qwen_mtp.trunk.quant import QuantArray
+    from qwen_mtp.trunk.weights import MLPWeights
+
+    bi, bo = _blocks(kind, fmt, H, I)
+
+    def weight(v, s, K, N, block):
+        return v if s is None else QuantArray(q=v, scale=s, kind=kind, shape=(K, N), block=block)
+
+    def f(x, wg, sg, wu, su, wd, sd, ids, shared):
+        routed = me.moe_expert_mlp_pallas(x, wg, sg, wu, su, wd, sd, ids, **kw, interpret=interpret)
+        g, gs, u, us, d, ds = shared
+        own = MLPWeights(weight(g, gs, H, I, bi), weight(u, us, H, I, bi), weight(d, ds, I, H, bo))
+        return jnp.concatenate([routed, mlp(x[:ids.shape[0] // rows_per_x], own)])
+
+    return jax.jit(f)
+
+
+def check_moe_shared(cases, interpret, timings):
+    """Each case: the routed experts' two launches with the shared expert as one more pair a token, and the form
+    before (the shared expert apart, _apart), each against the reference; with timings, both timed (the bytes:
+    the routed pairs' experts and the shared expert, once a token)."""
+    failures = 0
+    for i, (kind, fmt, P, E, H, I, dtype, rpx) in enumerate(cases):
+        label = case_label(f"moe experts + shared expert {kind} {fmt} P{P} E{E} H{H} I{I} {dtype} {rpx} pairs a row")
+        if out_of_time(f"{label} and the rest"):
+            break
+        bi, bo = _blocks(kind, fmt, H, I)
+        kw = dict(kind=kind, block_in=None if kind == "plain" else bi, block_out=None if kind == "plain" else bo,
+                  rows_per_x=rpx)
+        try:  # E + 1 experts made: the last one the shared expert's weights
+            x, *ws, ids = _arrays(kind, fmt, P, E + 1, H, I, jnp.dtype(dtype), rpx, jax.random.PRNGKey(400 + i))
+            ids = ids % E
+            shared = tuple(None if a is None else a[E] for a in ws)
+            args = (x, *(None if a is None else a[:E] for a in ws), ids)
+            reason = me.unsupported_reason(*args, **kw, shared=shared)
+            assert reason is None, reason
+            one = jax.jit(lambda *a: me.moe_expert_mlp_pallas(*a[:8], **kw, shared=a[8], interpret=interpret))
+            apart = _apart(kind, H, I, fmt, rpx, kw, interpret)
+            ref = jax.jit(lambda *a: me.moe_expert_mlp_reference(*a[:8], **kw, shared=a[8]))
+            want = np.asarray(ref(*args, shared).astype(jnp.float32))
+            got = np.asarray(one(*args, shared).astype(jnp.float32))
+            got_apart = np.asarray(apart(*args, shared).astype(jnp.float32))
+        except Exception as e:  # noqa: BLE001 - one case that does not compile or run must not hide the others
+            print(f"{label}: FAIL {one_line(e)}", flush=True)
+            failures += 1
+            continue
+        ok, line = compare_forms(label, SHARED_NAMES, dtype, want, got, got_apart)
+        failures += not ok
+        if timings:
+            per_expert = sum(a.nbytes for a in shared if a is not None)
+            nbytes = (P + 1) * per_expert + x.nbytes + (P + P // rpx) * H * x.dtype.itemsize
+            line += timed_forms(SHARED_NAMES, nbytes, time_call(one, *args, shared),
+                                time_call(apart, *args, shared), HBM_TARGET)
+        print(line, flush=True)
+        del args
+    return failures

@@ -8,7 +8,9 @@ The routed experts run one of two ways, chosen statically from the shapes (`read
   prefill  more pairs than experts: tokens sorted by expert through grouped matmuls (quant.grouped_dot,
            kernels_pallas/moe_grouped.py: on CPU a loop over tiles of one expert's rows, each reading its expert
            by index, several times faster there than lax.ragged_dot; elsewhere lax.ragged_dot).
-The router and the shared expert are the same in both. The router's top-k is kernels_pallas/moe_router.py's
+The router and the shared expert are the same in both; at decode on cuda the shared expert, where it shares the
+experts' layout and size (every Qwen3.5 MoE), runs in the routed experts' two launches as one more pair a token
+(_routed_and_shared), and as a dense MLP beside them otherwise and on cpu. The router's top-k is kernels_pallas/moe_router.py's
 (one kernel a layer on cuda, where XLA sorted each row and sliced the ids; lax.top_k elsewhere, bit for bit the
 same); the renormalisation of the k weights stays here, in XLA.
 """
@@ -18,12 +20,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import dispatch
+from kernels_pallas import moe_expert_mlp as expert_mlp
 from kernels_pallas import per_shard as spmd
 from kernels_pallas.moe_router import router_topk as topk_kernel
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.ops import linear, linear_of_two, pads_one_row, two_rows
 from qwen_mtp.trunk.quant import gate_up as quant_gate_up
-from qwen_mtp.trunk.quant import grouped_dot, routed_mlp
+from qwen_mtp.trunk.quant import grouped_dot, routed_mlp, swiglu_layout
 from qwen_mtp.trunk.weights import MLPWeights, MoEWeights
 
 
@@ -64,10 +68,18 @@ def moe(x, w: MoEWeights, cfg: ModelConfig, two=None):
     if cfg.norm_topk_prob:
         top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
     top_p = top_p.astype(x.dtype)
-    shared = mlp(x2, w.shared) * jax.nn.sigmoid(linear(x2, w.shared_gate))
+    shared_gate = jax.nn.sigmoid(linear(x2, w.shared_gate))
     if reads_routed_only(n, cfg):
-        return (_routed_pairs(x2, w, top_p, top_e, two) + shared).reshape(shape)
+        rows = two if two is not None else two_rows(x2) if n == 1 and pads_one_row(w.router) else x2
+        pair_e = top_e.reshape(-1)
+        both = _routed_and_shared(rows, x2, w, pair_e, k)
+        if both is not None:  # the shared expert's rows after the pairs'
+            y, own = both[:n * k], both[n * k:]
+        else:
+            y, own = routed_mlp(rows, w.gate, w.up, w.down, pair_e, rows_per_x=k), mlp(x2, w.shared)
+        return (_weighted_sum(y, top_p, x2.dtype) + own * shared_gate).reshape(shape)
 
+    shared = mlp(x2, w.shared) * shared_gate
     flat_e = top_e.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)
     token = order // k
@@ -81,18 +93,42 @@ def moe(x, w: MoEWeights, cfg: ModelConfig, two=None):
     return (routed + shared).reshape(shape)
 
 
-def _routed_pairs(x2, w: MoEWeights, top_p, top_e, two=None):
-    """x2 [n, H]; pair p = t * k + j is token t with its j-th expert. Weighted by the router and summed over each
-    token's k pairs in float32 -> [n, H] in x's dtype. Gate and up read each token's row where it lies (k pairs a
-    row), not k copies of it; one row as the two rows ops.linear makes of it for the router's product on cuda
-    (ops.two_rows), so that XLA writes out nothing more for the experts (docs/on-a-gpu.md: a kernel a MoE layer
-    fewer)."""
-    n, k = top_e.shape
-    pair_e = top_e.reshape(-1)
-    rows = two if two is not None else two_rows(x2) if n == 1 and pads_one_row(w.router) else x2
-    y = routed_mlp(rows, w.gate, w.up, w.down, pair_e, rows_per_x=k)
+def _weighted_sum(y, top_p, dtype):
+    """The pairs' outputs y [n * k, H] (pair p = t * k + j: token t with its j-th expert) weighted by the router
+    and summed over each token's k pairs in float32 -> [n, H] in dtype."""
+    n, k = top_p.shape
     y = (y * top_p.reshape(-1, 1)).astype(jnp.float32)
-    return y.reshape(n, k, -1).sum(axis=1).astype(x2.dtype)
+    return y.reshape(n, k, -1).sum(axis=1).astype(dtype)
+
+
+def _routed_and_shared(rows, x2, w: MoEWeights, pair_e, k: int):
+    """The routed pairs' SwiGLU [n * k, H], then the shared expert's of each token [n, H], as one array from the
+    same two launches on cuda (kernels_pallas/moe_expert_mlp.py, the shared expert one more pair a token: 35B-A3B
+    int4, three kernels a MoE layer fewer, bf16 two); the two as before elsewhere, and on cpu. None where the
+    kernels cannot take both (a mesh, a layout or size the shared expert does not share with the experts, shapes
+    they do not take): the caller runs them apart. rows: the tokens' rows as the routed experts read them (k
+    pairs a row; on cuda one token's row and the zero row the post norm wrote, `two`), not copied to the pairs;
+    x2: the tokens [n, H]."""
+    routed = swiglu_layout(w.gate, w.up, w.down)
+    own = swiglu_layout(w.shared.gate, w.shared.up, w.shared.down)
+    if routed is None or own is None or routed[0] != own[0] or routed[2:] != own[2:]:
+        return None
+    kind, parts, block_in, block_out = routed
+    if expert_mlp.shared_mismatch(parts, own[1]) is not None:
+        return None
+    kw = dict(kind=kind, block_in=block_in, block_out=block_out, rows_per_x=k)
+    if expert_mlp.unsupported_reason(rows, *parts, pair_e, **kw, shared=own[1]) is not None:
+        return None
+    expert_mlp.check_inputs(rows, *parts, pair_e, kind, block_in, block_out, k, own[1])
+
+    def kernel(rows, x2, w, pair_e):
+        routed, own = swiglu_layout(w.gate, w.up, w.down), swiglu_layout(w.shared.gate, w.shared.up, w.shared.down)
+        return expert_mlp.moe_expert_mlp_pallas(rows, *routed[1], pair_e, **kw, shared=own[1])
+
+    def reference(rows, x2, w, pair_e):  # the two as they run apart
+        return jnp.concatenate([routed_mlp(rows, w.gate, w.up, w.down, pair_e, rows_per_x=k), mlp(x2, w.shared)])
+
+    return dispatch.run("routed and shared experts", kernel, reference, None, "auto", rows, x2, w, pair_e)
 
 
 def feed_forward(x, w, cfg: ModelConfig, two=None):

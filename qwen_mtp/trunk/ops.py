@@ -65,7 +65,7 @@ def _product(x, w):
 
 def two_rows(row):
     """A row [1, in] as two, the second zeros: what `linear` hands a one-row product on cuda. The MoE block's
-    routed experts read the same array (mlp._routed_pairs), which XLA then computes once for both."""
+    routed experts read the same array (mlp.moe), which XLA then computes once for both."""
     return jnp.concatenate([row, jnp.zeros_like(row)])
 
 

@@ -209,21 +209,30 @@ def routed_dot(x, w, ids, *, split: str | None = None, rows_per_x: int = 1, back
     return spmd.routed(x, w, None, ids, spec, K, (K, 1), call, rows_per_x)
 
 
+def swiglu_layout(gate, up, down):
+    """(kind, (gate, its scale, up, its scale, down, its scale) as moe_expert_mlp takes them, block_in, block_out)
+    where the three weights share one layout of a format its kernels take and no mesh is active; else None."""
+    quant = [isinstance(w, QuantArray) for w in (gate, up, down)]
+    kind = gate.kind if quant[0] else "plain"
+    one_layout = all(q == quant[0] for q in quant) and (
+        not quant[0] or (up.kind == down.kind == kind and up.block == gate.block))
+    if not (one_layout and kind in SWIGLU_KINDS and spmd.active_mesh() is None):
+        return None
+    parts = sum(((w.q, w.scale) if quant[0] else (w, None) for w in (gate, up, down)), ())
+    return kind, parts, gate.block if quant[0] else None, down.block if quant[0] else None
+
+
 def routed_mlp(x, gate, up, down, ids, *, rows_per_x: int = 1, backend: str = "auto"):
     """The routed experts' SwiGLU at decode: pair p's silu(x_p @ gate[ids[p]]) * (x_p @ up[ids[p]]) @ down[ids[p]]
     -> [P, H] in x's dtype, x_p = x[p // rows_per_x], reading only the routed experts. With no mesh active, one
     layout for the three and shapes its kernels take: kernels_pallas.moe_expert_mlp (on cuda gate and up in one
     launch; plain and fp8 experts' activation inside down's kernel); otherwise three routed_dot calls (under a
     mesh each product per shard). Both lower the same reference for cpu."""
-    quant = [isinstance(w, QuantArray) for w in (gate, up, down)]
-    kind = gate.kind if quant[0] else "plain"
-    one_layout = all(q == quant[0] for q in quant) and (
-        not quant[0] or (up.kind == down.kind == kind and up.block == gate.block))
-    if one_layout and kind in SWIGLU_KINDS and spmd.active_mesh() is None:
-        parts = [(w.q, w.scale) if quant[0] else (w, None) for w in (gate, up, down)]
-        kw = dict(kind=kind, block_in=gate.block if quant[0] else None, block_out=down.block if quant[0] else None,
-                  rows_per_x=rows_per_x)
-        args = (x, *parts[0], *parts[1], *parts[2], ids)
+    layout_ = swiglu_layout(gate, up, down)
+    if layout_ is not None:
+        kind, parts, block_in, block_out = layout_
+        kw = dict(kind=kind, block_in=block_in, block_out=block_out, rows_per_x=rows_per_x)
+        args = (x, *parts, ids)
         if expert_mlp.unsupported_reason(*args, **kw) is None:
             return expert_mlp.moe_expert_mlp(*args, **kw, backend=backend)
     g = routed_dot(x, gate, ids, split="n", rows_per_x=rows_per_x, backend=backend)
