@@ -118,11 +118,14 @@ def test_wrong_expert_is_caught(monkeypatch):
 def test_shared_expert_as_one_more_pair(fmt, monkeypatch, report):  # test_kernel_moe_expert_mlp.py's cases)
     """On cuda the MoE block hands the shared expert to the routed experts' two launches as one more pair a token
     (mlp._routed_and_shared). Its kernels here in interpret mode: the block equals the block lowered for cpu (the
-    shared expert and the routed ones run apart, as before), f32 tight, 3 tokens. Controls: the fold is taken (the
+    shared expert and the routed ones run apart, as before, bit for bit), f32 tight, 3 tokens. Controls: the fold is taken (the
     call is made, the shared expert's rows read); the kernel's shared rows exchanged between tokens are caught."""
     w = _block_weights(3, fmt, shared_too=True)
     x = jnp.asarray(np.random.default_rng(4).standard_normal((3, H)), jnp.float32)
     want = jax.jit(lambda x, w: mlp.moe(x, w, CFG))(x, w)  # lowered for cpu: the reference, the pieces apart
+    with monkeypatch.context() as m:  # ... bit for bit the block as it ran before the fold
+        m.setattr(mlp, "_routed_and_shared", lambda *a: None)
+        np.testing.assert_array_equal(np.asarray(jax.jit(lambda x, w: mlp.moe(x, w, CFG))(x, w)), np.asarray(want))
     real = mlp.expert_mlp.moe_expert_mlp_pallas
     calls = []
 
