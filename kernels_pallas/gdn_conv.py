@@ -9,6 +9,10 @@ Pallas kernel beside its pure-JAX reference (same signature).
       out    [B, C]       silu(sum_j window[j] w[j]) over the window [state ; x], in x's dtype
       state  [B, K-1, C]  the window's last K - 1 inputs (valid rows), the state as it was (padding rows)
 
+x may instead be float32 partial products [S, B, C] (a quantized qkv in-projection's K parts as the decode kernel
+writes them, quant.linear_parts): the row is their sum rounded to the state's dtype, which the kernel forms as it
+loads them (on cuda XLA summed them in a kernel of its own before this one: one a GDN layer fewer).
+
 The reference is the conv every GDN mode runs (causal_conv, here; trunk/gdn.py's prefill and verify call it too),
 then conv_window_at at n_valid 0 or 1: the taps and the window in x's dtype, each product and partial sum in it,
 then SiLU. The kernel computes the same in f32 and rounds to x's dtype after each operation as XLA's GPU code
@@ -37,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels_pallas import dispatch
+from kernels_pallas.split_k import sum_parts
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 BLOCK_C = 512  # channels a program (27B: 10240 channels, 20 programs a row)
@@ -66,17 +71,22 @@ def conv_window_at(xc, count, width):
 
 def conv_step_reference(x, state, w, valid):
     """Pure-JAX reference: the conv of every GDN mode (causal_conv) at one row, the next state cut from its window
-    (conv_window_at) after 1 input (valid rows) or 0 (padding rows)."""
+    (conv_window_at) after 1 input (valid rows) or 0 (padding rows); partials x [S, B, C] summed first."""
+    if x.ndim == 3:
+        x = sum_parts(x).astype(state.dtype)
     out, window = causal_conv(x[:, None], state, w)
     return out[:, 0], conv_window_at(window, valid.astype(jnp.int32), state.shape[1])
 
 
 def check_inputs(x, state, w, valid) -> None:
     """ValueError naming what is wrong when the arrays are not one row's conv of one layout."""
-    if x.ndim != 2 or state.ndim != 3 or w.ndim != 2 or valid.ndim != 1:
-        raise ValueError(f"conv_step takes x [B, C], state [B, K-1, C], w [K, C], valid [B]; found x "
-                         f"{list(x.shape)}, state {list(state.shape)}, w {list(w.shape)}, valid {list(valid.shape)}")
-    B, C = x.shape
+    if x.ndim not in (2, 3) or state.ndim != 3 or w.ndim != 2 or valid.ndim != 1:
+        raise ValueError(f"conv_step takes x [B, C] (or its partials [S, B, C]), state [B, K-1, C], w [K, C], valid "
+                         f"[B]; found x {list(x.shape)}, state {list(state.shape)}, w {list(w.shape)}, valid "
+                         f"{list(valid.shape)}")
+    if x.ndim == 3 and x.dtype != jnp.float32:
+        raise ValueError(f"conv_step: partials x [S, B, C] in float32, found {jnp.dtype(x.dtype)}")
+    B, C = x.shape[-2:]
     K = w.shape[0]
     if state.shape != (B, K - 1, C) or w.shape[1] != C or valid.shape != (B,):
         raise ValueError(f"conv_step: state [{B}, {K - 1}, {C}], w [{K}, {C}], valid [{B}] for x {list(x.shape)} "
@@ -88,9 +98,9 @@ def unsupported_reason(x, state, w):
     """None if the kernel takes these shapes and dtypes, else why not (the caller falls back to the reference)."""
     if w.shape[0] < 2:
         return f"a conv of {w.shape[0]} tap: no state to keep"
-    if jnp.dtype(x.dtype) not in {jnp.dtype(d) for d in DTYPES}:
-        return f"rows of dtype {jnp.dtype(x.dtype)}: the kernel takes float32 / bfloat16 / float16"
-    if state.dtype != x.dtype:
+    if jnp.dtype(state.dtype) not in {jnp.dtype(d) for d in DTYPES}:
+        return f"rows of dtype {jnp.dtype(state.dtype)}: the kernel takes float32 / bfloat16 / float16"
+    if state.dtype != x.dtype and x.ndim == 2:
         return f"a state of dtype {jnp.dtype(state.dtype)} beside rows of {jnp.dtype(x.dtype)}: written in place, " \
                "the state keeps the rows' dtype"
     if jnp.dtype(w.dtype) not in {jnp.dtype(d) for d in DTYPES}:
@@ -98,14 +108,18 @@ def unsupported_reason(x, state, w):
     return None
 
 
-def _kernel(x_ref, s_ref, w_ref, v_ref, out_ref, new_ref, *, C, K, bc, dt):
+def _kernel(x_ref, s_ref, w_ref, v_ref, out_ref, new_ref, *, C, K, bc, dt, parts):
     row, blk = pl.program_id(0), pl.program_id(1)
     c0 = blk * bc
     ok = (c0 + jnp.arange(bc, dtype=jnp.int32)) < C
     f32 = jnp.float32
     rnd = lambda t: t.astype(dt).astype(f32)  # rounded to x's dtype, as XLA's GPU code rounds each operation
     old = [plt.load(s_ref.at[row, jnp.int32(j), pl.ds(c0, bc)], mask=ok, other=0) for j in range(K - 1)]
-    window = [t.astype(f32) for t in old] + [plt.load(x_ref.at[row, pl.ds(c0, bc)], mask=ok, other=0).astype(f32)]
+    if parts:  # the row: K's partials summed in f32, rounded to the state's dtype (split_k.sum_parts, then a cast)
+        x = rnd(sum(plt.load(x_ref.at[jnp.int32(i), row, pl.ds(c0, bc)], mask=ok, other=0) for i in range(parts)))
+    else:
+        x = plt.load(x_ref.at[row, pl.ds(c0, bc)], mask=ok, other=0).astype(f32)
+    window = [t.astype(f32) for t in old] + [x]
     acc = None
     for j in range(K):
         tap = rnd(plt.load(w_ref.at[jnp.int32(j), pl.ds(c0, bc)], mask=ok, other=0).astype(f32))
@@ -124,13 +138,14 @@ def conv_step_pallas(x, state, w, valid, *, block_c: int = BLOCK_C, num_warps: i
                      interpret: bool = False):
     """The Pallas kernel; grid (row, block of channels); the state updated in place. Inputs must pass
     check_inputs and unsupported_reason (conv_step checks both)."""
-    B, C = x.shape
+    B, C = x.shape[-2:]
     K = w.shape[0]
     bc = min(block_c, max(16, 1 << (C - 1).bit_length()))
-    kernel = functools.partial(_kernel, C=C, K=K, bc=bc, dt=x.dtype)
+    dt = state.dtype
+    kernel = functools.partial(_kernel, C=C, K=K, bc=bc, dt=dt, parts=x.shape[0] if x.ndim == 3 else 0)
     args = (x, state, w, valid.astype(jnp.int32))
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # each program indexes in place
-    out_shape = [jax.ShapeDtypeStruct((B, C), x.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)]
+    out_shape = [jax.ShapeDtypeStruct((B, C), dt), jax.ShapeDtypeStruct(state.shape, state.dtype)]
     return tuple(pl.pallas_call(
         kernel,
         grid=(B, pl.cdiv(C, bc)),

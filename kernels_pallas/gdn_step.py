@@ -9,6 +9,9 @@ reference (same signature).
       A_log, dt_bias [nv]; norm_w [dv]: the layer's weights
       valid   [B] bool              rows that take the step (False: a padding row, its state is left as it was)
       out     [B, nv dv]            the gated RMSNorm of the rule's output, in qkv's dtype (out_proj's input)
+    z may instead be float32 partial products [S, B, nv dv] (a quantized z projection's K parts as the decode
+    kernel writes them, quant.linear_parts): z is their sum rounded to qkv's dtype, which the kernel forms as it
+    loads them (on cuda XLA summed them in a kernel of its own before this one: one a GDN layer fewer).
 
 What it computes, per value head h of row b (key head h // (nv / nk)), all in f32:
   q, k = l2norm(q) dk^-1/2, l2norm(k);  beta = sigmoid(b) (rounded to b's dtype);  g = -exp(A_log) softplus(a + dt_bias)
@@ -42,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels_pallas import dispatch
+from kernels_pallas.split_k import sum_parts
 
 HIGHEST = jax.lax.Precision.HIGHEST
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # loads of power-of-two lengths; a [dk, dv] f32 state in registers
@@ -86,8 +90,10 @@ def split_heads(qkv, num_k_heads: int, nv: int, dk: int, dv: int):
 
 
 def gdn_step_reference(qkv, z, b, a, rec, A_log, dt_bias, norm_w, valid, *, num_k_heads: int, eps: float):
-    """Pure-JAX reference: the gated delta rule's step form in XLA ops (module doc)."""
+    """Pure-JAX reference: the gated delta rule's step form in XLA ops (module doc); partials z summed first."""
     B = qkv.shape[0]
+    if z.ndim == 3:
+        z = sum_parts(z).astype(qkv.dtype)
     nv, dk, dv = rec.shape[1:]
     q, k, v = (t[:, 0] for t in split_heads(qkv[:, None], num_k_heads, nv, dk, dv))
     beta, g = gate_terms(b, a, A_log, dt_bias)
@@ -109,7 +115,11 @@ def unsupported_reason(qkv, z, rec, num_k_heads: int):
             return f"{name} head dim {d} is not a power of two in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
     if nv % num_k_heads:
         return f"value heads {nv} not a multiple of key heads {num_k_heads}"
-    if qkv.shape[-1] != 2 * num_k_heads * dk + nv * dv or z.shape != qkv.shape[:-1] + (nv * dv,):
+    if z.ndim not in (qkv.ndim, qkv.ndim + 1):
+        return f"z {z.shape} for qkv {qkv.shape}: z [..., nv dv] beside qkv, or its partials [S, ...]"
+    if z.ndim == qkv.ndim + 1 and z.dtype != jnp.float32:
+        return f"z's partials [S, B, nv dv] of dtype {jnp.dtype(z.dtype)}: the kernel sums float32 partials"
+    if qkv.shape[-1] != 2 * num_k_heads * dk + nv * dv or z.shape[-qkv.ndim:] != qkv.shape[:-1] + (nv * dv,):
         return f"qkv {qkv.shape} / z {z.shape} do not hold {num_k_heads} key and {nv} value heads of {dk} / {dv}"
     if jnp.dtype(qkv.dtype) not in {jnp.dtype(d) for d in DTYPES} or rec.dtype != jnp.float32:
         return f"dtypes qkv {jnp.dtype(qkv.dtype)}, state {jnp.dtype(rec.dtype)}: the kernel takes f32 / bf16 / f16 " \
@@ -118,7 +128,7 @@ def unsupported_reason(qkv, z, rec, num_k_heads: int):
 
 
 def _kernel(qkv_ref, z_ref, b_ref, a_ref, s_ref, alog_ref, dtb_ref, w_ref, n_ref, out_ref, *rule_refs, T, group,
-            dk, dv, kd, eps, dt, gate_dt, verify, pad_row=None):
+            dk, dv, kd, eps, dt, gate_dt, verify, pad_row=None, z_parts=0):
     """Program (row, value head h): the rule's step form over the row's T positions (those at t >= n_valid take
     beta = g = 0), the state in registers. The step writes the state after them; the verify writes instead the
     cumulative log decay G, the normalised k and the deltas of every position (gdn_verify.py), not the state.
@@ -150,7 +160,10 @@ def _kernel(qkv_ref, z_ref, b_ref, a_ref, s_ref, alog_ref, dtb_ref, w_ref, n_ref
         S = S + k[:, None] * delta[None, :]
         o = jnp.sum(q[:, None] * S, axis=0).astype(dt).astype(f32)
         y = (o * jax.lax.rsqrt(jnp.mean(o * o) + eps)).astype(dt)
-        zf = z_ref[row, t, pl.ds(h * dv, dv)].astype(f32)
+        if z_parts:  # K's partials of z summed in f32, rounded to x's dtype (split_k.sum_parts, then a cast)
+            zf = sum(z_ref[i, row, t, pl.ds(h * dv, dv)] for i in range(z_parts)).astype(dt).astype(f32)
+        else:
+            zf = z_ref[row, t, pl.ds(h * dv, dv)].astype(f32)
         out_ref[row, t, pl.ds(h * dv, dv)] = ((w * y).astype(f32) * (zf / (1.0 + jnp.exp(-zf)))).astype(dt)
         if pad_row is not None:
             @pl.when(row == 0)
@@ -178,9 +191,10 @@ def gdn_rows_pallas(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, *, num_k
     B, T = qkv.shape[:2]
     nv, dk, dv = rec.shape[1:]
     dt = qkv.dtype
+    z_parts = z.shape[0] if z.ndim == 4 else 0  # K's partials [S, B, T, nv dv]
     kernel = functools.partial(_kernel, T=T, group=nv // num_k_heads, dk=dk, dv=dv, kd=num_k_heads * dk, eps=eps,
-                               dt=dt, gate_dt=b.dtype, verify=verify, pad_row=B if pad_row else None)
-    args = (qkv, z.astype(dt), b, a, rec, A_log, dt_bias, norm_w, n_valid.astype(jnp.int32))
+                               dt=dt, gate_dt=b.dtype, verify=verify, pad_row=B if pad_row else None, z_parts=z_parts)
+    args = (qkv, z if z_parts else z.astype(dt), b, a, rec, A_log, dt_bias, norm_w, n_valid.astype(jnp.int32))
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)  # each program indexes in place
     out_shape = [jax.ShapeDtypeStruct((B + bool(pad_row), T, nv * dv), dt)]
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
@@ -201,7 +215,8 @@ def gdn_rows_pallas(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, *, num_k
 def gdn_step_pallas(qkv, z, b, a, rec, A_log, dt_bias, norm_w, valid, *, num_k_heads: int, eps: float,
                     num_warps: int = NUM_WARPS, pad_row: bool = False, interpret: bool = False):
     """The step's kernel (gdn_rows_pallas over one row), with gdn_step's signature."""
-    out, rec = gdn_rows_pallas(qkv[:, None], z[:, None], b[:, None], a[:, None], rec, A_log, dt_bias, norm_w,
+    z = z[:, :, None] if z.ndim == 3 else z[:, None]  # (partials [S, B, N]: one row of T each)
+    out, rec = gdn_rows_pallas(qkv[:, None], z, b[:, None], a[:, None], rec, A_log, dt_bias, norm_w,
                                valid.astype(jnp.int32), num_k_heads=num_k_heads, eps=eps, verify=False,
                                num_warps=num_warps, pad_row=pad_row, interpret=interpret)
     return out[:, 0], rec

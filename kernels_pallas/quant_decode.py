@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import functools
 
+import jax.numpy as jnp
+
 from kernels_pallas import dispatch
 from kernels_pallas import quant_gemv as gemv
 from kernels_pallas import quant_mma as mma
@@ -58,6 +60,33 @@ def quant_gemv(x, q, scale, *, kind: str, k: int, block, backend: str = "auto", 
     than 16 rows, N not a multiple of 4, ...) falls back to the reference with a warning."""
     return _run("quantized matmul (decode kernel)", gemv.quant_gemv_pallas, gemv.unsupported_reason, x, q, scale,
                 kind, k, block, backend, interpret)
+
+
+def gemv_parts(x, q, scale, *, kind: str, k: int, block) -> int:
+    """K's parts the FMA decode kernel's plan cuts this product into (1: none, the kernel writes the product)."""
+    return gemv.plan(x.shape[0], k, q.shape[1], kind, tuple(block)).splits
+
+
+def quant_gemv_parts(x, q, scale, *, kind: str, k: int, block, backend: str = "auto", interpret: bool = False):
+    """The FMA decode kernel's float32 K partials [S, M, N] (S = gemv_parts > 1), unsummed, on cuda: their sum
+    rounded to x's dtype is quant_gemv's product, which a consumer forms as it loads them (gdn_conv.py,
+    gdn_step.py: XLA's sum was a kernel of its own). Elsewhere the reference's product in part 0 and zeros in the
+    others, so that the consumer's sum is the product bit for bit."""
+    block = tuple(int(b) for b in block)
+    check_inputs(x, q, scale, kind, k, block)
+    S = gemv_parts(x, q, scale, kind=kind, k=k, block=block)
+    if S < 2:
+        raise ValueError(f"quant_gemv_parts: the plan cuts [{k}, {q.shape[1]}] at {x.shape[0]} rows into {S} part")
+
+    def reference(x, q, scale):
+        y = quant_matmul_reference(x, q, scale, kind=kind, k=k, block=block).astype(jnp.float32)
+        return jnp.concatenate([y[None], jnp.zeros((S - 1, *y.shape), jnp.float32)])
+
+    kernel = functools.partial(gemv.quant_gemv_pallas, kind=kind, k=k, block=block, unsummed=True,
+                               interpret=interpret)
+    reason = gemv.unsupported_reason(x, q, scale, kind=kind, k=k, block=block)
+    return dispatch.run("quantized matmul's K partials (decode kernel)", kernel, reference, reason, backend, x, q,
+                        scale)
 
 
 def tensor_core_module(kind: str):

@@ -337,11 +337,13 @@ def as_words(q):
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "k", "block", "num_warps", "splits", "rows", "prefetch",
-                                             "words", "interpret"))
+                                             "words", "unsummed", "interpret"))
 def quant_gemv_pallas(x, q, scale, *, kind: str, k: int, block, num_warps: int | None = None,
                       splits: int | None = None, rows: int | None = None, prefetch: bool | None = None,
-                      words: int | None = None, interpret: bool = False):
-    """The decode kernel. Inputs must pass quant_matmul.check_inputs and unsupported_reason here."""
+                      words: int | None = None, unsummed: bool = False, interpret: bool = False):
+    """The decode kernel. Inputs must pass quant_matmul.check_inputs and unsupported_reason here. unsummed: K's
+    float32 partials [splits, M, N] as the kernel writes them (their sum, rounded to x's dtype, the product), for a
+    consumer that sums them as it loads them (quant_decode.quant_gemv_parts); a plan of one part must not ask."""
     block = tuple(block)
     M, N = x.shape[0], q.shape[1]
     dt = x.dtype
@@ -365,6 +367,9 @@ def quant_gemv_pallas(x, q, scale, *, kind: str, k: int, block, num_warps: int |
         interpret=interpret,
         name=f"quant_matmul_{kind}",
     )(x, stored, scale.astype(jnp.float32), consts)
+    if unsummed:
+        assert p.splits > 1, "quant_gemv_pallas(unsummed=True): a plan of one K part has no partials"
+        return out
     return sum_parts(out).astype(dt) if p.splits > 1 else out
 
 

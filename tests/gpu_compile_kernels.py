@@ -75,6 +75,11 @@ def cases():
         out.append((f"GDN {'step' if T is None else f'verify T{T}'} {model} B{B}",
                     jax.jit(lambda *a, fn=fn, nk=nk: fn(*a, num_k_heads=nk, eps=1e-6)), _real_args(B, nk, nv,
                     jnp.bfloat16, T), {}, {"gdn_decode_step" if T is None else "gdn_verify": 1}))
+    nk, nv = REAL_GDN["27B"]  # the step's z as its K partials (27B int4's z: 14 parts), summed by the kernel
+    args = _real_args(1, nk, nv, jnp.bfloat16, None)
+    args = (args[0], jax.ShapeDtypeStruct((14, *args[1].shape), jnp.float32), *args[2:])
+    out.append(("GDN step 27B B1, z from its K partials", jax.jit(lambda *a: gdn_step(*a, num_k_heads=nk, eps=1e-6)),
+                args, {}, {"gdn_decode_step": 1}))
     from kernels_pallas.gdn_conv import conv_step
     from tests.test_kernel_gdn_conv import REAL_CONV
     S = jax.ShapeDtypeStruct
@@ -82,6 +87,10 @@ def cases():
         C = REAL_CONV[model]
         args = (S((B, C), jnp.bfloat16), S((B, 3, C), jnp.bfloat16), S((4, C), jnp.float32), S((B,), jnp.bool_))
         out.append((f"GDN conv step {model} B{B}", jax.jit(conv_step), args, {}, {"gdn_conv_step": 1}))
+    C = REAL_CONV["27B"]  # the row as its K partials (27B int4's qkv: 14 parts), summed by the kernel
+    args = (S((14, 1, C), jnp.float32), S((1, 3, C), jnp.bfloat16), S((4, C), jnp.float32), S((1,), jnp.bool_))
+    out.append(("GDN conv step 27B B1, the row from its K partials", jax.jit(conv_step), args, {},
+                {"gdn_conv_step": 1}))
     from kernels_pallas.moe_router import router_topk
     from tests.test_kernel_moe_router import REAL_ROUTERS
     for model, n in (("35B-A3B / 122B-A10B", 1), ("397B-A17B", 8)):
@@ -115,7 +124,8 @@ def loops(target):
     apart from the routed experts' launches (before mlp._routed_and_shared), bf16 and int4; 27B's plain step, and
     with its input and final norms in XLA ops (before rmsnorm.py's kernel), and with its KV rows written by the
     batched scatter (before attention.ONE_ROW_WRITE); 27B int4's plain step, and with its MLPs' gate and up in
-    two launches (before quant_gate_up.py), and with K's parts summed by one reduce (before split_k.sum_parts); and 27B's
+    two launches (before quant_gate_up.py), with K's parts summed by one reduce (before split_k.sum_parts), and
+    with the GDN qkv / z products' K parts summed by XLA (before gdn.step_projections); and 27B's
     round with the GDN in-projections as they were before gdn.in_projections (four dots on one x), which XLA
     merged over the weights concatenated in the loop: the probe must find those."""
     import dataclasses
@@ -210,6 +220,12 @@ def loops(target):
     jax.clear_caches()
     one("27B int4 plain, K's parts summed by one reduce", "Qwen3.5-27B", k=0, quant="int4")
     split_k.ELEMENTAL_ROWS = 31
+    # the GDN qkv and z products' K partials summed by the conv and step kernels as they load them
+    # (gdn.step_projections, quant.linear_parts), against XLA's sum of each before them
+    linear_parts, gdn.linear_parts = gdn.linear_parts, lambda x, m: None
+    jax.clear_caches()
+    one("27B int4 plain, the GDN in-projections' K parts summed by XLA", "Qwen3.5-27B", k=0, quant="int4")
+    gdn.linear_parts = linear_parts
 
     vector_max, ops.VECTOR_DOT_MAX = ops.VECTOR_DOT_MAX, 0
     jax.clear_caches()

@@ -103,6 +103,10 @@ class KernelContract:
         """The kernel's custom call name in a program lowered for cuda."""
         raise NotImplementedError
 
+    def out_dtype(self, case, args):
+        """The kernel output's dtype: x's (the first input's), unless a kernel says otherwise."""
+        return args[0].dtype
+
     def custom_calls(self, case) -> list:
         """Every custom call a program lowered for cuda holds, in order (a kernel of two launches names both)."""
         return [self.custom_call(case)]
@@ -120,7 +124,7 @@ class KernelContract:
         assert self.reason(case, *args) is None, self.reason(case, *args)
         got = self.kernel(case, *args)
         ref = self.reference(case, *args)
-        assert got.dtype == args[0].dtype and got.shape == ref.shape, (got.dtype, got.shape, ref.shape)
+        assert got.dtype == self.out_dtype(case, args) and got.shape == ref.shape, (got.dtype, got.shape, ref.shape)
         err = self.error(got, ref)
         assert any(e < t for e, t in zip(err, tol)), (err, tol)
         self.check_more(case, args, got, ref, report)

@@ -23,6 +23,8 @@ def test_gpu_check_runs_on_cpu(capsys):
     assert "RMSNorm rows R1 H1000 float32: grid (1,), max_rel " in out  # rmsnorm.py
     assert "RMSNorm rows R1 H1000 float32 pad_row (the row and its two rows): max_rel " in out
     assert "pad_row: the row and zeros" in out  # the GDN step writing out_proj's two rows
+    # the conv's row and the step's z as a quantized product's K partials (quant.linear_parts), summed in the kernel
+    assert "; from 6 K partials: max_rel " in out and "; z from 6 K partials: max_rel " in out, out
     assert "dense gate / up in one launch int4 32 M1 K96 N40 float32: one launch max_rel" in out  # quant_gate_up.py
 
 

@@ -52,12 +52,13 @@ def _run(python, *args, timeout=900):
 def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
     """tests/gpu_compile_kernels.py: each Pallas kernel family at real Qwen3.5 shapes (quantized matmuls of 27B
     in every format at 1 and 5 rows, its gate and up in one launch at 1 row, the routed MoE experts of 35B-A3B
-    and 397B-A17B, windowed and causal attention, the GDN decode step, verify and conv step, the MoE router's
+    and 397B-A17B, windowed and causal attention, the GDN decode step, verify and conv step (the step's z and the
+    conv's row also as K partials, quant.linear_parts), the MoE router's
     top-k, the RMSNorm row) compiles for an H200 and holds its kernel; a launch over one block's shared memory is
     refused by XLA's compile (the probe reaches the machine code)."""
     rows = [json.loads(x) for x in _run(python, "tests/gpu_compile_kernels.py", "H200").splitlines()
             if x.startswith("{")]
-    assert len(rows) == 49, [r["label"] for r in rows]
+    assert len(rows) == 51, [r["label"] for r in rows]
     *good, bad = rows
     assert "error" in bad and "Shared memory size limit exceeded" in bad["error"], bad
     for r in good:
@@ -144,7 +145,8 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     two kernels, with the GDN step kernel writing out_proj's two rows, with the input norm's kernel writing its
     row's two rows and with the shared expert in the routed experts' launches than without, and a 27B plain step fewer
     with the RMSNorm kernel and with its KV rows written by their dynamic-update-slice, and a 27B int4 plain step
-    fewer with its MLPs' gate and up in one launch and with K's partials summed in chunks XLA fuses.
+    fewer with its MLPs' gate and up in one launch, with K's partials summed in chunks XLA fuses and with its GDN
+    qkv / z partials summed by the conv and step kernels.
     Before gdn.in_projections, XLA's dot merger joined the four GDN in-projections over their weights
     concatenated in the loop: a copy of 169 MB (27B) per GDN layer at every round, 16 GB a round at full depth.
     The same program with the four dots on one x shows the probe finds it."""
@@ -201,6 +203,10 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     # fusion, where one reduce of 46 rows was a kernel of its own: a kernel a layer fewer
     assert rows["27B int4 plain"]["kernels"] + 4 <= rows["27B int4 plain, K's parts summed by one reduce"]["kernels"], \
         rows
+    # the GDN qkv and z products' K partials summed by the conv and step kernels as they load them
+    # (gdn.step_projections): XLA's two sums before them gone, 2 kernels a GDN layer fewer (3 GDN layers)
+    assert rows["27B int4 plain"]["kernels"] + 6 <= \
+        rows["27B int4 plain, the GDN in-projections' K parts summed by XLA"]["kernels"], rows
     for label, r in rows.items():
         cats = r["concatenations"]
         report(f"XLA sm_90 compile (deviceless, H200), {label}: {r['kernels']} kernels an iteration, weight "

@@ -3,6 +3,8 @@ against the trunk's own conv (gdn.causal_conv, then gdn.conv_window_at).
 
 Shapes: channels a multiple of the kernel's block and not (a masked tail), conv widths 4 and 2, a padding row
 (valid False: its state must be left bit for bit), batch 1 and 3, f32, bf16 and f16 rows; every tensor random.
+The row also as float32 K partials [S, B, C] (a quantized qkv projection's, quant.linear_parts), summed by the
+kernel as it loads them.
 """
 
 import dataclasses
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas.gdn_conv import conv_step, conv_step_pallas, conv_step_reference, unsupported_reason
+from kernels_pallas.split_k import sum_parts
 from tests.hf_tiny import rel_err
 
 pytest.register_assert_rewrite("kernel_contract")
@@ -33,12 +36,19 @@ class Run:
     case: tuple
     seed: int
     dtype: object = jnp.float32
+    parts: int = 0  # > 0: the row as that many float32 K partials [S, B, C]
 
 
-def _inputs(B, C, K, valid, seed, dtype):
+def _inputs(B, C, K, valid, seed, dtype, parts=0):
     rng = np.random.default_rng(seed)
     f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-    return f(B, C).astype(dtype), f(B, K - 1, C).astype(dtype), 0.5 * f(K, C), jnp.asarray(valid)
+    x = f(parts, B, C) if parts else f(B, C).astype(dtype)
+    return x, f(B, K - 1, C).astype(dtype), 0.5 * f(K, C), jnp.asarray(valid)
+
+
+def _row(x, state):
+    """The conv's input row: x, or its partials' sum in the state's dtype."""
+    return sum_parts(x).astype(state.dtype) if x.ndim == 3 else x
 
 
 class TestGdnConvContract(KernelContract):
@@ -48,18 +58,21 @@ class TestGdnConvContract(KernelContract):
     _kept: dict = {}
 
     def f32_cases(self):
-        return [Run(c, seed=i) for i, c in enumerate(CASES)]
+        return [Run(c, seed=i) for i, c in enumerate(CASES)] + [Run(CASES[1], seed=11, parts=3)]
 
     def low_precision_cases(self):
         return [Run(CASES[1], seed=7, dtype=jnp.bfloat16), Run(CASES[3], seed=8, dtype=jnp.bfloat16),
-                Run(CASES[2], seed=9, dtype=jnp.float16)]
+                Run(CASES[2], seed=9, dtype=jnp.float16), Run(CASES[3], seed=12, dtype=jnp.bfloat16, parts=6)]
 
     def case_id(self, run):
         B, C, K, _ = run.case
-        return f"B{B}C{C}K{K}-{jnp.dtype(run.dtype).name}"
+        return f"B{B}C{C}K{K}-{jnp.dtype(run.dtype).name}" + (f"-parts{run.parts}" if run.parts else "")
 
     def inputs(self, run):
-        return _inputs(*run.case, seed=run.seed, dtype=run.dtype)
+        return _inputs(*run.case, seed=run.seed, dtype=run.dtype, parts=run.parts)
+
+    def out_dtype(self, run, args):
+        return args[1].dtype  # the state's (the row's, or its partials' sum rounded to it)
 
     def kernel(self, run, *args):
         out, self._kept[("kernel", run)] = conv_step_pallas(*args, interpret=True)
@@ -89,10 +102,13 @@ class TestGdnConvContract(KernelContract):
         # the state is exact either way: the window's inputs, moved
         np.testing.assert_array_equal(np.asarray(new), np.asarray(want))
         np.testing.assert_array_equal(np.asarray(new)[~valid], np.asarray(state)[~valid])  # padding rows kept
-        np.testing.assert_array_equal(np.asarray(new)[valid, -1], np.asarray(x)[valid])  # the row's input, last
+        row = np.asarray(_row(x, state))
+        np.testing.assert_array_equal(np.asarray(new)[valid, -1], row[valid])  # the row's input, last
+        assert got.dtype == state.dtype
         out = np.asarray(got, np.float32)
         assert (np.abs(out).max(axis=1) > 0).all() and (np.abs(out[:, -1]) > 0).all()  # every row, the tail too
-        report(f"gdn conv kernel {run.case[:3]} {jnp.dtype(run.dtype).name}: out max_rel={self.error(got, ref)[0]:.1e}")
+        report(f"gdn conv kernel {run.case[:3]} {jnp.dtype(run.dtype).name}{' from K partials' if run.parts else ''}: "
+               f"out max_rel={self.error(got, ref)[0]:.1e}")
 
     def unsupported_case(self):
         return Run((1, 64, 1, (True,)), seed=0), "a conv of 1 tap"

@@ -34,6 +34,7 @@ class Run:
     case: tuple
     seed: int
     dtype: object = jnp.float32
+    parts: int = 0  # the step's z as that many float32 K partials [S, B, nv dv] (quant.linear_parts)
 
 
 def _inputs(B, nk, nv, dk, dv, valid, seed, dtype):
@@ -113,9 +114,23 @@ class TestGdnStepContract(GdnContract):
     def nk(self, run):
         return run.case[1]
 
+    def f32_cases(self):
+        return super().f32_cases() + [Run(CASES[1], seed=13, parts=4)]
+
+    def low_precision_cases(self):
+        return super().low_precision_cases() + [Run(CASES[3], seed=14, dtype=jnp.bfloat16, parts=3)]
+
+    def inputs(self, run):
+        args = super().inputs(run)
+        if not run.parts:
+            return args
+        z = jnp.asarray(np.random.default_rng(run.seed + 100).standard_normal((run.parts, *args[1].shape)), jnp.float32)
+        return (args[0], z, *args[2:])
+
     def case_id(self, run):
         B, nk, nv, dk, dv, _ = run.case
-        return f"B{B}nk{nk}nv{nv}dk{dk}dv{dv}-{jnp.dtype(run.dtype).name}"
+        parts = f"-zparts{run.parts}" if run.parts else ""
+        return f"B{B}nk{nk}nv{nv}dk{dk}dv{dv}-{jnp.dtype(run.dtype).name}{parts}"
 
     def check_more(self, run, args, got, ref, report):
         rec, valid = args[4], np.asarray(args[8])
@@ -127,7 +142,8 @@ class TestGdnStepContract(GdnContract):
         assert (np.abs(np.asarray(state) - np.asarray(rec))[valid].min(axis=(-2, -1)) > 0).all()  # each head moved
         out = np.asarray(got, np.float32)
         assert (np.abs(out).reshape(out.shape[0], -1).max(axis=1) > 0).all()  # every row read real values
-        report(f"gdn step kernel {run.case[:5]} {jnp.dtype(run.dtype).name}: out max_rel="
+        report(f"gdn step kernel {run.case[:5]} {jnp.dtype(run.dtype).name}{' z from K partials' * bool(run.parts)}: "
+               f"out max_rel="
                f"{self.error(got, ref)[0]:.1e}, state max_rel={err[0]:.1e}")
 
     def unsupported_case(self):
@@ -138,6 +154,7 @@ class TestGdnStepContract(GdnContract):
         return [(unsupported_reason(qkv, z, rec, 2), "not a multiple"),
                 (unsupported_reason(qkv[:, :-1], z, rec, 1), "do not hold"),
                 (unsupported_reason(qkv, z, rec.astype(jnp.bfloat16), 1), "f32 state"),
+                (unsupported_reason(qkv, jnp.zeros((2, 1, 48), jnp.bfloat16), rec, 1), "sums float32 partials"),
                 (unsupported_reason(jnp.zeros((1, 2 * 8 + 3 * 8)), jnp.zeros((1, 24)), jnp.zeros((1, 3, 8, 8)), 1),
                  "head dim 8")]
 
@@ -238,3 +255,44 @@ def test_kernel_lowers_and_compiles_for_sm90_at_real_shapes(report):
         report(f"sm_90 compile, GDN {label}: grid {kernel.grid}, {kernel.num_warps} warps, shared "
                f"{r['shared']} B, {r['registers']} registers, {r['stack']} B spilled")
         assert r["shared"] <= SM90_SHARED_LIMIT and r["stack"] == 0, (label, r)
+
+
+def test_gdn_layer_hands_k_partials_to_the_kernels(monkeypatch):
+    """At one decode row with int4 qkv and z that the FMA decode kernel cuts into K parts, gdn_layer hands their
+    float32 partials to the conv and step kernels (gdn.step_projections, quant.linear_parts), which sum them as
+    they load them. Lowered for cpu the step is bit for bit the step with each product summed first (the partials
+    there are the product and zeros); control: the partials are taken for both products."""
+    from qwen_mtp.tools.real_shapes import config
+    from qwen_mtp.trunk import gdn
+    from qwen_mtp.trunk.quant import quantize
+    from qwen_mtp.trunk.state import GDNState
+    from qwen_mtp.trunk.weights import GDNWeights
+
+    H, nk, nv, d = 1024, 2, 4, 64
+    cfg = dataclasses.replace(config("Qwen3.5-27B", layers=1), hidden_size=H, gdn_num_k_heads=nk,
+                              gdn_num_v_heads=nv, gdn_k_head_dim=d, gdn_v_head_dim=d)
+    rng = np.random.default_rng(5)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32).astype(jnp.bfloat16)
+    C, V = 2 * nk * d + nv * d, nv * d
+    w = GDNWeights(in_proj_qkv=quantize(f(H, C), "int4", 128), in_proj_z=quantize(f(H, V), "int4", 128),
+                   in_proj_b=f(H, nv), in_proj_a=f(H, nv), conv=f(4, C), A_log=jnp.log(jnp.linspace(1, 16, nv)),
+                   dt_bias=f(nv, 1)[:, 0], norm=1 + f(d, 1)[:, 0], out_proj=quantize(f(V, H), "int4", 128))
+    st = GDNState(conv=f(1, 3, C), rec=jnp.asarray(rng.standard_normal((1, nv, d, d)), jnp.float32))
+    x = f(1, 1, H)
+    step = lambda x, w, st: gdn.gdn_layer(x, w, cfg, st, jnp.ones((1,), jnp.int32), mode="step")
+    taken = []
+    real = gdn.linear_parts
+
+    def parts(x, m):
+        out = real(x, m)
+        taken.append(None if out is None else out.shape)
+        return out
+
+    monkeypatch.setattr(gdn, "linear_parts", parts)
+    got = jax.jit(step)(x, w, st)
+    assert len(taken) == 2 and all(t is not None and t[0] > 1 for t in taken), taken
+    monkeypatch.setattr(gdn, "linear_parts", lambda x, m: None)
+    want = jax.jit(step)(x, w, st)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+    assert np.abs(np.asarray(got[0], np.float32)).max() > 0

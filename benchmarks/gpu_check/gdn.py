@@ -9,6 +9,7 @@ import numpy as np
 from kernels_pallas.gdn_conv import conv_step_pallas, conv_step_reference
 from kernels_pallas.gdn_step import gdn_rows_pallas, gdn_step_reference
 from kernels_pallas.gdn_verify import gdn_verify_reference
+from kernels_pallas.split_k import sum_parts
 
 from .budget import out_of_time
 from .common import bandwidth, max_rel, one_line
@@ -69,8 +70,31 @@ def check_conv(label, B, C, dt, rng, interpret, timings, kind, bw):
         frac = f" = {100 * nbytes / t_k / bw:.0f}% of {kind}'s {bw / 1e12:.2f} TB/s" if bw else ""
         line += (f"; kernel {1e6 * t_k:.1f} us ({nbytes / t_k / 1e9:.0f} GB/s{frac}), XLA reference "
                  f"{1e6 * t_r:.1f} us, kernel/reference {t_k / t_r:.2f}x")
-    print(line, flush=True)
-    return 0 if ok else 1
+    # the row as a quantized qkv product's K partials (quant.linear_parts), summed by the kernel as it loads them
+    parts = f(PARTS, B, C)
+    ok_parts, part_line = _parts_form(lambda p: kern(p, state, w, valid)[0], lambda p: ref(p, state, w, valid)[0],
+                                      lambda p: kern(sum_parts(p).astype(dt), state, w, valid)[0], parts, dt, timings)
+    print(line + part_line, flush=True)
+    return 0 if ok and ok_parts else 1
+
+
+PARTS = 6  # K partials of a quantized in-projection (35B-A3B int4's qkv / z: 6; 27B's: 14)
+
+
+def _parts_form(kernel, reference, summed_first, parts, dt, timings):
+    """(ok, the line's part) for a kernel taking a product as its K partials: against the reference; with timings,
+    its time beside XLA's sum followed by the kernel on the summed product (what ran before)."""
+    try:
+        got = np.asarray(jax.jit(kernel)(parts).astype(jnp.float32))
+    except Exception as e:  # noqa: BLE001 - reported as this case's failure
+        return False, f"; from {parts.shape[0]} K partials FAIL {one_line(e)}"
+    rel = max_rel(got, np.asarray(jax.jit(reference)(parts).astype(jnp.float32)))
+    ok = rel < (1e-5 if dt == jnp.float32 else 2e-2) and bool(np.isfinite(got).all())
+    line = f"; from {parts.shape[0]} K partials: max_rel {rel:.1e}{'' if ok else ' FAIL'}"
+    if timings:
+        t_p, t_s = time_call(jax.jit(kernel), parts), time_call(jax.jit(summed_first), parts)
+        line += f", {1e6 * t_p:.1f} us against XLA's sum + the kernel {1e6 * t_s:.1f} us ({t_p / t_s:.2f}x)"
+    return ok, line
 
 
 def check_gdn(cases, interpret, timings):
@@ -109,6 +133,12 @@ def check_gdn(cases, interpret, timings):
                 same, pad_line = False, f"; pad_row FAIL {one_line(e)}"
             ok = ok and same
             pad_line = pad_line or f"; pad_row: the row {'and zeros' if same else 'DIFFERS'}"
+        if not verify:  # z as a quantized z product's K partials (quant.linear_parts), summed by the kernel
+            zp = jnp.asarray(rng.standard_normal((PARTS, B, 1, nv * d)), jnp.float32)
+            step = lambda z, a=a: kern(a[0], z, *a[2:])[0]
+            ok_z, z_line = _parts_form(step, lambda z, a=a: ref(a[0], sum_parts(z).astype(dt), *a[2:])[0],
+                                       lambda z: step(sum_parts(z).astype(dt)), zp, dt, timings)
+            ok, pad_line = ok and ok_z, pad_line + z_line.replace("; from", "; z from")
         failures += not ok
         what = "out, G, k, delta" if verify else "out, state"
         line = (f"GDN {label} (B{B} T{T or 1} nk{nk} nv{nv} d{d} {dtype}): grid ({B},{nv}), max_rel {what} "

@@ -19,7 +19,7 @@ from kernels_pallas.gdn_step import gate_terms, gated_rmsnorm, gdn_step, split_h
 from kernels_pallas.gdn_verify import gdn_verify, unit_lower_inverse, within_chunk
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.ops import linear, linear_of_two, pads_one_row
-from qwen_mtp.trunk.quant import QuantArray
+from qwen_mtp.trunk.quant import QuantArray, linear_parts
 from qwen_mtp.trunk.state import GDNState, GDNVerify
 from qwen_mtp.trunk.weights import GDNWeights
 
@@ -114,6 +114,22 @@ def in_projections(x, w: GDNWeights, two=None):
     return lin(x_qkv, w.in_proj_qkv), lin(x_z, w.in_proj_z), lin(x_ba, w.in_proj_b), lin(x_ba, w.in_proj_a)
 
 
+def step_projections(x, w: GDNWeights, two=None):
+    """in_projections at one decode row x [B, 1, H] for the conv and step kernels: (qkv [B, C], z [B, 1, nv dv],
+    b, a, z_parts). Where qkv and z are quantized and run on the FMA decode kernel with K cut into parts, qkv and
+    z come as those float32 partials [S, B, C] / [S, B, nv dv] (quant.linear_parts; z_parts True), which the
+    conv and step kernels sum as they load them: XLA's sums were a kernel each (two a GDN layer fewer; off cuda
+    the partials are the product and zeros, the same numbers bit for bit)."""
+    if isinstance(w.in_proj_qkv, QuantArray) and isinstance(w.in_proj_z, QuantArray):
+        pq, pz = linear_parts(x, w.in_proj_qkv), linear_parts(x, w.in_proj_z)
+        if pq is not None or pz is not None:
+            qkv = pq if pq is not None else linear(x, w.in_proj_qkv)[:, 0]
+            z = pz if pz is not None else linear(x, w.in_proj_z)
+            return qkv, z, linear(x, w.in_proj_b), linear(x, w.in_proj_a), pz is not None
+    pre, z, b, a = in_projections(x, w, two)
+    return pre[:, 0], z, b, a, False
+
+
 def rule_inputs(qkv, z, b, a, w: GDNWeights, cfg: ModelConfig):
     """The gated delta rule's inputs from the convolved qkv projection [B, T, 2 key_dim + value_dim] and the z, b,
     a projections of the same rows (in_projections): q (l2-normed, times dk^-1/2), k (l2-normed) and v as f32
@@ -133,21 +149,24 @@ def gated_output(core, z, w: GDNWeights, cfg: ModelConfig, dtype):
     return linear(core.reshape(B, T, -1), w.out_proj)
 
 
-def decode_rows(qkv, z, b, a, w: GDNWeights, cfg: ModelConfig, rec, n_valid, *, verify: bool, pad_row=False):
+def decode_rows(qkv, z, b, a, w: GDNWeights, cfg: ModelConfig, rec, n_valid, *, verify: bool, pad_row=False,
+                z_parts=False):
     """The rule and the gated norm after the conv, as one kernel on cuda (kernels_pallas/gdn_step.py; per shard
     under a mesh), its XLA reference elsewhere: qkv [B, T, C], z [B, T, nv dv], b / a [B, T, nv]; rows at
     t >= n_valid are padding. The step (T = 1, verify False) returns (out_proj's input [B, 1, nv dv], the state
     after it; pad_row: [B + 1, 1, nv dv], a last row of zeros); the verify (gdn_verify.py) (out_proj's input
-    [B, T, nv dv], G, k, delta)."""
-    call = gdn_verify if verify else functools.partial(_one_row, pad_row=pad_row)
+    [B, T, nv dv], G, k, delta). z_parts (the step, no mesh): z is its float32 K partials [S, B, nv dv]
+    (step_projections)."""
+    call = gdn_verify if verify else functools.partial(_one_row, pad_row=pad_row, z_parts=z_parts)
     call = functools.partial(call, eps=cfg.rms_norm_eps)
     return per_shard.gdn_rows(call, qkv, z, b, a, rec, w.A_log, w.dt_bias, w.norm, n_valid, cfg.gdn_num_k_heads,
                               verify=verify)
 
 
-def _one_row(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, *, num_k_heads, eps, pad_row):
-    """gdn_step over [B, 1, ...] rows (decode_rows' step)."""
-    out, rec = gdn_step(qkv[:, 0], z[:, 0], b[:, 0], a[:, 0], rec, A_log, dt_bias, norm_w, n_valid > 0,
+def _one_row(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, *, num_k_heads, eps, pad_row, z_parts=False):
+    """gdn_step over [B, 1, ...] rows (decode_rows' step); z_parts: z as its partials [S, B, nv dv]."""
+    z = z if z_parts else z[:, 0]
+    out, rec = gdn_step(qkv[:, 0], z, b[:, 0], a[:, 0], rec, A_log, dt_bias, norm_w, n_valid > 0,
                         num_k_heads=num_k_heads, eps=eps, pad_row=pad_row)
     return out[:, None], rec
 
@@ -166,13 +185,15 @@ def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode
     speculative verify: the second result is a GDNVerify, from which rollback.select_states builds the GDNState
     after the accepted position). two: one row's x and a zero row [2, 1, H] (in_projections)."""
     T = x.shape[1]
-    pre, z, b, a = in_projections(x, w, two)
     if mode == "step" and T == 1:  # the conv and its next state: one kernel on cuda, the state in place
-        qkv, conv = per_shard.conv_rows(conv_step, pre[:, 0], st.conv, w.conv, n_valid > 0)
+        pre, z, b, a, z_parts = step_projections(x, w, two)
+        qkv, conv = per_shard.conv_rows(conv_step, pre, st.conv, w.conv, n_valid > 0)
         # one row: out_proj's input comes out of the step kernel as the two rows its product takes on cuda
         pad = x.shape[0] == 1 and pads_one_row(w.out_proj)
-        out, rec = decode_rows(qkv[:, None], z, b, a, w, cfg, st.rec, n_valid, verify=False, pad_row=pad)
+        out, rec = decode_rows(qkv[:, None], z, b, a, w, cfg, st.rec, n_valid, verify=False, pad_row=pad,
+                               z_parts=z_parts)
         return (_out_proj_of_one_row(out, w.out_proj) if pad else linear(out, w.out_proj)), GDNState(conv, rec)
+    pre, z, b, a = in_projections(x, w, two)
     qkv, window = causal_conv(pre, st.conv, w.conv)
     if mode == "verify":
         out, G, k_all, delta = decode_rows(qkv, z, b, a, w, cfg, st.rec, n_valid, verify=True)

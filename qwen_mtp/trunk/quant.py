@@ -31,7 +31,7 @@ from flax import struct
 from kernels_pallas import moe_expert_mlp as expert_mlp
 from kernels_pallas import moe_grouped
 from kernels_pallas import per_shard as spmd
-from kernels_pallas import quant_gate_up
+from kernels_pallas import quant_decode, quant_gate_up
 from kernels_pallas import quant_layout as layout
 from kernels_pallas.moe_gemv import moe_gemv
 from kernels_pallas.quant_matmul import quant_matmul
@@ -160,6 +160,23 @@ def linear(x, w: QuantArray, *, backend: str = "auto"):
     call = lambda x, q, s, k, block: quant_matmul(x, q, s, kind=w.kind, k=k, block=block, backend=backend)
     y = spmd.quant_linear(x.reshape(-1, K), w.q, w.scale, w.spec, K, w.block, call)
     return y.reshape(*x.shape[:-1], N)
+
+
+def linear_parts(x, w, *, backend: str = "auto"):
+    """x [..., K] @ w [K, N] as the FMA decode kernel's float32 K partials [S, rows, N] (rows: x's leading
+    dimensions flattened; their sum rounded to x's dtype is `linear`'s product, bit for bit off cuda), for a
+    consumer kernel that sums them as it loads them (gdn.py's conv and step); None where that kernel is not
+    backend "auto"'s choice for these rows, its plan cuts K into one part, or a mesh is active: the caller takes
+    `linear`."""
+    if not (isinstance(w, QuantArray) and w.ndim == 2 and spmd.active_mesh() is None):
+        return None
+    K, _ = w.shape
+    x2 = x.reshape(-1, K)
+    args, kw = (x2, w.q, w.scale), dict(kind=w.kind, k=K, block=tuple(w.block))
+    if quant_decode.decode_kernel(*args, **kw) is not quant_decode.quant_gemv or \
+            quant_decode.gemv_parts(*args, **kw) < 2:
+        return None
+    return quant_decode.quant_gemv_parts(*args, **kw, backend=backend)
 
 
 def gate_up(x, gate, up, *, backend: str = "auto"):
