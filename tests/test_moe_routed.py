@@ -118,8 +118,9 @@ def test_wrong_expert_is_caught(monkeypatch):
 def test_shared_expert_as_one_more_pair(fmt, monkeypatch, report):  # test_kernel_moe_expert_mlp.py's cases)
     """On cuda the MoE block hands the shared expert to the routed experts' two launches as one more pair a token
     (mlp._routed_and_shared). Its kernels here in interpret mode: the block equals the block lowered for cpu (the
-    shared expert and the routed ones run apart, as before, bit for bit), f32 tight, 3 tokens. Controls: the fold is taken (the
-    call is made, the shared expert's rows read); the kernel's shared rows exchanged between tokens are caught."""
+    shared expert and the routed ones run apart, as before, bit for bit), f32 tight, 3 tokens. Controls: the fold
+    is taken (the call is made, the shared expert's rows read); the kernel's shared rows exchanged between tokens
+    are caught."""
     w = _block_weights(3, fmt, shared_too=True)
     x = jnp.asarray(np.random.default_rng(4).standard_normal((3, H)), jnp.float32)
     want = jax.jit(lambda x, w: mlp.moe(x, w, CFG))(x, w)  # lowered for cpu: the reference, the pieces apart
@@ -506,9 +507,9 @@ def test_gpu_check_moe_section_runs_on_cpu(capsys):
     assert check_moe_swiglu(SWIGLU_SMOKE, interpret=True, timings=False) == 0  # the fused experts' SwiGLU
     out = capsys.readouterr().out
     assert "fused max_rel" in out and "three calls max_rel" in out and "OK" in out, out
-    from gpu_check.moe_swiglu import SHARED_SMOKE, check_moe_shared
+    from gpu_check.moe_swiglu import SHARED_SMOKE
 
-    assert check_moe_shared(SHARED_SMOKE, interpret=True, timings=False) == 0  # the shared expert as a pair a token
+    assert check_moe_swiglu(SHARED_SMOKE, interpret=True, timings=False, shared=True) == 0  # the shared expert as a pair a token
     out = capsys.readouterr().out
     assert out.count("one launch pair max_rel") == 2 and "shared expert apart max_rel" in out, out
     from gpu_check.router import ROUTER_SMALL, check_router

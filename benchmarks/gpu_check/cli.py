@@ -32,7 +32,6 @@ from .moe_swiglu import (
     SWIGLU_REAL,
     SWIGLU_SMALL,
     SWIGLU_SMOKE,
-    check_moe_shared,
     check_moe_swiglu,
 )
 from .quant import (
@@ -111,7 +110,7 @@ def _run(args, t0, contexts):
                          ("MoE experts' SwiGLU, small",
                           lambda: check_moe_swiglu(SWIGLU_SMOKE if interp else SWIGLU_SMALL, interp, False)),
                          ("MoE experts and the shared expert, small",
-                          lambda: check_moe_shared(SHARED_SMOKE, interp, False)),
+                          lambda: check_moe_swiglu(SHARED_SMOKE, interp, False, shared=True)),
                          ("MoE router top-k, small",
                           lambda: check_router(ROUTER_SMOKE if interp else ROUTER_SMALL, interp, False)),
                          ("MoE prefill paths, small", lambda: check_moe_prefill(MOE_PREFILL_SMOKE, interp, False)),
@@ -130,7 +129,7 @@ def _run(args, t0, contexts):
                          ("MoE experts' SwiGLU, 35B-A3B experts, timed",
                           lambda: check_moe_swiglu(SWIGLU_REAL, False, True)),
                          ("MoE experts and the shared expert, 35B-A3B, timed",
-                          lambda: check_moe_shared(SHARED_REAL, False, True)),
+                          lambda: check_moe_swiglu(SHARED_REAL, False, True, shared=True)),
                          ("MoE router top-k, real routers, timed", lambda: check_router(ROUTER_REAL, False, True)),
                          ("MoE routed plan alternatives, 35B-A3B experts, timed",
                           lambda: check_moe_plans(MOE_PLANS_REAL, False, timings=True)),
@@ -179,7 +178,8 @@ def _run(args, t0, contexts):
     sec("dense gate / up in one launch, small", lambda: check_gate_up(GATE_UP_SMALL, False, timings=False))
     sec("MoE routed experts, small", lambda: check_moe(MOE_SMALL, False, timings=False))
     sec("MoE experts' SwiGLU, small", lambda: check_moe_swiglu(SWIGLU_SMALL, False, timings=False))
-    sec("MoE experts and the shared expert, small", lambda: check_moe_shared(SHARED_SMOKE, False, timings=False))
+    sec("MoE experts and the shared expert, small",
+        lambda: check_moe_swiglu(SHARED_SMOKE, False, timings=False, shared=True))
     sec("MoE router top-k, small", lambda: check_router(ROUTER_SMALL, False, timings=False))
     sec("MoE prefill paths, small", lambda: check_moe_prefill(MOE_PREFILL_SMOKE, False, timings=False))
     sec("MoE routed plan alternatives, small", lambda: check_moe_plans(MOE_PLANS_SMOKE, False, timings=False))
@@ -196,7 +196,7 @@ def _run(args, t0, contexts):
     sec("MoE routed experts, 35B-A3B experts, timed", lambda: check_moe(MOE_REAL, False, timings=True))
     sec("MoE experts' SwiGLU, 35B-A3B experts, timed", lambda: check_moe_swiglu(SWIGLU_REAL, False, timings=True))
     sec("MoE experts and the shared expert, 35B-A3B, timed",
-        lambda: check_moe_shared(SHARED_REAL, False, timings=True))
+        lambda: check_moe_swiglu(SHARED_REAL, False, timings=True, shared=True))
     sec("MoE router top-k, real routers, timed", lambda: check_router(ROUTER_REAL, False, timings=True))
     sec("decode kernel plan alternatives, 27B matrices, timed",
         lambda: check_quant_plans(QUANT_PLANS_REAL, False, timings=True))

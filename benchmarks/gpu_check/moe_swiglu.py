@@ -84,37 +84,47 @@ def _three_calls(kind, H, I, block, rows_per_x, interpret):
     return jax.jit(f)
 
 
-def check_moe_swiglu(cases, interpret, timings):
-    """Each case: the fused kernels and the three calls against the reference; with timings, both timed."""
+def check_moe_swiglu(cases, interpret, timings, shared=False):
+    """Each case: the fused kernels and the three calls against the reference; with timings, both timed. shared:
+    the fused kernels with the shared expert as one more pair a token against the form before it (the shared
+    expert apart, _apart); its bytes counted once."""
     failures = 0
+    names = SHARED_NAMES if shared else NAMES
     for i, (kind, fmt, P, E, H, I, dtype, rpx) in enumerate(cases):
-        label = case_label(f"moe experts' SwiGLU {kind} {fmt} P{P} E{E} H{H} I{I} {dtype} {rpx} pairs a row")
+        what = "experts + shared expert" if shared else "experts' SwiGLU"
+        label = case_label(f"moe {what} {kind} {fmt} P{P} E{E} H{H} I{I} {dtype} {rpx} pairs a row")
         if out_of_time(f"{label} and the rest"):
             break
         bi, bo = _blocks(kind, fmt, H, I)
         kw = dict(kind=kind, block_in=None if kind == "plain" else bi, block_out=None if kind == "plain" else bo,
                   rows_per_x=rpx)
         try:
-            args = _arrays(kind, fmt, P, E, H, I, jnp.dtype(dtype), rpx, jax.random.PRNGKey(300 + i))
-            reason = me.unsupported_reason(*args, **kw)
+            args = _arrays(kind, fmt, P, E + shared, H, I, jnp.dtype(dtype), rpx, jax.random.PRNGKey(300 + i))
+            if shared:  # E + 1 experts made: the last one the shared expert's weights, after the routed ones'
+                x, *ws, ids = args
+                args = (x, *(None if a is None else a[:E] for a in ws), ids % E,
+                        tuple(None if a is None else a[E] for a in ws))
+            own = (lambda a: {"shared": a[8]}) if shared else (lambda a: {})
+            reason = me.unsupported_reason(*args[:8], **kw, **own(args))
             assert reason is None, reason
-            fused = jax.jit(functools.partial(me.moe_expert_mlp_pallas, **kw, interpret=interpret))
-            three = _three_calls(kind, H, I, fmt, rpx, interpret)
-            ref = jax.jit(functools.partial(me.moe_expert_mlp_reference, **kw))
+            fused = jax.jit(lambda *a: me.moe_expert_mlp_pallas(*a[:8], **kw, **own(a), interpret=interpret))
+            other = _apart(kind, H, I, fmt, rpx, kw, interpret) if shared else \
+                _three_calls(kind, H, I, fmt, rpx, interpret)
+            ref = jax.jit(lambda *a: me.moe_expert_mlp_reference(*a[:8], **kw, **own(a)))
             want = np.asarray(ref(*args).astype(jnp.float32))
             got = np.asarray(fused(*args).astype(jnp.float32))
-            got3 = np.asarray(three(*args).astype(jnp.float32))
+            got_other = np.asarray(other(*args).astype(jnp.float32))
         except Exception as e:  # noqa: BLE001 - one case that does not compile or run must not hide the others
             print(f"{label}: FAIL {one_line(e)}", flush=True)
             failures += 1
             continue
-        ok, line = compare_forms(label, NAMES, dtype, want, got, got3)
+        ok, line = compare_forms(label, names, dtype, want, got, got_other)
         failures += not ok
         if timings:
-            x, wg, sg, wu, su, wd, sd, ids = args
+            x, wg, sg, wu, su, wd, sd = args[:7]
             per_expert = sum(a.nbytes // a.shape[0] for a in (wg, sg, wu, su, wd, sd) if a is not None)
-            nbytes = P * per_expert + x.nbytes + P * H * x.dtype.itemsize
-            line += timed_forms(NAMES, nbytes, time_call(fused, *args), time_call(three, *args), HBM_TARGET)
+            nbytes = (P + shared) * per_expert + x.nbytes + (P + shared * P // rpx) * H * x.dtype.itemsize
+            line += timed_forms(names, nbytes, time_call(fused, *args), time_call(other, *args), HBM_TARGET)
         print(line, flush=True)
         del args
     return failures
@@ -147,44 +157,3 @@ def _apart(kind, H, I, fmt, rows_per_x, kw, interpret):
         return jnp.concatenate([routed, mlp(x[:ids.shape[0] // rows_per_x], own)])
 
     return jax.jit(f)
-
-
-def check_moe_shared(cases, interpret, timings):
-    """Each case: the routed experts' two launches with the shared expert as one more pair a token, and the form
-    before (the shared expert apart, _apart), each against the reference; with timings, both timed (the bytes:
-    the routed pairs' experts and the shared expert, once a token)."""
-    failures = 0
-    for i, (kind, fmt, P, E, H, I, dtype, rpx) in enumerate(cases):
-        label = case_label(f"moe experts + shared expert {kind} {fmt} P{P} E{E} H{H} I{I} {dtype} {rpx} pairs a row")
-        if out_of_time(f"{label} and the rest"):
-            break
-        bi, bo = _blocks(kind, fmt, H, I)
-        kw = dict(kind=kind, block_in=None if kind == "plain" else bi, block_out=None if kind == "plain" else bo,
-                  rows_per_x=rpx)
-        try:  # E + 1 experts made: the last one the shared expert's weights
-            x, *ws, ids = _arrays(kind, fmt, P, E + 1, H, I, jnp.dtype(dtype), rpx, jax.random.PRNGKey(400 + i))
-            ids = ids % E
-            shared = tuple(None if a is None else a[E] for a in ws)
-            args = (x, *(None if a is None else a[:E] for a in ws), ids)
-            reason = me.unsupported_reason(*args, **kw, shared=shared)
-            assert reason is None, reason
-            one = jax.jit(lambda *a: me.moe_expert_mlp_pallas(*a[:8], **kw, shared=a[8], interpret=interpret))
-            apart = _apart(kind, H, I, fmt, rpx, kw, interpret)
-            ref = jax.jit(lambda *a: me.moe_expert_mlp_reference(*a[:8], **kw, shared=a[8]))
-            want = np.asarray(ref(*args, shared).astype(jnp.float32))
-            got = np.asarray(one(*args, shared).astype(jnp.float32))
-            got_apart = np.asarray(apart(*args, shared).astype(jnp.float32))
-        except Exception as e:  # noqa: BLE001 - one case that does not compile or run must not hide the others
-            print(f"{label}: FAIL {one_line(e)}", flush=True)
-            failures += 1
-            continue
-        ok, line = compare_forms(label, SHARED_NAMES, dtype, want, got, got_apart)
-        failures += not ok
-        if timings:
-            per_expert = sum(a.nbytes for a in shared if a is not None)
-            nbytes = (P + 1) * per_expert + x.nbytes + (P + P // rpx) * H * x.dtype.itemsize
-            line += timed_forms(SHARED_NAMES, nbytes, time_call(one, *args, shared),
-                                time_call(apart, *args, shared), HBM_TARGET)
-        print(line, flush=True)
-        del args
-    return failures

@@ -10,9 +10,9 @@ The routed experts run one of two ways, chosen statically from the shapes (`read
            by index, several times faster there than lax.ragged_dot; elsewhere lax.ragged_dot).
 The router and the shared expert are the same in both; at decode on cuda the shared expert, where it shares the
 experts' layout and size (every Qwen3.5 MoE), runs in the routed experts' two launches as one more pair a token
-(_routed_and_shared), and as a dense MLP beside them otherwise and on cpu. The router's top-k is kernels_pallas/moe_router.py's
-(one kernel a layer on cuda, where XLA sorted each row and sliced the ids; lax.top_k elsewhere, bit for bit the
-same); the renormalisation of the k weights stays here, in XLA.
+(_routed_and_shared), and as a dense MLP beside them otherwise and on cpu. The router's top-k is
+kernels_pallas/moe_router.py's (one kernel a layer on cuda, where XLA sorted each row and sliced the ids;
+lax.top_k elsewhere, bit for bit the same); the renormalisation of the k weights stays here, in XLA.
 """
 
 from __future__ import annotations
