@@ -109,12 +109,12 @@ def test_only_flags_combine_numerics_first(capsys):
 
     small = ["quantized matmul, small", "decode kernel plan alternatives, small",
              "dense gate / up in one launch, small", "MoE routed experts, small",
-             "MoE experts' SwiGLU, small", "MoE router top-k, small", "MoE prefill paths, small",
-             "MoE routed plan alternatives, small"]
+             "MoE experts' SwiGLU, small", "MoE experts and the shared expert, small", "MoE router top-k, small",
+             "MoE prefill paths, small", "MoE routed plan alternatives, small"]
     assert skipped(["--interpret", "--moe-only", "--quant-only", "--long-only"]) == small + ["causal attention, small"]
     assert skipped(["--moe-only", "--quant-only"]) == small + [  # the device form (nothing runs: the budget is spent)
         "quantized matmul, 27B matrices, timed", "MoE routed experts, 35B-A3B experts, timed",  # main timings first
         "dense gate / up in one launch, 27B and 35B-A3B shared expert, timed",
         "decode kernel plan alternatives, 27B matrices, timed", "MoE experts' SwiGLU, 35B-A3B experts, timed",
-        "MoE router top-k, real routers, timed",
+        "MoE experts and the shared expert, 35B-A3B, timed", "MoE router top-k, real routers, timed",
         "MoE routed plan alternatives, 35B-A3B experts, timed", "MoE prefill paths, 35B-A3B experts, timed"]
