@@ -114,7 +114,7 @@ def test_wrong_expert_is_caught(monkeypatch):
     assert rel_err(bad, want)[0] > 0.05
 
 
-@pytest.mark.parametrize("fmt", ["f32", "int4"])  # moe_gemv's kernel, quant_gemv's over the pairs (int8 and fp8:
+@pytest.mark.parametrize("fmt", ["f32"])  # the block's glue (each kernel family and format with the shared expert:
 def test_shared_expert_as_one_more_pair(fmt, monkeypatch, report):  # test_kernel_moe_expert_mlp.py's cases)
     """On cuda the MoE block hands the shared expert to the routed experts' two launches as one more pair a token
     (mlp._routed_and_shared). Its kernels here in interpret mode: the block equals the block lowered for cpu (the
@@ -509,9 +509,9 @@ def test_gpu_check_moe_section_runs_on_cpu(capsys):
     assert "fused max_rel" in out and "three calls max_rel" in out and "OK" in out, out
     from gpu_check.moe_swiglu import SHARED_SMOKE
 
-    assert check_moe_swiglu(SHARED_SMOKE, interpret=True, timings=False, shared=True) == 0  # the shared expert as a pair a token
+    assert check_moe_swiglu(SHARED_SMOKE[:1], interpret=True, timings=False, shared=True) == 0  # a pair a token
     out = capsys.readouterr().out
-    assert out.count("one launch pair max_rel") == 2 and "shared expert apart max_rel" in out, out
+    assert out.count("one launch pair max_rel") == 1 and "shared expert apart max_rel" in out, out
     from gpu_check.router import ROUTER_SMALL, check_router
 
     assert check_router(ROUTER_SMALL, interpret=True, timings=False) == 0  # the router's top-k, bit for bit
