@@ -130,11 +130,10 @@ def check_moe_swiglu(cases, interpret, timings, shared=False):
     return failures
 
 
-# the shared expert as one more pair a token (trunk/mlp.py's MoE block on cuda): 35B-A3B's experts and its shared
+# the shared expert as one more pair a token (trunk/mlp.py's MoE block on cuda): the same 35B-A3B experts, their shared
 # expert of the same size, at batch 1 and 8
 SHARED_SMOKE = [("plain", None, 4, 5, 96, 40, "float32", 2), ("int4", 32, 4, 6, 96, 40, "float32", 2)]
-SHARED_REAL = [(kind, fmt, P, 256, 2048, 512, "bfloat16", 8) for P in (8, 64)
-               for kind, fmt in (("plain", None), ("fp8", (128, 128)), ("int4", 128))]
+SHARED_REAL = SWIGLU_REAL
 SHARED_NAMES = ("one launch pair", "shared expert apart", "one/apart")
 
 
