@@ -58,28 +58,6 @@ def _run(python, *args, timeout=900):
     return out.stdout
 
 
-def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
-    """tests/gpu_compile_kernels.py: each Pallas kernel family at real Qwen3.5 shapes (quantized matmuls of 27B
-    in every format at 1 and 5 rows, its gate and up in one launch at 1 row, the routed MoE experts of 35B-A3B
-    and 397B-A17B, windowed and causal attention, the GDN decode step, verify and conv step (the step's z and the
-    conv's row also as K partials, quant.linear_parts), the MoE router's
-    top-k, the RMSNorm row) compiles for an H200 and holds its kernel; a launch over one block's shared memory is
-    refused by XLA's compile (the probe reaches the machine code)."""
-    rows = [json.loads(x) for x in _run(python, "tests/gpu_compile_kernels.py", "H200").splitlines()
-            if x.startswith("{")]
-    assert len(rows) == 51, [r["label"] for r in rows]
-    *good, bad = rows
-    assert "error" in bad and "Shared memory size limit exceeded" in bad["error"], bad
-    for r in good:
-        assert "error" not in r, r
-        assert r["kernels"] == r["want"], r
-        report(f"XLA sm_90 compile (deviceless, H200), {r['label']}: {r['kernels']} in {r['seconds']:.1f} s")
-    families = {k for r in good for k in r["kernels"]}
-    assert {"quant_matmul_int8", "quant_matmul_int4_mma", "quant_matmul_fp8", "moe_gemv_int4", "moe_gate_up_plain",
-            "moe_down_glu_fp8", "windowed_draft_attention", "causal_attention", "gdn_decode_step", "gdn_verify",
-            "gdn_conv_step", "moe_router_topk", "rmsnorm_rows", "quant_gate_up_int4"} <= families, families
-
-
 def test_decode_programs_compile_for_h200(python):
     """gpu_scale --compile-for H200, short form: the plain step and the k = 3 rounds (native, Wind-MTP) of an int4
     MoE compile for the GPU; each line counts the kernels the program launches and names its Pallas kernels (the
@@ -238,6 +216,29 @@ def test_a_tensor_parallel_round_moves_no_weight(python, report):
         c = r["collectives"]
         report(f"XLA compile for 8 H200s (deviceless), {label}: {len(c)} collectives in the loop, "
                f"{sum(b for _, b in c) / 1e6:.1f} MB, the largest {max(b for _, b in c) / 1e6:.2f} MB")
+
+
+def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
+    """tests/gpu_compile_kernels.py: each Pallas kernel family at real Qwen3.5 shapes (quantized matmuls of 27B
+    in every format at 1 and 5 rows, its gate and up in one launch at 1 row, the routed MoE experts of 35B-A3B
+    and 397B-A17B, windowed and causal attention, the GDN decode step, verify and conv step (the step's z and the
+    conv's row also as K partials, quant.linear_parts), the MoE router's
+    top-k, the RMSNorm row) compiles for an H200 and holds its kernel; a launch over one block's shared memory is
+    refused by XLA's compile (the probe reaches the machine code). Last in the file: the kernels the programs above
+    hold at these shapes are read from the module's kernel cache (89 -> 59 s on this CPU alone)."""
+    rows = [json.loads(x) for x in _run(python, "tests/gpu_compile_kernels.py", "H200").splitlines()
+            if x.startswith("{")]
+    assert len(rows) == 51, [r["label"] for r in rows]
+    *good, bad = rows
+    assert "error" in bad and "Shared memory size limit exceeded" in bad["error"], bad
+    for r in good:
+        assert "error" not in r, r
+        assert r["kernels"] == r["want"], r
+        report(f"XLA sm_90 compile (deviceless, H200), {r['label']}: {r['kernels']} in {r['seconds']:.1f} s")
+    families = {k for r in good for k in r["kernels"]}
+    assert {"quant_matmul_int8", "quant_matmul_int4_mma", "quant_matmul_fp8", "moe_gemv_int4", "moe_gate_up_plain",
+            "moe_down_glu_fp8", "windowed_draft_attention", "causal_attention", "gdn_decode_step", "gdn_verify",
+            "gdn_conv_step", "moe_router_topk", "rmsnorm_rows", "quant_gate_up_int4"} <= families, families
 
 
 def test_targets_and_a_missing_plugin_say_what_is_wrong(monkeypatch):
