@@ -208,7 +208,7 @@ def loop_graph(cfg, dtype, quant, case, B, slots, cap, ctxs, p, res, weights, st
         compiled, where = graphs.compile_dumped(lowered, graphs.LOOP_GRAPH)
         where = graphs.describe(where, "step" if not case.k else "round")
     else:  # XLA's CPU compiler reads no GPU option: the same program (the short form's check of this path)
-        compiled = lowered.compile(compiler_options=graphs.LOOP_GRAPH)
+        compiled = lowered.compile(compiler_options=graphs.compiler_options(graphs.LOOP_GRAPH))
         where = f"no CUDA graphs on {jax.default_backend()}"
     secs += time.perf_counter() - t
     line = []
@@ -281,7 +281,8 @@ def main(argv=None):
 
         gpu_compile.prepare()
         budget = Budget(a.budget, 0.0)
-        failures = compile_only.run(a, p, budget, cases(a.ks, p))
+        with tempfile.TemporaryDirectory(prefix="gpu_scale_kernels_") as folder, graphs.kernel_cache(folder):
+            failures = compile_only.run(a, p, budget, cases(a.ks, p))
         tail = f"; {len(budget.skipped)} parts skipped for the --budget" if budget.skipped else ""
         print(f"{'FAIL' if failures else 'OK'}: {failures} failures in {time.perf_counter() - t0:.0f} s{tail}",
               flush=True)
@@ -289,9 +290,9 @@ def main(argv=None):
     if a.cached_child:
         import qwen_mtp
 
-        qwen_mtp.enable_compile_cache(a.compile_cache)
-        return child_main(a, p)
-    with compile_cache(a.compile_cache) as cache_dir:
+        with graphs.kernel_cache(qwen_mtp.enable_compile_cache(a.compile_cache)):
+            return child_main(a, p)
+    with compile_cache(a.compile_cache) as cache_dir, graphs.kernel_cache(cache_dir):
         return measure(a, p, cache_dir, t0)
 
 

@@ -9,6 +9,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from . import graphs
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -120,9 +122,10 @@ def lower_case(cfg, dtype, quant, case: Case, batch: int, slots: int, cap: int, 
 
 def compile_case(cfg, dtype, quant, case: Case, batch: int, slots: int, cap: int, target=None, options=None):
     """(the compiled loop, seconds to trace, lower and compile it); options: XLA compiler options (graphs.py's
-    LOOP_GRAPH). target: as lower_case's."""
+    LOOP_GRAPH), the run's kernel cache added (graphs.compiler_options). target: as lower_case's."""
     lowered, secs = lower_case(cfg, dtype, quant, case, batch, slots, cap, target)
     t = time.perf_counter()
+    options = graphs.compiler_options(options)
     compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
     return compiled, secs + time.perf_counter() - t
 
