@@ -17,6 +17,7 @@
 """
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import subprocess
@@ -403,6 +404,7 @@ def _moe_shapes(name, quant, tokens=1):
 ROUTER = "moe_router_topk"  # the router's top-k (kernels_pallas/moe_router.py)
 
 
+@functools.cache  # the sm_90 compile below reads the same exports as the lowering test (unpatched functions both)
 def _export(name, quant, platform, tokens=1):
     cfg, args = _moe_shapes(name, quant, tokens)
     return export_for(jax.jit(mlp.moe, static_argnums=2), *args, cfg, platform=platform)
