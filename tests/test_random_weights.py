@@ -190,3 +190,21 @@ def test_the_device_paths_give_the_host_weights():
     host = make(key)
     _same(host, jax.jit(make)(key))
     _same(host, make(key, on_device=True))
+
+
+def test_eager_draws_are_jax_randoms_bit_for_bit():
+    """random_weights draws a small tensor eagerly as the head of a flat draw of a power-of-two size (one compiled
+    draw program for many shapes): the values are jax.random's for the shape asked, normal and uniform, and a
+    tensor over the bucketing limit is drawn as asked. The control: the head of a draw from another key differs."""
+    from qwen_mtp.trunk import random_weights as rw
+
+    key = jax.random.PRNGKey(11)
+    for shape in [(1,), (3,), (7, 5), (4, 33, 2), (64,), (65,)]:
+        np.testing.assert_array_equal(np.asarray(rw._normal(key, shape)),
+                                      np.asarray(jax.random.normal(key, shape, jnp.float32)))
+        np.testing.assert_array_equal(np.asarray(rw._uniform(key, shape, 0.1, 1.0)),
+                                      np.asarray(jax.random.uniform(key, shape, jnp.float32, 0.1, 1.0)))
+    big = (rw._BUCKETED_DRAW + 3,)
+    np.testing.assert_array_equal(np.asarray(rw._normal(key, big)), np.asarray(jax.random.normal(key, big)))
+    assert not np.array_equal(np.asarray(rw._normal(jax.random.PRNGKey(12), (7, 5))),
+                              np.asarray(jax.random.normal(key, (7, 5))))

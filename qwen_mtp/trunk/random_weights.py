@@ -231,11 +231,36 @@ def _div(x, c: float):
     return x / jax.lax.optimization_barrier(jnp.full(x.shape, c, jnp.float32))
 
 
+# Eager draws of at most this many values are taken from a flat draw of a power-of-two size (_normal, _uniform)
+_BUCKETED_DRAW = 1 << 20
+
+
+def _bucketed(draw, key, shape, *args):
+    """draw(key, shape, float32, *args), bit for bit. Called eagerly on a small tensor, drawn as the first
+    prod(shape) values of a flat draw of the next power of two: jax's threefry draw is partitionable (its default;
+    value i depends on the key and i alone), so a model's tensors of many shapes compile a few draw programs, where
+    each shape compiled one (about 0.24 s a shape on a 2-core CPU, the bulk of a tiny model's random_weights).
+    Traced (a jit, on_device) or large, the draw as asked."""
+    n = math.prod(shape)
+    if isinstance(key, jax.core.Tracer) or n > _BUCKETED_DRAW or not jax.config.jax_threefry_partitionable:
+        return draw(key, shape, jnp.float32, *args)
+    flat = draw(key, (1 << max(6, (n - 1).bit_length()),), jnp.float32, *args)
+    return jnp.asarray(np.asarray(flat)[:n].reshape(shape))
+
+
+def _normal(key, shape):
+    return _bucketed(jax.random.normal, key, shape)
+
+
+def _uniform(key, shape, lo, hi):
+    return _bucketed(jax.random.uniform, key, shape, lo, hi)
+
+
 def _random_draw(names, shape, key, *, embed_std, **_):
     kind = _kind(names)
     if kind == "A_log":
-        return jnp.log(jax.random.uniform(key, shape, jnp.float32, 0.1, 1.0))
-    r = jax.random.normal(key, shape, jnp.float32)
+        return jnp.log(_uniform(key, shape, 0.1, 1.0))
+    r = _normal(key, shape)
     if kind == "dt_bias":
         return 0.5 * r
     if kind == "gated_norm":
@@ -256,11 +281,11 @@ def _training_draw(names, shape, key, *, embed_std, std, out_std):
     if kind == "gated_norm":
         return jnp.ones(shape, jnp.float32)
     if kind == "A_log":
-        return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0))
+        return jnp.log(_uniform(key, shape, 1.0, 16.0))
     if kind == "dt_bias":
-        dt = jnp.exp(jax.random.uniform(key, shape, jnp.float32, math.log(1e-3), math.log(1e-1)))
+        dt = jnp.exp(_uniform(key, shape, math.log(1e-3), math.log(1e-1)))
         return dt + jnp.log(-jnp.expm1(-dt))  # softplus^-1(dt)
     if kind == "conv":
-        return _div(jax.random.uniform(key, shape, jnp.float32, -1, 1), math.sqrt(shape[0]))
+        return _div(_uniform(key, shape, -1, 1), math.sqrt(shape[0]))
     s = embed_std if kind == "embed" else out_std if names[-1] in _RESIDUAL_OUTPUTS else std
-    return s * jax.random.normal(key, shape, jnp.float32)
+    return s * _normal(key, shape)
