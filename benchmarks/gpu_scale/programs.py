@@ -125,8 +125,7 @@ def compile_case(cfg, dtype, quant, case: Case, batch: int, slots: int, cap: int
     LOOP_GRAPH), the run's kernel cache added (graphs.compiler_options). target: as lower_case's."""
     lowered, secs = lower_case(cfg, dtype, quant, case, batch, slots, cap, target)
     t = time.perf_counter()
-    options = graphs.compiler_options(options)
-    compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+    compiled = lowered.compile(compiler_options=graphs.compiler_options(options))  # (None: XLA's defaults)
     return compiled, secs + time.perf_counter() - t
 
 
