@@ -2,6 +2,8 @@ import os
 import shutil
 import tempfile
 
+import xla_flags  # tests/ is on sys.path under pytest's default import mode (no jax import)
+
 # One persistent compilation cache for the whole run, this process and every process it starts (CLI runs,
 # notebook kernels, mesh and multi-process workers), in a fresh folder: a program compiled once is read back
 # by the next process that needs it. Set before jax is imported (jax reads these at import). Only the process
@@ -18,6 +20,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "1")
 os.environ.setdefault("QWEN_MTP_COMPILE_CACHE", os.environ["JAX_COMPILATION_CACHE_DIR"])
+# XLA:CPU compiles the session's programs at LLVM O0 without its MLIR fusion emitters (tests/xla_flags.py: half the
+# compile time, and the suite is compile-bound); QWEN_MTP_TEST_XLA_DEFAULTS=1 runs it with XLA's defaults.
+xla_flags.add_test_flags()
 
 import jax
 import pytest
@@ -89,9 +94,10 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("qwen-mtp numerics report")
         for line in lines:
             terminalreporter.write_line(line)
+    terminalreporter.write_line(f"XLA flags of this session: {os.environ.get('XLA_FLAGS') or '(XLA defaults)'}")
 
 
-# The files the suite's two workers start first, slowest first (seconds per file on the 2-core CI host, 2026-12-06,
+# The files the suite's two workers start first, slowest first (seconds per file on the 2-core CI host, 2026-12-07,
 # `pytest --durations=0`). Under `--dist loadfile` a file runs whole on one worker, so a long file drawn last
 # leaves the other worker idle for its length; with these first, the run ends on short files. pyproject's addopts
 # pass --no-loadscope-reorder, since xdist's own order (most tests per file first) put the few-but-slow files
@@ -99,13 +105,13 @@ def pytest_terminal_summary(terminalreporter):
 # process: a test must not lean on what another file left behind (tests/test_gpu_check.py's spent --budget once
 # skipped tests/test_moe_routed.py's check).
 SLOW_FIRST = (
-    "test_certify.py", "test_shipped_model.py", "test_causal_attention.py", "test_tree.py", "test_notebooks.py",
-    "test_moe_routed.py", "test_spec_lossless.py", "test_export_cuda.py", "test_spec_sampling.py",
-    "test_gpu_compile.py", "test_sharding.py", "test_repetition_penalty.py", "test_trunk_oracle.py",
-    "test_program_cache.py", "test_spec_windowed.py", "test_kernel_quant_mma.py", "test_gpu_check.py",
-    "test_startup.py", "test_kernel_gdn_verify.py", "test_train_resume.py", "test_random_weights.py",
-    "test_nonfinite.py", "test_kernel_windowed_attention.py", "test_engine.py", "test_serve.py", "test_orbax.py",
-    "test_gpu_scale.py", "test_cpu_fast_paths.py",
+    "test_gpu_compile.py", "test_moe_routed.py", "test_shipped_model.py", "test_certify.py", "test_spec_sampling.py",
+    "test_sharding.py", "test_export_cuda.py", "test_notebooks.py", "test_causal_attention.py", "test_tree.py",
+    "test_repetition_penalty.py", "test_kernel_quant_gate_up.py", "test_kernel_moe_expert_mlp.py",
+    "test_trunk_oracle.py", "test_program_cache.py", "test_xla_defaults.py", "test_gpu_check.py", "test_startup.py",
+    "test_kernel_quant_mma.py", "test_gpu_scale.py", "test_serve.py", "test_multiprocess.py", "test_kernel_rmsnorm.py",
+    "test_fuzz.py", "test_mtp_reference.py", "test_random_weights.py", "test_kernel_quant_gemv.py",
+    "test_spec_lossless.py", "test_nonfinite.py", "test_kernel_gdn_step.py", "test_engine.py", "test_train_resume.py",
 )
 
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import xla_flags
 
 from qwen_mtp.tools import certify as cert
 from qwen_mtp.trunk.config import parse_config
@@ -130,7 +131,8 @@ def test_cli_report_and_bad_flags(tmp_path):
     # seed 1: one small configuration (B 2, native k 4, 9 new tokens, unquantized weights, fp8 KV)
     out = tmp_path / "report.json"
     r = subprocess.run([sys.executable, "-m", "qwen_mtp", "certify", "--configs", "1", "--seed", "1", "--max-prompt",
-                        "40", "--report", str(out)], capture_output=True, text=True, cwd=REPO, timeout=600, check=False)
+                        "40", "--report", str(out)], capture_output=True, text=True, cwd=REPO, timeout=600, check=False,
+                       env=xla_flags.defaults_env())  # at XLA's default flags, as users run it (tests/xla_flags.py)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "1 identical, 0 diverged" in r.stdout
     rep = json.loads(out.read_text())

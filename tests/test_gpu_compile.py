@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 MAKE = ("python3 -m venv --system-site-packages .venv-gpu-compile && .venv-gpu-compile/bin/python -m pip install "
@@ -46,8 +47,8 @@ def python(tmp_path_factory):
             pytest.fail(why)
         pytest.skip(why)
     cache = tmp_path_factory.mktemp("xla_kernel_cache") / "kernels"
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_kernel_cache_file={cache}".strip()
-    return py, {**os.environ, "XLA_FLAGS": flags}
+    env = xla_flags.defaults_env()  # XLA's own flags, as on the GPU (the session's CPU flags gain nothing here)
+    return py, {**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} --xla_gpu_kernel_cache_file={cache}".strip()}
 
 
 def _run(python, *args, timeout=900):

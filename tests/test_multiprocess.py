@@ -75,8 +75,9 @@ def _kill(proc):
 
 def _launch(tmp_path, out, attempt):
     port = _free_port()
-    # -O0 codegen: the same programs, compiled ~30% faster; the worker adds the device count
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+    # the session's XLA flags (tests/xla_flags.py: the programs compiled in half the time); the worker adds the
+    # device count
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
     args = [sys.executable, str(WORKER), "--coordinator", f"localhost:{port}", "--num-processes", "2",
             "--devices", "2", "--out", str(out), "--init-timeout", "30"]
     args += [f"--plan={m}={','.join(c)}" for m, c in PLAN.items()]

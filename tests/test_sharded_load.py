@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_sharded_load_reads_slices_into_the_shardings(ckpt, tmp_path, report):
     moe = ckpt("moe_mtp")[1]
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    env = {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip(),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     figures = run_json(ROOT / "tests" / "sharded_load_worker.py", ROOT / "checkpoints" / "qwen3_5_small", moe, tmp_path,
                        env=env)

@@ -23,8 +23,8 @@ ARGS = [PROMPT, "--max-new-tokens", "48", "--no-spec", "--stats-to-stderr"]  # t
 
 
 def test_cli_mesh_equals_unsharded(capsys):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",  # -O0: LLVM's optimisation level, compiles faster
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",  # and the session's flags (tests/xla_flags.py): compiles faster
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()}
     r = subprocess.run([sys.executable, "-m", "qwen_mtp", "generate", *ARGS, "--no-warmup", "--mesh",
                         "data=1,model=4"], check=False, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert r.returncode == 0, r.stderr

@@ -5,7 +5,6 @@ process the programs the first one compiled (the CLI, in two fresh processes).""
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xla_flags
 from jax import monitoring
 
 import qwen_mtp
@@ -77,8 +77,9 @@ def test_without_precompile_generate_compiles(model):
 
 
 def _cli(cache, *extra):
-    env = {**os.environ, "QWEN_MTP_COMPILE_CACHE": str(cache), "JAX_LOG_COMPILES": "1",
-           "JAX_EXPLAIN_CACHE_MISSES": "1"}  # (these make jax log each persistent-cache hit and miss)
+    env = xla_flags.defaults_env(QWEN_MTP_COMPILE_CACHE=str(cache), JAX_LOG_COMPILES="1",
+                                 JAX_EXPLAIN_CACHE_MISSES="1")  # (these make jax log each persistent-cache hit and miss)
+    # (XLA's default flags, not the session's: the README's command as a user runs it, tests/xla_flags.py)
     r = subprocess.run([sys.executable, "-m", "qwen_mtp", "generate", "def fibonacci(n):", "--max-new-tokens", "24",
                         "--k", "3", *extra], capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -1,0 +1,31 @@
+"""The XLA flags the test session compiles with, and an environment without them for the processes that must run
+with XLA's defaults (a user's command line, the compiles for a GPU).
+
+XLA:CPU compiles the session's programs with LLVM at O0 and with its classic loop emitters in place of the MLIR
+fusion emitters. The HLO XLA optimises is the same and so are its fusions; only the machine code made from them
+differs. A tiny model's speculative loop compiles in 2.3 s instead of 4.9 and runs at half the speed (0.15 s for
+24 tokens instead of 0.07), and the suite is compile-bound: on the 2-core CI host, 1483 -> 1085 s. What users run,
+XLA's defaults, is run by the tests that start the README's command and the certificate's command line
+(test_startup.py, test_certify.py), with defaults_env()."""
+
+import os
+
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+OFF = "QWEN_MTP_TEST_XLA_DEFAULTS"  # =1: the whole session with XLA's defaults
+
+
+def add_test_flags(environ=os.environ):
+    """Append TEST_XLA_FLAGS to XLA_FLAGS (before jax is imported), unless OFF is 1 or they are there already."""
+    if environ.get(OFF) != "1" and TEST_XLA_FLAGS not in environ.get("XLA_FLAGS", ""):
+        environ["XLA_FLAGS"] = f"{environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
+
+def defaults_env(environ=None, **extra):
+    """A copy of the environment with XLA_FLAGS as the caller had them before the session added its own."""
+    env = {**(os.environ if environ is None else environ), **extra}
+    flags = env.get("XLA_FLAGS", "").replace(TEST_XLA_FLAGS, "").strip()
+    if flags:
+        env["XLA_FLAGS"] = flags
+    else:
+        env.pop("XLA_FLAGS", None)
+    return env
