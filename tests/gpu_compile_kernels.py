@@ -114,6 +114,7 @@ def cases():
 def loops(target):
     """--loops: the k = 1 native round of 4 real-width layers (3 GDN, 1 attention) of 27B and 35B-A3B in bf16,
     compiled for `target`: the concatenations of 4 MB or more inside the loop (benchmarks/gpu_scale/launches.py)
+    and of 512 KB or more (small_concatenations)
     and the products of 1 MB or more written out (launches.products), and the kernels an iteration; 35B-A3B's
     plain step, and again without ops.VECTOR_DOT_MAX's two rows; then 27B's round with the GDN verify in XLA ops
     (its reference, as before kernels_pallas/gdn_verify.py's kernel); 35B-A3B's plain step with the router's top-k
@@ -125,7 +126,8 @@ def loops(target):
     with its input and final norms in XLA ops (before rmsnorm.py's kernel), and with its KV rows written by the
     batched scatter (before attention.ONE_ROW_WRITE); 27B int4's plain step, and with its MLPs' gate and up in
     two launches (before quant_gate_up.py), with K's parts summed by one reduce (before split_k.sum_parts), and
-    with the GDN qkv / z products' K parts summed by XLA (before gdn.step_projections); and 27B's
+    with the GDN qkv / z products' K parts summed by XLA (before gdn.step_projections); 27B's round with b and
+    a on one x (merged over their weights concatenated in the loop, before in_projections' copies); and 27B's
     round with the GDN in-projections as they were before gdn.in_projections (four dots on one x), which XLA
     merged over the weights concatenated in the loop: the probe must find those."""
     import dataclasses
@@ -144,6 +146,7 @@ def loops(target):
         t = time.perf_counter()
         hlo = compile_case(cfg, "bfloat16", quant, Case(k), 1, 256, 64, target=target)[0].as_text()
         print(json.dumps({"label": label, "concatenations": launches.concatenations(hlo),
+                          "small_concatenations": launches.concatenations(hlo, 1 << 19),
                           "products": launches.products(hlo), "kernels": launches.per_iteration(hlo).total(),
                           "seconds": time.perf_counter() - t}), flush=True)
 
@@ -236,6 +239,17 @@ def loops(target):
     jax.clear_caches()
     one("27B k1 native, the GDN verify in XLA ops (its reference)", "Qwen3.5-27B")
     gdn.gdn_verify = kernel
+    in_projections = gdn.in_projections  # b and a over the round's rows on one x (before their copies): merged
+
+    def ba_on_one_x(x, w, two=None):
+        x_qkv, x_z, x_ba = jax.lax.optimization_barrier((x, x, x))
+        return tuple(linear(v, m) for v, m in ((x_qkv, w.in_proj_qkv), (x_z, w.in_proj_z), (x_ba, w.in_proj_b),
+                                                (x_ba, w.in_proj_a)))
+
+    gdn.in_projections = ba_on_one_x
+    jax.clear_caches()
+    one("27B k1 native, b and a on one x", "Qwen3.5-27B")
+    gdn.in_projections = in_projections
     gdn.in_projections = lambda x, w, two=None: tuple(linear(x, m) for m in (w.in_proj_qkv, w.in_proj_z, w.in_proj_b,
                                                                     w.in_proj_a))
     jax.clear_caches()  # the loop was traced with the fixed function

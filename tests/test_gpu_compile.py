@@ -144,6 +144,14 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     assert rows["35B-A3B k1 native"]["concatenations"] == [], rows
     before = rows["27B k1 native, the in-projections on one x (before the fix)"]["concatenations"]
     assert [b for _, b in before] == [5120 * 16480 * 2] * 3, before  # one per GDN layer: qkv | z | b | a
+    # ... nor of 512 KB or more: b and a over the round's rows each from a copy of x of its own (gdn.in_projections);
+    # on one x, XLA merged them over their weights concatenated in the loop (27B: 2 x 5120 x 48 bf16 a GDN layer)
+    # and ran the product, then two slices of it: a kernel a GDN layer more
+    for label in ("27B k1 native", "35B-A3B k1 native"):
+        assert rows[label]["small_concatenations"] == [], (label, rows[label]["small_concatenations"])
+    merged = rows["27B k1 native, b and a on one x"]
+    assert [b for _, b in merged["small_concatenations"]] == [5120 * 96 * 2] * 3, merged
+    assert rows["27B k1 native"]["kernels"] + 3 <= merged["kernels"], (rows["27B k1 native"], merged)
     # no weight-sized product written out (a strength-reduced dot, ops.VECTOR_DOT_MAX); without the two rows,
     # 35B-A3B's plain step writes out its GDN out_proj's (f32 4096 x 2048, 32 MB) among others
     for label in ("27B k1 native", "35B-A3B k1 native", "35B-A3B plain"):

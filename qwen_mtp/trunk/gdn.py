@@ -9,6 +9,7 @@ small chunk that leaves what the rollback needs (verify_gated_delta_rule). Posit
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -96,22 +97,27 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
 
 def in_projections(x, w: GDNWeights, two=None):
     """The input-normed rows x [B, T, H] through the four in-projections: (qkv before the conv, z, b, a). The
-    dots take x from three copies out of one optimization barrier (qkv's, z's, and one for the small b and a) so
-    that XLA's dot merger cannot see one shared operand: over k + 1 rows it merged all four into one dot over the
-    four weights concatenated inside the program, and that concatenation copied every GDN layer's in-projections
-    at every speculative round (Qwen3.5-27B bf16: 169 MB read and written a layer, 16 GB a round over 48 layers).
-    b and a may still merge (a 2 x H x nv concatenation, 1 MB at 27B); at one row they run as one kernel.
-    tests/test_gpu_compile.py: no weight of 4 MB or more is concatenated in a decode loop compiled for an H200.
-    With qkv and z both quantized there is no dot of theirs to merge (a QuantArray's product is a kernel) and one
-    x keeps one preparation of it for both kernels (three copies cost a 27B int4 step 3 kernels a GDN layer).
+    dots take x from copies out of one optimization barrier so that XLA's dot merger cannot see one shared
+    operand: over k + 1 rows it merged all four into one dot over the four weights concatenated inside the
+    program, and that concatenation copied every GDN layer's in-projections at every speculative round
+    (Qwen3.5-27B bf16: 169 MB read and written a layer, 16 GB a round over 48 layers). Over more than one row, b
+    and a take a copy each too: merged, they were a 2 x H x nv concatenation inside the loop (1 MB at 27B), its
+    product and two slices of it, a kernel more a GDN layer than the two products. At one row b and a share one
+    copy, and XLA runs both as one kernel. tests/test_gpu_compile.py: no weight of 4 MB or more is concatenated
+    in a decode loop compiled for an H200, nor b and a over a round's rows. With qkv and z both quantized there is
+    no dot of theirs to merge (a QuantArray's product is a kernel) and one x keeps one preparation of it for both
+    kernels (three copies cost a 27B int4 step 3 kernels a GDN layer).
     two: x's one row and a zero row as the input norm's kernel wrote them (forward.decoder_layer), read by the
     products through ops.linear_of_two (the barrier holds them, not a slice of them)."""
+    rows = math.prod(x.shape[:-1])
     if isinstance(w.in_proj_qkv, QuantArray) and isinstance(w.in_proj_z, QuantArray):
-        return tuple(linear(x, m) for m in (w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a))
-    # each product's x (and x's two rows where it takes them) through the barrier
-    x_qkv, x_z, x_ba = jax.lax.optimization_barrier(((x, two), (x, two), (x, two)))
+        x_b, x_a = jax.lax.optimization_barrier((x, x)) if rows > 1 else (x, x)
+        return linear(x, w.in_proj_qkv), linear(x, w.in_proj_z), linear(x_b, w.in_proj_b), linear(x_a, w.in_proj_a)
+    # each product's x (and x's two rows where it takes them) through the barrier; b and a share one at one row
+    xs = jax.lax.optimization_barrier(((x, two),) * (3 if rows == 1 else 4))
+    x_qkv, x_z, x_b, x_a = xs if rows > 1 else (*xs, xs[2])
     lin = lambda xs, m: linear(xs[0], m) if two is None else linear_of_two(*xs, m)
-    return lin(x_qkv, w.in_proj_qkv), lin(x_z, w.in_proj_z), lin(x_ba, w.in_proj_b), lin(x_ba, w.in_proj_a)
+    return lin(x_qkv, w.in_proj_qkv), lin(x_z, w.in_proj_z), lin(x_b, w.in_proj_b), lin(x_a, w.in_proj_a)
 
 
 def step_projections(x, w: GDNWeights, two=None):
