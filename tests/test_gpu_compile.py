@@ -127,8 +127,8 @@ def test_tree_rounds_are_one_cuda_graph(python, report):
 
 def test_no_weight_is_copied_in_a_decode_loop(python, report):
     """A speculative round of 4 real-width layers of 27B and of 35B-A3B (bf16) compiled for an H200 holds no
-    concatenation of 4 MB or more in its loop, nor does 35B-A3B's plain step write out a weight-sized product,
-    and a round launches fewer kernels with the GDN verify kernel than with its XLA reference, and a MoE plain
+    concatenation of 512 KB or more in its loop (b and a's weights were one), nor does 35B-A3B's plain step write
+    out a weight-sized product, and a round launches fewer kernels with the GDN verify kernel than with its XLA reference, and a MoE plain
     step fewer with the router's top-k kernel, with gate / up reading the token's row, with the experts' SwiGLU in
     two kernels, with the GDN step kernel writing out_proj's two rows, with the input norm's kernel writing its
     row's two rows and with the shared expert in the routed experts' launches than without, and a 27B plain step fewer
