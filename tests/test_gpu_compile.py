@@ -128,13 +128,13 @@ def test_tree_rounds_are_one_cuda_graph(python, report):
 def test_no_weight_is_copied_in_a_decode_loop(python, report):
     """A speculative round of 4 real-width layers of 27B and of 35B-A3B (bf16) compiled for an H200 holds no
     concatenation of 512 KB or more in its loop (b and a's weights were one), nor does 35B-A3B's plain step write
-    out a weight-sized product, and a round launches fewer kernels with the GDN verify kernel than with its XLA reference, and a MoE plain
-    step fewer with the router's top-k kernel, with gate / up reading the token's row, with the experts' SwiGLU in
-    two kernels, with the GDN step kernel writing out_proj's two rows, with the input norm's kernel writing its
-    row's two rows and with the shared expert in the routed experts' launches than without, and a 27B plain step fewer
-    with the RMSNorm kernel and with its KV rows written by their dynamic-update-slice, and a 27B int4 plain step
-    fewer with its MLPs' gate and up in one launch, with K's partials summed in chunks XLA fuses and with its GDN
-    qkv / z partials summed by the conv and step kernels.
+    out a weight-sized product, and a round launches fewer kernels with the GDN verify kernel than with its XLA
+    reference, and a MoE plain step fewer with the router's top-k kernel, with gate / up reading the token's row,
+    with the experts' SwiGLU in two kernels, with the GDN step kernel writing out_proj's two rows, with the input
+    norm's kernel writing its row's two rows and with the shared expert in the routed experts' launches than
+    without, and a 27B plain step fewer with the RMSNorm kernel and with its KV rows written by their
+    dynamic-update-slice, and a 27B int4 plain step fewer with its MLPs' gate and up in one launch, with K's
+    partials summed in chunks XLA fuses and with its GDN qkv / z partials summed by the conv and step kernels.
     Before gdn.in_projections, XLA's dot merger joined the four GDN in-projections over their weights
     concatenated in the loop: a copy of 169 MB (27B) per GDN layer at every round, 16 GB a round at full depth.
     The same program with the four dots on one x shows the probe finds it."""
