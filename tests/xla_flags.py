@@ -3,9 +3,9 @@ with XLA's defaults (a user's command line, the compiles for a GPU).
 
 XLA:CPU compiles the session's programs with LLVM at O0 and with its classic loop emitters in place of the MLIR
 fusion emitters. The program is the same; XLA fuses it somewhat differently (the emitters decide what a fusion may
-hold) and LLVM does not optimise the machine code. A tiny model's speculative loop compiles in 2.3 s instead of
-4.9 and runs at half the speed (0.15 s for 24 tokens instead of 0.07), and the suite is compile-bound: on the
-2-core host, 1483 -> 1085 s (2026-12-07). What users run, XLA's defaults, is still tested: test_xla_defaults.py
+hold) and LLVM does not optimise the machine code. The shipped model's first speculative generate call (it
+compiles) takes 0.58x the time, a second call about 2x (benchmarks/bench_test_flags.py), and the suite is
+compile-bound: on the 2-core host, 1483 -> 1085 s (2026-12-07). What users run, XLA's defaults, is still tested: test_xla_defaults.py
 runs the core numerics in a pytest of their own at the defaults, and the README's command, the certificate's
 command line and the compiles for a GPU (test_startup.py, test_certify.py, test_gpu_compile.py) run with
 defaults_env()."""
