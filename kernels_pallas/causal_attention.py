@@ -71,7 +71,7 @@ def plan(T: int, S: int) -> tuple:
     return PREFILL_BLOCK, 1
 
 
-def _dense_causal(q, k_cache, v_cache, q_pos):
+def dense_causal(q, k_cache, v_cache, q_pos):
     """The dense masked form: every slot scored, those past each query's position masked."""
     key_ok = jnp.arange(k_cache.shape[1], dtype=q_pos.dtype)[None, None, :] <= q_pos[:, :, None]
     return attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), key_ok)
@@ -110,7 +110,7 @@ def causal_attend_reference(q, k_cache, v_cache, q_pos, *, block: int | None = N
     block, split = block or b0, split or s0
     part = block * split
     if S <= part or small:  # the dense form (an explicit block forces the blocked one past one part)
-        return _dense_causal(q, k_cache, v_cache, q_pos)
+        return dense_causal(q, k_cache, v_cache, q_pos)
 
     prec = precision_for(q.dtype)
     qg = q.reshape(B, T, nkv, G, hd)
@@ -196,24 +196,57 @@ def _kernel(qpos_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, bps, block_
     l_ref[...] = l_i
 
 
+def group(q, num_kv_heads: int, rows: int):
+    """q [B, T, nh, hd] -> [B, nkv, rows, hd]: the kernel's query rows, per kv head its G = nh / nkv heads x T rows
+    (t, g) t-major, zeros after the T G real ones (the row tiles' padding)."""
+    B, T, nh, hd = q.shape
+    G = nh // num_kv_heads
+    qg = jnp.moveaxis(q.reshape(B, T, num_kv_heads, G, hd), 2, 1).reshape(B, num_kv_heads, T * G, hd)
+    return jnp.pad(qg, ((0, 0), (0, 0), (0, rows - T * G), (0, 0)))
+
+
+def kernel_plan(q_shape, q_dtype, k_cache, block_k=None, num_splits=None, num_warps=None, num_stages=None):
+    """The kernel's launch parameters (windowed_attention.Plan) for queries [B, T, nh, hd] of q_dtype; None picks
+    each from the shapes, an int forces it."""
+    B, T, nh, hd = q_shape
+    return wa.plan(B, T, nh, k_cache.shape[2], hd, k_cache.shape[1], jnp.dtype(q_dtype).itemsize, block_k,
+                   num_splits, num_warps, num_stages, kv_itemsize=jnp.dtype(k_cache.dtype).itemsize)
+
+
 @functools.partial(jax.jit, static_argnames=("block_k", "num_splits", "num_warps", "num_stages", "interpret"))
 def causal_attend_pallas(q, k_cache, v_cache, q_pos, block_k: int | None = None, num_splits: int | None = None,
                          num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False):
     """The Pallas kernel. Shapes must pass unsupported_reason (causal_attend checks it). None picks each launch
     parameter from the shapes (windowed_attention.plan); an int forces it (tests, tuning)."""
-    B, T, nh, hd = q.shape
-    S, nkv = k_cache.shape[1], k_cache.shape[2]
-    G = nh // nkv
-    p = wa.plan(B, T, nh, nkv, hd, S, jnp.dtype(q.dtype).itemsize, block_k, num_splits, num_warps, num_stages,
-                kv_itemsize=jnp.dtype(k_cache.dtype).itemsize)
+    p = kernel_plan(q.shape, q.dtype, k_cache, block_k, num_splits, num_warps, num_stages)
+    rows = p.row_tile * p.row_tiles
+    qg = group(q, k_cache.shape[2], rows)
+    qpos = row_positions(q_pos, q.shape[2] // k_cache.shape[2], rows)
+    return causal_attend_grouped_pallas(qg, qpos, k_cache, v_cache, T=q.shape[1], num_heads=q.shape[2], plan=p,
+                                        interpret=interpret)
+
+
+def row_positions(q_pos, G: int, rows: int):
+    """q_pos [B, T] -> [B, rows] int32: the position of each of the kernel's query rows (`group`'s order: row t G + g
+    at q_pos[b, t]), -1 for the padding rows (they see no slot)."""
+    qpos = jnp.repeat(q_pos.astype(jnp.int32), G, axis=1)
+    return jnp.pad(qpos, ((0, 0), (0, rows - qpos.shape[1])), constant_values=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("T", "num_heads", "plan", "interpret"))
+def causal_attend_grouped_pallas(qg, qpos, k_cache, v_cache, *, T: int, num_heads: int, plan,
+                                 interpret: bool = False):
+    """The kernel on queries already in its rows: qg [B, nkv, rows, hd] and their positions qpos [B, rows]
+    (`group` and `row_positions` of q [B, T, nh, hd] and q_pos [B, T], or attention_q.py's kernel, which writes
+    both), plan from kernel_plan -> [B, T, nh, hd]. The cache is not copied: the kernel reads k_cache / v_cache
+    [B, S, nkv, hd] where they are."""
+    B, nkv, M, hd = qg.shape
+    S, G = k_cache.shape[1], num_heads // nkv
+    p = plan
     bm, n_tiles, block_k, bps, n_split = p.row_tile, p.row_tiles, p.block_k, p.blocks_per_split, p.splits
-    M = bm * n_tiles
-    # queries regrouped per kv head, rows (t, g) t-major, padded to the tiles (padding rows: position -1); the
-    # cache is not copied: the kernel reads k_cache / v_cache [B, S, nkv, hd] where they are
-    qg = jnp.moveaxis(q.reshape(B, T, nkv, G, hd), 2, 1).reshape(B, nkv, T * G, hd)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, M - T * G), (0, 0)))
-    qpos = jnp.repeat(q_pos.astype(jnp.int32), G, axis=1)  # [B, T * G]
-    qpos = jnp.pad(qpos, ((0, 0), (0, M - T * G)), constant_values=-1)
+    if M != bm * n_tiles or qpos.shape != (B, M):
+        raise ValueError(f"causal_attend_grouped_pallas: queries of {M} rows a kv head and positions "
+                         f"{list(qpos.shape)}; the plan's tiles hold {bm * n_tiles} rows")
     kernel = functools.partial(_kernel, bps=bps, block_k=block_k, scale=hd ** -0.5, slots=S)
     acc, m_i, l_i = pl.pallas_call(
         kernel,
@@ -229,8 +262,8 @@ def causal_attend_pallas(q, k_cache, v_cache, q_pos, block_k: int | None = None,
         name="causal_attention",
     )(qpos, qg, k_cache, v_cache)
     out = wa.combine_splits(acc, m_i, l_i)  # [B, nkv, M, hd] f32
-    out = out[:, :, :T * G].astype(q.dtype).reshape(B, nkv, T, G, hd)
-    return jnp.moveaxis(out, 1, 2).reshape(B, T, nh, hd)
+    out = out[:, :, :T * G].astype(qg.dtype).reshape(B, nkv, T, G, hd)
+    return jnp.moveaxis(out, 1, 2).reshape(B, T, num_heads, hd)
 
 
 def _dispatch(q, k_cache, v_cache, q_pos, backend, interpret):
@@ -251,7 +284,7 @@ def _attend_fwd(q, k_cache, v_cache, q_pos, backend, interpret):
 
 def _attend_bwd(backend, interpret, res, g):
     q, k_cache, v_cache, q_pos = res
-    _, vjp = jax.vjp(lambda q, k, v: _dense_causal(q, k, v, q_pos), q, k_cache, v_cache)
+    _, vjp = jax.vjp(lambda q, k, v: dense_causal(q, k, v, q_pos), q, k_cache, v_cache)
     return (*vjp(g), None)
 
 

@@ -53,6 +53,7 @@ from tests.test_kernel_windowed_attention import CASES as INTERPRET_CASES
 
 KERNEL = "windowed_draft_attention"
 CAUSAL = "causal_attention"  # the trunk's and the native head's attention (kernels_pallas/causal_attention.py)
+QUERIES = "attention_queries"  # a decode step's / verify's queries into its rows (kernels_pallas/attention_q.py)
 GDN_STEP, GDN_VERIFY = "gdn_decode_step", "gdn_verify"  # the GDN layers' decode step and verify (gdn_step.py)
 GDN_CONV = "gdn_conv_step"  # the GDN conv at a decode step, its state in place (gdn_conv.py)
 SDS = jax.ShapeDtypeStruct
@@ -178,10 +179,11 @@ def _dense_kernels(calls, cfg):
 def _check_round_kernels(calls, spec):
     """A round's kernels: the verify's GDN kernel and causal attention (one lowered function each for all the
     trunk's layers of a kind, whose shapes are the same; a call site per distinct shape) and the head's attention
-    in the draft steps (k > 1) and in the refill, windowed (two shapes: 1 and k + 1 rows) or causal (native)."""
+    in the draft steps (k > 1) and in the refill, windowed (two shapes: 1 and k + 1 rows) or causal (native); each
+    causal attention's queries made by the queries' kernel (a decode program's rows are few)."""
     assert calls.count(GDN_VERIFY) == 1 and GDN_STEP not in calls and GDN_CONV not in calls, calls
-    calls = [c for c in calls if c != GDN_VERIFY]
-    assert CAUSAL in calls, calls
+    assert CAUSAL in calls and QUERIES in calls, calls  # (one lowered function a shape and RoPE offset each)
+    calls = [c for c in calls if c not in (GDN_VERIFY, QUERIES)]
     if spec.window is not None:
         assert set(calls) == {CAUSAL, KERNEL} and calls.count(KERNEL) == 1 + (spec.k > 1), calls
     else:
@@ -227,7 +229,7 @@ def test_plain_decode_loop_lowers_for_cuda(name):
     cfg, dtype = _config(name)
     for sampling, keep in ((GREEDY, False), (SAMPLED, True)):
         calls = _dense_kernels(kernel_calls(_plain_program(cfg, dtype, sampling, keep_logits=keep)), cfg)
-        assert sorted(calls) == [CAUSAL, GDN_CONV, GDN_STEP], calls
+        assert sorted(calls) == [QUERIES, CAUSAL, GDN_CONV, GDN_STEP], calls
 
 
 @pytest.mark.parametrize("name", ENTRY_CONFIGS)
@@ -261,7 +263,7 @@ def test_repetition_penalty_programs_lower_for_cuda(name):
     assert carry.seen.shape == (B, cfg.vocab_size)
     plain = export_for(plain_decode, weight_shapes(cfg, dtype), cfg, _state(cfg, dtype), carry, i32(1), i32(),
                        i32(), i32(), keep_logits=False, sampling=PENALISED["greedy"])
-    assert sorted(kernel_calls(plain)) == [CAUSAL, GDN_CONV, GDN_STEP]
+    assert sorted(kernel_calls(plain)) == [QUERIES, CAUSAL, GDN_CONV, GDN_STEP]
     for spec, sampling in ((NATIVE, PENALISED["greedy"]), (WINDOWED, PENALISED["sampled"])):
         _check_round_kernels(kernel_calls(_spec_program(cfg, dtype, spec, sampling)), spec)
 
@@ -487,10 +489,11 @@ def test_quantized_27b_speculative_loop_lowers_for_cuda():
     # the draft steps (1 row) on the FMA decode kernel (the head's MLP gate and up in one launch, quant_gate_up.py),
     # the verify (k + 1 rows) on the tensor-core one; the draft head's norms of one row before quantized products
     # on the RMSNorm row kernel (forward.post_norm)
-    assert calls.count(KERNEL) == 2 and set(calls) == {KERNEL, CAUSAL, GDN_VERIFY, "quant_matmul_int4",
+    assert calls.count(KERNEL) == 2 and set(calls) == {KERNEL, CAUSAL, QUERIES, GDN_VERIFY, "quant_matmul_int4",
                                                         "quant_matmul_int4_mma", "quant_gate_up_int4",
                                                         "rmsnorm_rows"}, calls
-    assert calls.count(CAUSAL) == 1  # the verify's attention (every layer's) reads the fp8 trunk cache too
+    # the verify's attention (every layer's) reads the fp8 trunk cache too, its queries from the queries' kernel
+    assert calls.count(CAUSAL) == 1 and QUERIES in calls
     text = exported.mlir_module()
     ring = WINDOWED.sinks + WINDOWED.window + WINDOWED.k
     attn = [line for line in text.splitlines() if "xla.gpu.triton" in line and f"x{ring}x" in line]

@@ -62,8 +62,10 @@
    written by the step, and the rows' qkv, z, b, a and output, each moved once); beside each step case the conv
    step kernel (kernels_pallas/gdn_conv.py: the conv and its next state in place) at the same rows and channels;
    at batch 1 the step also with pad_row (out_proj's two rows: the same row, then zeros the kernel writes); then
-   the RMSNorm row kernel (kernels_pallas/rmsnorm.py, norms.py) at the real hidden sizes, timed beside XLA's.
-   `--gdn-only` runs just this part.
+   the RMSNorm row kernel (kernels_pallas/rmsnorm.py, norms.py) at the real hidden sizes, timed beside XLA's, and
+   the attention queries' kernel (kernels_pallas/attention_q.py, queries.py: the q | gate product's K partials
+   summed, q_norm, RoPE, written in the attention kernel's rows) at the real heads, timed beside XLA's three
+   kernels. `--gdn-only` runs just this part.
 10. the MoE block's kernels: the routed experts at decode, the prefill paths and the plan sweep (moe.py, its
    docstring), and the router's top-k kernel (router.py: kernels_pallas/moe_router.py against lax.top_k, bit for
    bit, at the real routers, timed beside XLA's sort and slice). `--moe-only` runs just this part.
@@ -89,7 +91,7 @@ Layout (until 2026-12-05 one script, benchmarks/gpu_check.py, which the first H2
 sections each form runs), `common` (paths, bandwidth, one-line errors, max_rel), `timing` (the chained-loop
 device timer and the checked timing), `budget` (--budget, one section, the summary), one module per item:
 `windowed` (1-3), `end_to_end` (4), `quant` (5), `tensor_parallel` (6), `e2e_27b` (7), `causal` and
-`long_context` (8), `gdn` (9), and `models` (the small config and the random-weight models of items 6-8).
+`long_context` (8), `gdn`, `norms` and `queries` (9), and `models` (the small config and the random-weight models of items 6-8).
 """
 
 

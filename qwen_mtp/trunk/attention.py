@@ -18,11 +18,15 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import per_shard as spmd
-from kernels_pallas.causal_attention import causal_attend, causal_attend_before_write, takes_dense_form
+from kernels_pallas.attention_q import causal_attend_from_product, queries, rows_at
+from kernels_pallas.causal_attention import FEW_QUERIES, causal_attend, causal_attend_before_write, takes_dense_form
 from kernels_pallas.masked_attention import BLOCK_DIAGONAL_ROWS
+from kernels_pallas.per_shard import active_mesh
+from kernels_pallas.rope import apply_rope, rope_cos_sin
+from kernels_pallas.split_k import sum_parts
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.ops import linear, linear_of_two, rmsnorm_1pw
-from qwen_mtp.trunk.rope import apply_rope, rope_cos_sin
+from qwen_mtp.trunk.quant import linear_parts
 from qwen_mtp.trunk.state import KVCache, to_cache
 from qwen_mtp.trunk.weights import AttnWeights
 
@@ -32,15 +36,34 @@ def project_qkv(x, w: AttnWeights, cfg: ModelConfig, positions, two=None):
     two: one row's x and a zero row [2, 1, H] as the input norm's kernel wrote them, read through
     ops.linear_of_two."""
     B, T, _ = x.shape
-    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    lin = linear if two is None else (lambda x, m: linear_of_two(x, two, m))
-    qg = lin(x, w.q_proj).reshape(B, T, nh, 2 * hd)
-    q, gate = qg[..., :hd], qg[..., hd:].reshape(B, T, nh * hd)
-    q = rmsnorm_1pw(q, w.q_norm, cfg.rms_norm_eps)
-    k = rmsnorm_1pw(lin(x, w.k_proj).reshape(B, T, nkv, hd), w.k_norm, cfg.rms_norm_eps)
-    v = lin(x, w.v_proj).reshape(B, T, nkv, hd)
+    qg = _lin(two)(x, w.q_proj)
+    q = queries(qg.reshape(1, B * T, -1), w.q_norm, positions, **_query_args(cfg, x.dtype))
+    return (q, *project_kv(x, w, cfg, positions, two), gate_of(qg.reshape(B, T, -1), cfg))
+
+
+def _lin(two):
+    return linear if two is None else (lambda x, m: linear_of_two(x, two, m))
+
+
+def _query_args(cfg: ModelConfig, dtype) -> dict:
+    return dict(head_dim=cfg.head_dim, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta, eps=cfg.rms_norm_eps,
+                dtype=dtype)
+
+
+def gate_of(qg, cfg: ModelConfig):
+    """The output gate [B, T, nh hd] of the q | gate product [B, T, nh 2 hd] (per head: hd q, then hd gate)."""
+    B, T, _ = qg.shape
+    return qg.reshape(B, T, cfg.num_heads, 2 * cfg.head_dim)[..., cfg.head_dim:].reshape(B, T, -1)
+
+
+def project_kv(x, w: AttnWeights, cfg: ModelConfig, positions, two=None):
+    """k (normed, RoPE applied) and v [B, T, nkv, hd] of x [B, T, H] at RoPE positions [B, T]."""
+    B, T, _ = x.shape
+    nkv, hd = cfg.num_kv_heads, cfg.head_dim
+    k = rmsnorm_1pw(_lin(two)(x, w.k_proj).reshape(B, T, nkv, hd), w.k_norm, cfg.rms_norm_eps)
+    v = _lin(two)(x, w.v_proj).reshape(B, T, nkv, hd)
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+    return apply_rope(k, cos, sin), v
 
 
 def write_rows_scatter(cache, new, pos):
@@ -113,7 +136,9 @@ def attention_layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, ro
     RoPE position = slot + rope_offset (0 for the trunk; 1 for the MTP head, whose row t sits at t + 1).
     The new rows are rounded to the cache dtype, written, and read back from the cache (upcast to the compute
     dtype) by kernels_pallas/causal_attention.py, which walks the cache in blocks and stops after the furthest
-    position.
+    position. On cuda a decode step's or a verify's (T <= FEW_QUERIES, no mesh) queries are made by
+    kernels_pallas/attention_q.py's kernel from the q | gate product (its K partials), written where the attention
+    kernel reads them (_from_product: two kernels fewer than XLA's).
 
     On a CPU, a decode step or a verify (T <= BLOCK_DIAGONAL_ROWS) whose attention takes the dense form reads
     the cache BEFORE the write instead, with the same rounded new rows held apart (causal_attend_before_write:
@@ -121,8 +146,22 @@ def attention_layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, ro
     after its update, and XLA's CPU backend computed the update twice or copied the cache whole: in f32, the
     shipped model with a short prompt in a 128K-slot cache took 90 ms per plain step, 24.5 ms read first.
     two: one row's x and a zero row (project_qkv)."""
+    T = x.shape[1]
+    if T <= FEW_QUERIES and active_mesh() is None and QUERY_KERNEL:  # a decode step or a verify: on cuda, the
+        # queries' kernel (_from_product)
+        on = lambda f: lambda x, w, cache, pos, two: f(x, w, cfg, cache, pos, rope_offset, two)
+        return jax.lax.platform_dependent(x, w, cache, pos, two, cuda=on(_from_product), default=on(_layer))
+    return _layer(x, w, cfg, cache, pos, rope_offset, two)
+
+
+# a decode step's or a verify's queries (no mesh) by kernels_pallas/attention_q.py's kernel on cuda (_from_product);
+# False: XLA's ops there too (tests/gpu_compile_kernels.py's control)
+QUERY_KERNEL = True
+
+
+def _layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, rope_offset, two):
     B, T, _ = x.shape
-    positions = pos[:, None] + jnp.arange(T, dtype=pos.dtype)[None]
+    positions = rows_at(pos, T)
     q, k, v, gate = project_qkv(x, w, cfg, positions + rope_offset, two)
     k, v = to_cache(k, cache.k.dtype), to_cache(v, cache.v.dtype)
 
@@ -142,3 +181,21 @@ def attention_layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, ro
     else:
         o, cache = write_then_read(q, k, v, cache, positions)
     return output(o, gate, w), cache
+
+
+def _from_product(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, rope_offset, two,
+                  backend: str = "auto", interpret: bool = False):
+    """_layer for a decode step or a verify with no mesh, as a GPU runs it: the q | gate product as its float32
+    K partials where the quantized decode kernel makes them (quant.linear_parts), else the product itself, read
+    by kernels_pallas/attention_q.py's kernel, which sums, norms and rotates the queries into the attention
+    kernel's rows (XLA's three kernels before the attention one, two fewer); the gate sums the partials in the
+    output's fusion. The same values as _layer (backend / interpret: the tests run the kernels on a CPU)."""
+    B, T, _ = x.shape
+    parts = linear_parts(x, w.q_proj)
+    parts = _lin(two)(x, w.q_proj).reshape(1, B * T, -1) if parts is None else parts
+    qg = parts[0] if parts.shape[0] == 1 else sum_parts(parts)  # (in chunks XLA fuses into the gate's consumer)
+    k, v = project_kv(x, w, cfg, rows_at(pos, T) + rope_offset, two)
+    cache = write_kv(cache, to_cache(k, cache.k.dtype), to_cache(v, cache.v.dtype), pos)
+    o = causal_attend_from_product(parts, w.q_norm, cache.k, cache.v, pos, rope_offset=rope_offset,
+                                   **_query_args(cfg, x.dtype), backend=backend, interpret=interpret)
+    return output(o, gate_of(qg.astype(x.dtype).reshape(B, T, -1), cfg), w), cache
