@@ -11,7 +11,9 @@ reference (same signature).
       out     [B, nv dv]            the gated RMSNorm of the rule's output, in qkv's dtype (out_proj's input)
     z may instead be float32 partial products [S, B, nv dv] (a quantized z projection's K parts as the decode
     kernel writes them, quant.linear_parts): z is their sum rounded to qkv's dtype, which the kernel forms as it
-    loads them (on cuda XLA summed them in a kernel of its own before this one: one a GDN layer fewer).
+    loads them (on cuda XLA summed them in a kernel of its own before this one: one a GDN layer fewer). So may b
+    and a, together: [S, B, nv] float32 partials (gdn.gate_products over a batch's rows: XLA's split-K product
+    wrote its own partials and summed them in a kernel of its own, two a GDN layer), S a power of two.
 
 What it computes, per value head h of row b (key head h // (nv / nk)), all in f32:
   q, k = l2norm(q) dk^-1/2, l2norm(k);  beta = sigmoid(b) (rounded to b's dtype);  g = -exp(A_log) softplus(a + dt_bias)
@@ -92,8 +94,7 @@ def split_heads(qkv, num_k_heads: int, nv: int, dk: int, dv: int):
 def gdn_step_reference(qkv, z, b, a, rec, A_log, dt_bias, norm_w, valid, *, num_k_heads: int, eps: float):
     """Pure-JAX reference: the gated delta rule's step form in XLA ops (module doc); partials z summed first."""
     B = qkv.shape[0]
-    if z.ndim == 3:
-        z = sum_parts(z).astype(qkv.dtype)
+    z, b, a = (sum_parts(t).astype(qkv.dtype) if t.ndim == 3 else t for t in (z, b, a))
     nv, dk, dv = rec.shape[1:]
     q, k, v = (t[:, 0] for t in split_heads(qkv[:, None], num_k_heads, nv, dk, dv))
     beta, g = gate_terms(b, a, A_log, dt_bias)
@@ -106,7 +107,7 @@ def gdn_step_reference(qkv, z, b, a, rec, A_log, dt_bias, norm_w, valid, *, num_
     return out.reshape(B, nv * dv), S
 
 
-def unsupported_reason(qkv, z, rec, num_k_heads: int):
+def unsupported_reason(qkv, z, rec, num_k_heads: int, b=None, a=None):
     """None if the kernel takes these shapes and dtypes, else why not (the caller falls back to the reference).
     qkv [B, C] and z [B, nv dv] (the step) or [B, T, C] and [B, T, nv dv] (the verify, gdn_verify.py)."""
     nv, dk, dv = rec.shape[1:]
@@ -119,6 +120,11 @@ def unsupported_reason(qkv, z, rec, num_k_heads: int):
         return f"z {z.shape} for qkv {qkv.shape}: z [..., nv dv] beside qkv, or its partials [S, ...]"
     if z.ndim == qkv.ndim + 1 and z.dtype != jnp.float32:
         return f"z's partials [S, B, nv dv] of dtype {jnp.dtype(z.dtype)}: the kernel sums float32 partials"
+    if b is not None and (b.ndim != a.ndim or (b.ndim == qkv.ndim + 1 and (
+            b.dtype != jnp.float32 or a.dtype != jnp.float32 or b.shape[0] & (b.shape[0] - 1)
+            or a.shape[0] != b.shape[0]))):
+        return (f"b {b.shape} {jnp.dtype(b.dtype)} / a {a.shape} {jnp.dtype(a.dtype)}: both [.., nv], or both "
+                f"float32 partials [S, .., nv] of one power-of-two S")
     if qkv.shape[-1] != 2 * num_k_heads * dk + nv * dv or z.shape[-qkv.ndim:] != qkv.shape[:-1] + (nv * dv,):
         return f"qkv {qkv.shape} / z {z.shape} do not hold {num_k_heads} key and {nv} value heads of {dk} / {dv}"
     if jnp.dtype(qkv.dtype) not in {jnp.dtype(d) for d in DTYPES} or rec.dtype != jnp.float32:
@@ -128,7 +134,7 @@ def unsupported_reason(qkv, z, rec, num_k_heads: int):
 
 
 def _kernel(qkv_ref, z_ref, b_ref, a_ref, s_ref, alog_ref, dtb_ref, w_ref, n_ref, out_ref, *rule_refs, T, group,
-            dk, dv, kd, eps, dt, gate_dt, verify, pad_row=None, z_parts=0):
+            dk, dv, kd, eps, dt, gate_dt, verify, pad_row=None, z_parts=0, gate_parts=0):
     """Program (row, value head h): the rule's step form over the row's T positions (those at t >= n_valid take
     beta = g = 0), the state in registers. The step writes the state after them; the verify writes instead the
     cumulative log decay G, the normalised k and the deltas of every position (gdn_verify.py), not the state.
@@ -149,9 +155,13 @@ def _kernel(qkv_ref, z_ref, b_ref, a_ref, s_ref, alog_ref, dtb_ref, w_ref, n_ref
         v = qkv_ref[row, t, pl.ds(2 * kd + h * dv, dv)].astype(f32)
         q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * dk ** -0.5
         k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
-        bv = b_ref[row, t, h].astype(f32)
+        if gate_parts:  # b's and a's K partials summed in f32, rounded to x's dtype (the products' own rounding)
+            gate = lambda ref: jnp.sum(ref[pl.ds(0, gate_parts), row, t, h]).astype(dt).astype(f32)
+        else:
+            gate = lambda ref: ref[row, t, h].astype(f32)
+        bv = gate(b_ref)
         beta = (1.0 / (1.0 + jnp.exp(-bv))).astype(gate_dt).astype(f32)  # rounded to b's dtype (gate_terms)
-        x = a_ref[row, t, h].astype(f32) + dtb
+        x = gate(a_ref) + dtb
         g = decay_rate * (jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x))))  # softplus
         ok = t < n
         beta, g = jnp.where(ok, beta, 0.0), jnp.where(ok, g, 0.0)
@@ -192,8 +202,10 @@ def gdn_rows_pallas(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, *, num_k
     nv, dk, dv = rec.shape[1:]
     dt = qkv.dtype
     z_parts = z.shape[0] if z.ndim == 4 else 0  # K's partials [S, B, T, nv dv]
+    gate_parts = b.shape[0] if b.ndim == 4 else 0  # b's and a's [S, B, T, nv]
     kernel = functools.partial(_kernel, T=T, group=nv // num_k_heads, dk=dk, dv=dv, kd=num_k_heads * dk, eps=eps,
-                               dt=dt, gate_dt=b.dtype, verify=verify, pad_row=B if pad_row else None, z_parts=z_parts)
+                               dt=dt, gate_dt=dt if gate_parts else b.dtype, verify=verify,
+                               pad_row=B if pad_row else None, z_parts=z_parts, gate_parts=gate_parts)
     args = (qkv, z if z_parts else z.astype(dt), b, a, rec, A_log, dt_bias, norm_w, n_valid.astype(jnp.int32))
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)  # each program indexes in place
     out_shape = [jax.ShapeDtypeStruct((B + bool(pad_row), T, nv * dv), dt)]
@@ -215,8 +227,9 @@ def gdn_rows_pallas(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, *, num_k
 def gdn_step_pallas(qkv, z, b, a, rec, A_log, dt_bias, norm_w, valid, *, num_k_heads: int, eps: float,
                     num_warps: int = NUM_WARPS, pad_row: bool = False, interpret: bool = False):
     """The step's kernel (gdn_rows_pallas over one row), with gdn_step's signature."""
-    z = z[:, :, None] if z.ndim == 3 else z[:, None]  # (partials [S, B, N]: one row of T each)
-    out, rec = gdn_rows_pallas(qkv[:, None], z, b[:, None], a[:, None], rec, A_log, dt_bias, norm_w,
+    one_row = lambda t: t[:, :, None] if t.ndim == 3 else t[:, None]  # (partials [S, B, N]: one row of T each)
+    z, b, a = one_row(z), one_row(b), one_row(a)
+    out, rec = gdn_rows_pallas(qkv[:, None], z, b, a, rec, A_log, dt_bias, norm_w,
                                valid.astype(jnp.int32), num_k_heads=num_k_heads, eps=eps, verify=False,
                                num_warps=num_warps, pad_row=pad_row, interpret=interpret)
     return out[:, 0], rec
@@ -236,5 +249,5 @@ def gdn_step(qkv, z, b, a, rec, A_log, dt_bias, norm_w, valid, *, num_k_heads: i
     kernel = functools.partial(gdn_step_pallas, num_k_heads=num_k_heads, eps=eps, pad_row=pad_row,
                                interpret=interpret)
     reference = functools.partial(_padded_reference, num_k_heads=num_k_heads, eps=eps, pad_row=pad_row)
-    reason = unsupported_reason(qkv, z, rec, num_k_heads)
+    reason = unsupported_reason(qkv, z, rec, num_k_heads, b, a)
     return dispatch.run("GDN decode step", kernel, reference, reason, backend, *args)

@@ -3,7 +3,9 @@ round's starting state, leaving what the rollback needs (decoding/rollback.py) i
 Pallas kernel (gdn_step.py's, run over T rows) beside its pure-JAX reference, the one-chunk form (same signature).
 
     gdn_verify(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, *, num_k_heads, eps) -> (out, G, k, delta)
-      qkv [B, T, 2 nk dk + nv dv] the conv's output; z [B, T, nv dv]; b, a [B, T, nv]; rec [B, nv, dk, dv] f32;
+      qkv [B, T, 2 nk dk + nv dv] the conv's output; z [B, T, nv dv], or its float32 K partials [S, B, T, nv dv]
+      (a quantized z as the decode kernel writes them, summed as the kernel loads them: gdn_step.py's z);
+      b, a [B, T, nv], or both their float32 K partials [S, B, T, nv] (gdn.gate_products); rec [B, nv, dk, dv] f32;
       n_valid [B]: rows at t >= n_valid are padding (beta = g = 0: they leave the state as it was)
       out [B, T, nv dv]  the gated RMSNorm of the rule's output (out_proj's input), in qkv's dtype
       G [B, nv, T]       the cumulative log decay; k [B, nv, T, dk] the normalised keys; delta [B, nv, T, dv]
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 
 from kernels_pallas import dispatch
 from kernels_pallas.gdn_step import gate_terms, gated_rmsnorm, gdn_rows_pallas, split_heads, unsupported_reason
+from kernels_pallas.split_k import sum_parts
 
 HIGHEST = jax.lax.Precision.HIGHEST
 UNROLL_ROWS = 17  # on cuda unit_lower_inverse unrolls its rows up to here (a verify's k + 1); a chunk's 64 loop
@@ -107,8 +110,10 @@ def solve_deltas(q, k, v, beta, G, inv, intra, state):
 
 
 def gdn_verify_reference(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, *, num_k_heads: int, eps: float):
-    """Pure-JAX reference: the one-chunk form (verify_gated_delta_rule) and the gated norm (module doc)."""
+    """Pure-JAX reference: the one-chunk form (verify_gated_delta_rule) and the gated norm (module doc); partials z
+    summed first."""
     B, T, _ = qkv.shape
+    z, b, a = (sum_parts(t).astype(qkv.dtype) if t.ndim == 4 else t for t in (z, b, a))
     nv, dk, dv = rec.shape[1:]
     q, k, v = split_heads(qkv, num_k_heads, nv, dk, dv)
     beta, g = gate_terms(b, a, A_log, dt_bias)
@@ -119,12 +124,12 @@ def gdn_verify_reference(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, *, 
     return out.reshape(B, T, nv * dv), G, k_all, delta
 
 
-def verify_reason(qkv, z, rec, num_k_heads: int):
+def verify_reason(qkv, z, rec, num_k_heads: int, b=None, a=None):
     """None if the kernel takes this verify, else why not (gdn_step.unsupported_reason, and at most UNROLL_ROWS
     rows: the kernel unrolls them)."""
     if qkv.shape[1] > UNROLL_ROWS:
         return f"{qkv.shape[1]} rows: the kernel unrolls at most {UNROLL_ROWS}"
-    return unsupported_reason(qkv, z, rec, num_k_heads)
+    return unsupported_reason(qkv, z, rec, num_k_heads, b, a)
 
 
 def gdn_verify(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, *, num_k_heads: int, eps: float,
@@ -133,4 +138,5 @@ def gdn_verify(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, *, num_k_head
     args = (qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid)
     kernel = functools.partial(gdn_rows_pallas, num_k_heads=num_k_heads, eps=eps, verify=True, interpret=interpret)
     reference = functools.partial(gdn_verify_reference, num_k_heads=num_k_heads, eps=eps)
-    return dispatch.run("GDN verify", kernel, reference, verify_reason(qkv, z, rec, num_k_heads), backend, *args)
+    return dispatch.run("GDN verify", kernel, reference, verify_reason(qkv, z, rec, num_k_heads, b, a), backend,
+                        *args)

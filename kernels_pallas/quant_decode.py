@@ -4,6 +4,8 @@ dispatching functions (each: the kernel in a program lowered for cuda, quant_mat
     decode_kernel(x, q, scale, kind, k, block) -> quant_mma | quant_gemv | None   (backend "auto"'s choice)
     quant_mma(x, q, scale, *, kind, k, block, backend="auto")    the tensor-core kernel (quant_mma.py)
     quant_gemv(x, q, scale, *, kind, k, block, backend="auto")   the FMA-unit kernel (quant_gemv.py)
+    decode_parts(x, q, scale, *, kind, k, block) -> S            K's parts the chosen kernel cuts the product into
+    quant_decode_parts(x, q, scale, *, ...) -> [S, M, N] f32     those partials unsummed, for a consumer kernel
 
 The rule, from the sm_90 machine code of each kernel's loop (instructions per stored value against the bytes'
 time; estimates until benchmarks/gpu_check --quant-only times them on a GPU): on the tensor cores int4 with
@@ -62,29 +64,39 @@ def quant_gemv(x, q, scale, *, kind: str, k: int, block, backend: str = "auto", 
                 kind, k, block, backend, interpret)
 
 
-def gemv_parts(x, q, scale, *, kind: str, k: int, block) -> int:
-    """K's parts the FMA decode kernel's plan cuts this product into (1: none, the kernel writes the product)."""
-    return gemv.plan(x.shape[0], k, q.shape[1], kind, tuple(block)).splits
+def decode_parts(x, q, scale, *, kind: str, k: int, block) -> int:
+    """K's parts the decode kernel backend "auto" takes for these inputs (decode_kernel) cuts this product into
+    (1: none, the kernel writes the product, or no decode kernel takes them)."""
+    kernel = decode_kernel(x, q, scale, kind, k, block)
+    if kernel is None:
+        return 1
+    if kernel is quant_gemv:
+        return gemv.plan(x.shape[0], k, q.shape[1], kind, tuple(block)).splits
+    return tensor_core_module(kind).plan(x.shape[0], k, q.shape[1], tuple(block), kind=kind).splits
 
 
-def quant_gemv_parts(x, q, scale, *, kind: str, k: int, block, backend: str = "auto", interpret: bool = False):
-    """The FMA decode kernel's float32 K partials [S, M, N] (S = gemv_parts > 1), unsummed, on cuda: their sum
-    rounded to x's dtype is quant_gemv's product, which a consumer forms as it loads them (gdn_conv.py,
-    gdn_step.py: XLA's sum was a kernel of its own). Elsewhere the reference's product in part 0 and zeros in the
-    others, so that the consumer's sum is the product bit for bit."""
+def quant_decode_parts(x, q, scale, *, kind: str, k: int, block, backend: str = "auto", interpret: bool = False):
+    """The decode kernel's (decode_kernel: the FMA one or the tensor-core one) float32 K partials [S, M, N]
+    (S = decode_parts > 1), unsummed, on cuda: their sum rounded to x's dtype is the kernel's product, which a
+    consumer forms as it loads them (gdn_conv.py, gdn_step.py, attention_q.py: XLA's sum was a kernel of its
+    own). Elsewhere the reference's product in part 0 and zeros in the others, so that the consumer's sum is the
+    product bit for bit."""
     block = tuple(int(b) for b in block)
     check_inputs(x, q, scale, kind, k, block)
-    S = gemv_parts(x, q, scale, kind=kind, k=k, block=block)
+    S = decode_parts(x, q, scale, kind=kind, k=k, block=block)
     if S < 2:
-        raise ValueError(f"quant_gemv_parts: the plan cuts [{k}, {q.shape[1]}] at {x.shape[0]} rows into {S} part")
+        raise ValueError(f"quant_decode_parts: the plan cuts [{k}, {q.shape[1]}] at {x.shape[0]} rows into {S} part")
 
     def reference(x, q, scale):
         y = quant_matmul_reference(x, q, scale, kind=kind, k=k, block=block).astype(jnp.float32)
         return jnp.concatenate([y[None], jnp.zeros((S - 1, *y.shape), jnp.float32)])
 
-    kernel = functools.partial(gemv.quant_gemv_pallas, kind=kind, k=k, block=block, unsummed=True,
-                               interpret=interpret)
-    reason = gemv.unsupported_reason(x, q, scale, kind=kind, k=k, block=block)
+    if decode_kernel(x, q, scale, kind, k, block) is quant_gemv:
+        fn, reason_of = gemv.quant_gemv_pallas, gemv.unsupported_reason
+    else:
+        fn, reason_of = tensor_core_kernel(kind), tensor_core_module(kind).unsupported_reason
+    kernel = functools.partial(fn, kind=kind, k=k, block=block, unsummed=True, interpret=interpret)
+    reason = reason_of(x, q, scale, kind=kind, k=k, block=block)
     return dispatch.run("quantized matmul's K partials (decode kernel)", kernel, reference, reason, backend, x, q,
                         scale)
 

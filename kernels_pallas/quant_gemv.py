@@ -343,7 +343,7 @@ def quant_gemv_pallas(x, q, scale, *, kind: str, k: int, block, num_warps: int |
                       words: int | None = None, unsummed: bool = False, interpret: bool = False):
     """The decode kernel. Inputs must pass quant_matmul.check_inputs and unsupported_reason here. unsummed: K's
     float32 partials [splits, M, N] as the kernel writes them (their sum, rounded to x's dtype, the product), for a
-    consumer that sums them as it loads them (quant_decode.quant_gemv_parts); a plan of one part must not ask."""
+    consumer that sums them as it loads them (quant_decode.quant_decode_parts); a plan of one part must not ask."""
     block = tuple(block)
     M, N = x.shape[0], q.shape[1]
     dt = x.dtype

@@ -303,10 +303,13 @@ def rows_of_x(x, kind, block, p):
     return xr, jnp.einsum("h,hms->ms", bases, sums, precision=jax.lax.Precision.HIGHEST)
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "words", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "words", "stages", "unsummed",
+                                             "interpret"))
 def quant_mma_pallas(x, q, scale, *, kind: str = "int4", k: int, block, splits: int | None = None,
-                     words: int | None = None, stages: int | None = None, interpret: bool = False):
-    """The kernel. Inputs must pass quant_matmul.check_inputs and unsupported_reason here."""
+                     words: int | None = None, stages: int | None = None, unsummed: bool = False,
+                     interpret: bool = False):
+    """The kernel. Inputs must pass quant_matmul.check_inputs and unsupported_reason here. unsummed: K's float32
+    partials [splits, M, N] as the kernel writes them (quant_gemv_pallas's `unsummed`)."""
     block = tuple(block)
     M, N = x.shape[0], q.shape[1]
     dt = jnp.dtype(x.dtype)
@@ -328,4 +331,7 @@ def quant_mma_pallas(x, q, scale, *, kind: str = "int4", k: int, block, splits: 
         interpret=interpret,
         name=f"quant_matmul_{kind}_mma",
     )(*xs, words, scale.astype(jnp.float32), consts)
+    if unsummed:
+        assert p.splits > 1, "quant_mma_pallas(unsummed=True): a plan of one K part has no partials"
+        return out
     return sum_parts(out).astype(dt) if p.splits > 1 else out

@@ -172,10 +172,11 @@ def rows_of_x(x, p):
     return xr, back
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "stages", "unsummed", "interpret"))
 def quant_mma_fp8_pallas(x, q, scale, *, kind: str = "fp8", k: int, block, splits: int | None = None,
-                         stages: int | None = None, interpret: bool = False):
-    """The kernel. Inputs must pass quant_matmul.check_inputs and unsupported_reason here."""
+                         stages: int | None = None, unsummed: bool = False, interpret: bool = False):
+    """The kernel. Inputs must pass quant_matmul.check_inputs and unsupported_reason here. unsummed: K's float32
+    partials [splits, M, N] as the kernel writes them (quant_gemv_pallas's `unsummed`)."""
     block = tuple(block)
     M, N = x.shape[0], q.shape[1]
     p = plan(M, k, N, block, splits=splits, stages=stages)
@@ -193,4 +194,7 @@ def quant_mma_fp8_pallas(x, q, scale, *, kind: str = "fp8", k: int, block, split
         interpret=interpret,
         name="quant_matmul_fp8_mma",
     )(xr, back, q, scale.astype(jnp.float32))
+    if unsummed:
+        assert p.splits > 1, "quant_mma_fp8_pallas(unsummed=True): a plan of one K part has no partials"
+        return out
     return sum_parts(out).astype(x.dtype) if p.splits > 1 else out

@@ -35,6 +35,7 @@ class Run:
     seed: int
     dtype: object = jnp.float32
     parts: int = 0  # the step's z as that many float32 K partials [S, B, nv dv] (quant.linear_parts)
+    gate_parts: int = 0  # b and a as that many float32 K partials [S, B, nv] each (gdn.gate_products)
 
 
 def _inputs(B, nk, nv, dk, dv, valid, seed, dtype):
@@ -68,7 +69,14 @@ class GdnContract(KernelContract):
                 Run(c[2], seed=9, dtype=jnp.float16)]
 
     def inputs(self, run):
-        return self.INPUTS(*run.case, seed=run.seed, dtype=run.dtype)
+        args = list(self.INPUTS(*run.case, seed=run.seed, dtype=run.dtype))
+        rng = np.random.default_rng(run.seed + 100)
+        parts = lambda n, x: jnp.asarray(rng.standard_normal((n, *x.shape)) * 2 / np.sqrt(n), jnp.float32)
+        if run.parts:  # z as its float32 K partials (quant.linear_parts)
+            args[1] = parts(run.parts, args[1])
+        if run.gate_parts:  # b and a as theirs (gdn.gate_products)
+            args[2], args[3] = parts(run.gate_parts, args[2]), parts(run.gate_parts, args[3])
+        return tuple(args)
 
     def kept(self, run):
         """(the kernel's rest, the reference's rest) of this run, taken."""
@@ -88,7 +96,7 @@ class GdnContract(KernelContract):
         return self.DISPATCH(*args, num_k_heads=self.nk(run), eps=EPS, **kw)[0]
 
     def reason(self, run, qkv, z, b, a, rec, *rest):
-        return self.REASON(qkv, z, rec, self.nk(run))
+        return self.REASON(qkv, z, rec, self.nk(run), b, a)
 
     def error(self, got, want):
         return rel_err(got.astype(jnp.float32), want.astype(jnp.float32))
@@ -115,21 +123,15 @@ class TestGdnStepContract(GdnContract):
         return run.case[1]
 
     def f32_cases(self):
-        return super().f32_cases() + [Run(CASES[1], seed=13, parts=4)]
+        return super().f32_cases() + [Run(CASES[1], seed=13, parts=4), Run(CASES[1], seed=15, parts=4, gate_parts=4)]
 
     def low_precision_cases(self):
-        return super().low_precision_cases() + [Run(CASES[3], seed=14, dtype=jnp.bfloat16, parts=3)]
-
-    def inputs(self, run):
-        args = super().inputs(run)
-        if not run.parts:
-            return args
-        z = jnp.asarray(np.random.default_rng(run.seed + 100).standard_normal((run.parts, *args[1].shape)), jnp.float32)
-        return (args[0], z, *args[2:])
+        return super().low_precision_cases() + [Run(CASES[3], seed=14, dtype=jnp.bfloat16, parts=3),
+                                                Run(CASES[3], seed=16, dtype=jnp.bfloat16, gate_parts=2)]
 
     def case_id(self, run):
         B, nk, nv, dk, dv, _ = run.case
-        parts = f"-zparts{run.parts}" if run.parts else ""
+        parts = (f"-zparts{run.parts}" if run.parts else "") + (f"-baparts{run.gate_parts}" if run.gate_parts else "")
         return f"B{B}nk{nk}nv{nv}dk{dk}dv{dv}-{jnp.dtype(run.dtype).name}{parts}"
 
     def check_more(self, run, args, got, ref, report):
@@ -155,6 +157,9 @@ class TestGdnStepContract(GdnContract):
                 (unsupported_reason(qkv[:, :-1], z, rec, 1), "do not hold"),
                 (unsupported_reason(qkv, z, rec.astype(jnp.bfloat16), 1), "f32 state"),
                 (unsupported_reason(qkv, jnp.zeros((2, 1, 48), jnp.bfloat16), rec, 1), "sums float32 partials"),
+                (unsupported_reason(qkv, z, rec, 1, jnp.zeros((3, 1, 3)), jnp.zeros((3, 1, 3))),
+                 "one power-of-two S"),
+                (unsupported_reason(qkv, z, rec, 1, jnp.zeros((2, 1, 3)), jnp.zeros((1, 3))), "one power-of-two S"),
                 (unsupported_reason(jnp.zeros((1, 2 * 8 + 3 * 8)), jnp.zeros((1, 24)), jnp.zeros((1, 3, 8, 8)), 1),
                  "head dim 8")]
 

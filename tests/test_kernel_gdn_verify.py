@@ -51,9 +51,17 @@ class TestGdnVerifyContract(GdnContract):
     def nk(self, run):
         return run.case[2]
 
+    def f32_cases(self):  # and z, b, a as K partials [S, B, T, ..] (gdn.gdn_layer's verify)
+        return super().f32_cases() + [Run(CASES[1], seed=13, parts=4), Run(CASES[1], seed=15, gate_parts=8)]
+
+    def low_precision_cases(self):
+        return super().low_precision_cases() + [Run(CASES[2], seed=14, dtype=jnp.bfloat16, parts=3),
+                                                Run(CASES[2], seed=16, dtype=jnp.bfloat16, parts=2, gate_parts=4)]
+
     def case_id(self, run):
         B, T, nk, nv, dk, dv, n = run.case
-        return f"B{B}T{T}nk{nk}nv{nv}dk{dk}dv{dv}n{'-'.join(map(str, n))}-{jnp.dtype(run.dtype).name}"
+        parts = (f"-zparts{run.parts}" if run.parts else "") + (f"-baparts{run.gate_parts}" if run.gate_parts else "")
+        return f"B{B}T{T}nk{nk}nv{nv}dk{dk}dv{dv}n{'-'.join(map(str, n))}-{jnp.dtype(run.dtype).name}{parts}"
 
     def check_more(self, run, args, got, ref, report):
         B, T, nk, nv, dk, dv, n_valid = run.case

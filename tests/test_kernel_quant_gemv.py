@@ -243,30 +243,35 @@ def test_k_parts_are_summed_in_chunks_xla_fuses():
         assert reduces == -(-parts // ELEMENTAL_ROWS), (parts, reduces)
 
 
-@pytest.mark.parametrize("kind,fmt", [("int4", 128), ("int8", "channel"), ("fp8", (128, 128))])
-def test_k_partials_for_a_consumer(kind, fmt):
-    """quant_decode.quant_gemv_parts (quant.linear_parts: the GDN conv and step kernels sum a quantized qkv / z
-    product's K partials as they load them): the kernel's partials unsummed (interpret mode), their f32 sum
-    rounded to x's dtype the kernel's own product bit for bit and near the float64 oracle; lowered for cpu, the
-    reference's product in part 0 and zeros after it, so the consumer's sum is the product bit for bit."""
+@pytest.mark.parametrize("kind,fmt,M", [("int4", 128, 1), ("int8", "channel", 1), ("fp8", (128, 128), 1),
+                                        ("int4", 128, 4), ("int8", "channel", 4), ("fp8", (128, 128), 4)])
+def test_k_partials_for_a_consumer(kind, fmt, M):
+    """quant_decode.quant_decode_parts (quant.linear_parts: the GDN conv and step kernels and the attention queries'
+    kernel sum a quantized product's K partials as they load them), at one row (the FMA decode kernel) and at 4
+    (the tensor-core one): the kernel's partials unsummed (interpret mode), their f32 sum rounded to x's dtype the
+    kernel's own product bit for bit and near the float64 oracle; lowered for cpu, the reference's product in part
+    0 and zeros after it, so the consumer's sum is the product bit for bit."""
     from kernels_pallas import quant_decode
     from kernels_pallas.split_k import sum_parts
 
-    x, q, scale, block = _inputs(kind, fmt, 1, 1024, 128, "bf16", seed=21)
+    x, q, scale, block = _inputs(kind, fmt, M, 1024, 128, "bf16", seed=21)
     kw = dict(kind=kind, k=1024, block=block)
-    S = quant_decode.gemv_parts(x, q, scale, **kw)
+    chosen = quant_decode.decode_kernel(x, q, scale, kind, 1024, block)
+    assert chosen is (quant_decode.quant_gemv if M == 1 else quant_decode.quant_mma), chosen
+    fn = gemv.quant_gemv_pallas if M == 1 else quant_decode.tensor_core_kernel(kind)
+    S = quant_decode.decode_parts(x, q, scale, **kw)
     assert S > 1, S  # the plan cuts K: there are partials to hand on
-    parts = gemv.quant_gemv_pallas(x, q, scale, **kw, unsummed=True, interpret=True)
-    assert parts.shape == (S, 1, 128) and parts.dtype == jnp.float32, parts.shape
+    parts = fn(x, q, scale, **kw, unsummed=True, interpret=True)
+    assert parts.shape == (S, M, 128) and parts.dtype == jnp.float32, parts.shape
     assert (np.abs(np.asarray(parts)).max(axis=(1, 2)) > 0).all()  # every part holds real products
-    whole = gemv.quant_gemv_pallas(x, q, scale, **kw, interpret=True)
+    whole = fn(x, q, scale, **kw, interpret=True)
     np.testing.assert_array_equal(np.asarray(sum_parts(parts).astype(x.dtype)), np.asarray(whole))
     assert rel_err(whole, _oracle(x, q, scale, kind, 1024, block))[0] < 2 ** -7
-    on_cpu = jax.jit(lambda *a: quant_decode.quant_gemv_parts(*a, **kw))(x, q, scale)
-    assert on_cpu.shape == (S, 1, 128) and not np.asarray(on_cpu[1:]).any()
+    on_cpu = jax.jit(lambda *a: quant_decode.quant_decode_parts(*a, **kw))(x, q, scale)
+    assert on_cpu.shape == (S, M, 128) and not np.asarray(on_cpu[1:]).any()
     np.testing.assert_array_equal(np.asarray(sum_parts(on_cpu).astype(x.dtype)),
                                   np.asarray(quant_matmul(x, q, scale, **kw)))
-    if kind == "int4":  # a plan of one part has no partials to hand on: refused, naming the shapes
+    if kind == "int4" and M == 1:  # a plan of one part has no partials to hand on: refused, naming the shapes
         x, q, scale, block = _inputs(kind, fmt, 1, 512, 64, "bf16", seed=22)
         with pytest.raises(ValueError, match=r"\[512, 64\] at 1 rows into 1 part"):
-            quant_decode.quant_gemv_parts(x, q, scale, kind=kind, k=512, block=block)
+            quant_decode.quant_decode_parts(x, q, scale, kind=kind, k=512, block=block)

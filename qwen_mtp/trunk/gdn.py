@@ -18,6 +18,7 @@ from kernels_pallas import per_shard
 from kernels_pallas.gdn_conv import causal_conv, conv_step, conv_window_at
 from kernels_pallas.gdn_step import gate_terms, gated_rmsnorm, gdn_step, split_heads
 from kernels_pallas.gdn_verify import gdn_verify, unit_lower_inverse, within_chunk
+from kernels_pallas.masked_attention import precision_for
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.ops import linear, linear_of_two, pads_one_row
 from qwen_mtp.trunk.quant import QuantArray, linear_parts
@@ -95,7 +96,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     return jnp.moveaxis(out, 0, 1), state
 
 
-def in_projections(x, w: GDNWeights, two=None):
+def in_projections(x, w: GDNWeights, two=None, *, gate_parts: bool = False):
     """The input-normed rows x [B, T, H] through the four in-projections: (qkv before the conv, z, b, a). The
     dots take x from copies out of one optimization barrier so that XLA's dot merger cannot see one shared
     operand: over k + 1 rows it merged all four into one dot over the four weights concatenated inside the
@@ -108,16 +109,55 @@ def in_projections(x, w: GDNWeights, two=None):
     no dot of theirs to merge (a QuantArray's product is a kernel) and one x keeps one preparation of it for both
     kernels (three copies cost a 27B int4 step 3 kernels a GDN layer).
     two: x's one row and a zero row as the input norm's kernel wrote them (forward.decoder_layer), read by the
-    products through ops.linear_of_two (the barrier holds them, not a slice of them)."""
+    products through ops.linear_of_two (the barrier holds them, not a slice of them). gate_parts (the GDN step
+    and verify kernels' rows): over more than one row, b and a as gate_products' partials where it makes them."""
     rows = math.prod(x.shape[:-1])
     if isinstance(w.in_proj_qkv, QuantArray) and isinstance(w.in_proj_z, QuantArray):
         x_b, x_a = jax.lax.optimization_barrier((x, x)) if rows > 1 else (x, x)
-        return linear(x, w.in_proj_qkv), linear(x, w.in_proj_z), linear(x_b, w.in_proj_b), linear(x_a, w.in_proj_a)
+        return (linear(x, w.in_proj_qkv), linear(x, w.in_proj_z),
+                *gate_products(x_b, x_a, w, gate_parts and rows > 1))
     # each product's x (and x's two rows where it takes them) through the barrier; b and a share one at one row
     xs = jax.lax.optimization_barrier(((x, two),) * (3 if rows == 1 else 4))
     x_qkv, x_z, x_b, x_a = xs if rows > 1 else (*xs, xs[2])
     lin = lambda xs, m: linear(xs[0], m) if two is None else linear_of_two(*xs, m)
+    if gate_parts and rows > 1:  # (two is one row's)
+        return lin(x_qkv, w.in_proj_qkv), lin(x_z, w.in_proj_z), *gate_products(x_b[0], x_a[0], w, True)
     return lin(x_qkv, w.in_proj_qkv), lin(x_z, w.in_proj_z), lin(x_b, w.in_proj_b), lin(x_a, w.in_proj_a)
+
+
+# b's and a's products over several rows as their K partials for the GDN step / verify kernel (gate_products);
+# False: the products (tests/gpu_compile_kernels.py's control)
+GATE_PARTS = True
+GATE_PART_MIN_K = 128  # K's values a part at least (and at most 32 parts, a power of two)
+
+
+def gate_products(x_b, x_a, w: GDNWeights, parts: bool):
+    """b and a of rows x_b / x_a [..., H] (each its own copy of x, in_projections): their products [..., nv] or,
+    where `parts` asks and they take it (plain weights, no mesh, H cut into S >= 2 parts of GATE_PART_MIN_K or
+    more), their float32 K partials [S, ..., nv], which the GDN step and verify kernels sum as they load them
+    (gdn_step.py). On cuda the product written as S partial products, one batched gemm each: XLA ran each of these
+    small products ([rows, 5120] x [5120, 48] at 27B) as a split-K gemm of its own partials and a kernel summing
+    them, two kernels where one now writes the partials (two a GDN layer fewer). Elsewhere the product in part 0
+    and zeros in the others: the kernels' sum is the product bit for bit."""
+    K, N = w.in_proj_b.shape
+    S = 1
+    while S < 32 and K % (2 * S) == 0 and K // (2 * S) >= GATE_PART_MIN_K:
+        S *= 2
+    plain = not isinstance(w.in_proj_b, QuantArray) and not isinstance(w.in_proj_a, QuantArray)
+    if not (parts and GATE_PARTS and plain and S > 1 and per_shard.active_mesh() is None):
+        return linear(x_b, w.in_proj_b), linear(x_a, w.in_proj_a)
+
+    def split(x, m):  # S batched products of K / S values each, in f32
+        xs = x.reshape(-1, S, K // S)
+        return jnp.einsum("msk,skn->smn", xs, m.reshape(S, K // S, N).astype(x.dtype),
+                          precision=precision_for(x.dtype), preferred_element_type=jnp.float32)
+
+    def whole(x, m):
+        y = linear(x, m).reshape(1, -1, N).astype(jnp.float32)
+        return jnp.concatenate([y, jnp.zeros((S - 1, *y.shape[1:]), jnp.float32)])
+
+    part = lambda x, m: jax.lax.platform_dependent(x, m, cuda=split, default=whole).reshape(S, *x.shape[:-1], N)
+    return part(x_b, w.in_proj_b), part(x_a, w.in_proj_a)
 
 
 def step_projections(x, w: GDNWeights, two=None):
@@ -131,8 +171,11 @@ def step_projections(x, w: GDNWeights, two=None):
         if pq is not None or pz is not None:
             qkv = pq if pq is not None else linear(x, w.in_proj_qkv)[:, 0]
             z = pz if pz is not None else linear(x, w.in_proj_z)
-            return qkv, z, linear(x, w.in_proj_b), linear(x, w.in_proj_a), pz is not None
-    pre, z, b, a = in_projections(x, w, two)
+            # over several rows (a batch; the tensor-core kernel's partials) b and a each on a copy of x of its
+            # own, as in in_projections: merged, their weights were concatenated in the loop
+            x_b, x_a = jax.lax.optimization_barrier((x, x)) if x.shape[0] > 1 else (x, x)
+            return qkv, z, *gate_products(x_b, x_a, w, x.shape[0] > 1), pz is not None
+    pre, z, b, a = in_projections(x, w, two, gate_parts=True)
     return pre[:, 0], z, b, a, False
 
 
@@ -172,7 +215,8 @@ def decode_rows(qkv, z, b, a, w: GDNWeights, cfg: ModelConfig, rec, n_valid, *, 
 def _one_row(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, *, num_k_heads, eps, pad_row, z_parts=False):
     """gdn_step over [B, 1, ...] rows (decode_rows' step); z_parts: z as its partials [S, B, nv dv]."""
     z = z if z_parts else z[:, 0]
-    out, rec = gdn_step(qkv[:, 0], z, b[:, 0], a[:, 0], rec, A_log, dt_bias, norm_w, n_valid > 0,
+    b, a = (t[:, 0] if t.ndim == 3 else t[:, :, 0] for t in (b, a))  # (gate_products' partials [S, B, 1, nv])
+    out, rec = gdn_step(qkv[:, 0], z, b, a, rec, A_log, dt_bias, norm_w, n_valid > 0,
                         num_k_heads=num_k_heads, eps=eps, pad_row=pad_row)
     return out[:, None], rec
 
@@ -199,9 +243,14 @@ def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode
         out, rec = decode_rows(qkv[:, None], z, b, a, w, cfg, st.rec, n_valid, verify=False, pad_row=pad,
                                z_parts=z_parts)
         return (_out_proj_of_one_row(out, w.out_proj) if pad else linear(out, w.out_proj)), GDNState(conv, rec)
-    pre, z, b, a = in_projections(x, w, two)
+    pre, z, b, a = in_projections(x, w, two, gate_parts=mode == "verify")
     qkv, window = causal_conv(pre, st.conv, w.conv)
     if mode == "verify":
+        # a quantized z's K partials (the tensor-core kernel's over the k + 1 rows) summed by the verify kernel as
+        # it loads them, as the step kernel does (step_projections): XLA's sum was a kernel a GDN layer (the
+        # product `z` above is then read by nothing, and XLA drops it)
+        pz = linear_parts(x, w.in_proj_z) if isinstance(w.in_proj_z, QuantArray) else None
+        z = z if pz is None else pz.reshape(pz.shape[0], *z.shape)
         out, G, k_all, delta = decode_rows(qkv, z, b, a, w, cfg, st.rec, n_valid, verify=True)
         return linear(out, w.out_proj), GDNVerify(window, st.rec, G, k_all, delta)
     q, k, v, z, beta, g = rule_inputs(qkv, z, b, a, w, cfg)

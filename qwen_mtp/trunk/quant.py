@@ -163,20 +163,19 @@ def linear(x, w: QuantArray, *, backend: str = "auto"):
 
 
 def linear_parts(x, w, *, backend: str = "auto"):
-    """x [..., K] @ w [K, N] as the FMA decode kernel's float32 K partials [S, rows, N] (rows: x's leading
-    dimensions flattened; their sum rounded to x's dtype is `linear`'s product, bit for bit off cuda), for a
-    consumer kernel that sums them as it loads them (gdn.py's conv and step); None where that kernel is not
-    backend "auto"'s choice for these rows, its plan cuts K into one part, or a mesh is active: the caller takes
-    `linear`."""
+    """x [..., K] @ w [K, N] as the decode kernel's float32 K partials [S, rows, N] (rows: x's leading dimensions
+    flattened; their sum rounded to x's dtype is `linear`'s product, bit for bit off cuda), for a consumer kernel
+    that sums them as it loads them (gdn.py's conv and step, attention_q.py's queries); None where no decode
+    kernel (the FMA one or the tensor-core one, quant_decode.decode_kernel) is backend "auto"'s choice for these
+    rows, its plan cuts K into one part, or a mesh is active: the caller takes `linear`."""
     if not (isinstance(w, QuantArray) and w.ndim == 2 and spmd.active_mesh() is None):
         return None
     K, _ = w.shape
     x2 = x.reshape(-1, K)
     args, kw = (x2, w.q, w.scale), dict(kind=w.kind, k=K, block=tuple(w.block))
-    if quant_decode.decode_kernel(*args, **kw) is not quant_decode.quant_gemv or \
-            quant_decode.gemv_parts(*args, **kw) < 2:
+    if quant_decode.decode_parts(*args, **kw) < 2:
         return None
-    return quant_decode.quant_gemv_parts(*args, **kw, backend=backend)
+    return quant_decode.quant_decode_parts(*args, **kw, backend=backend)
 
 
 def gate_up(x, gate, up, *, backend: str = "auto"):
