@@ -126,7 +126,11 @@ def loops(target):
     with its input and final norms in XLA ops (before rmsnorm.py's kernel), and with its KV rows written by the
     batched scatter (before attention.ONE_ROW_WRITE); 27B int4's plain step, and with its MLPs' gate and up in
     two launches (before quant_gate_up.py), with K's parts summed by one reduce (before split_k.sum_parts), and
-    with the GDN qkv / z products' K parts summed by XLA (before gdn.step_projections); 27B's round with b and
+    with the GDN qkv / z products' K parts summed by XLA (before gdn.step_projections), and with its attention
+    queries in XLA ops (before attention_q.py's kernel); 27B int4's k = 1 round, and with the verify's z K parts
+    summed by XLA (before the GDN verify kernel took them), and with b and a as products (before
+    gdn.gate_products' partials); 27B int4's plain step at batch 4, and with the tensor-core
+    kernel's K parts summed by XLA (before quant_decode.decode_parts took them); 27B's round with b and
     a on one x (merged over their weights concatenated in the loop, before in_projections' copies); and 27B's
     round with the GDN in-projections as they were before gdn.in_projections (four dots on one x), which XLA
     merged over the weights concatenated in the loop: the probe must find those."""
@@ -140,11 +144,11 @@ def loops(target):
     from qwen_mtp.trunk import gdn
     from qwen_mtp.trunk.ops import linear
 
-    def one(label, name, k=1, quant=None):
+    def one(label, name, k=1, quant=None, batch=1):
         cfg = real_shapes.config(name)
         cfg = dataclasses.replace(cfg, layer_types=cfg.layer_types[:4])
         t = time.perf_counter()
-        hlo = compile_case(cfg, "bfloat16", quant, Case(k), 1, 256, 64, target=target)[0].as_text()
+        hlo = compile_case(cfg, "bfloat16", quant, Case(k), batch, 256, 64, target=target)[0].as_text()
         print(json.dumps({"label": label, "concatenations": launches.concatenations(hlo),
                           "small_concatenations": launches.concatenations(hlo, 1 << 19),
                           "products": launches.products(hlo), "kernels": launches.per_iteration(hlo).total(),
@@ -228,7 +232,34 @@ def loops(target):
     linear_parts, gdn.linear_parts = gdn.linear_parts, lambda x, m: None
     jax.clear_caches()
     one("27B int4 plain, the GDN in-projections' K parts summed by XLA", "Qwen3.5-27B", k=0, quant="int4")
+    # ... and a round's z partials (the tensor-core kernel's) summed by the GDN verify kernel (gdn.gdn_layer)
+    jax.clear_caches()
+    one("27B int4 k1 native, the verify's z K parts summed by XLA", "Qwen3.5-27B", quant="int4")
     gdn.linear_parts = linear_parts
+    jax.clear_caches()
+    one("27B int4 k1 native", "Qwen3.5-27B", quant="int4")
+    # ... and b and a as their K partials summed by the verify kernel (gdn.gate_products), against the products
+    gdn.GATE_PARTS = False
+    jax.clear_caches()
+    one("27B int4 k1 native, b and a as products", "Qwen3.5-27B", quant="int4")
+    gdn.GATE_PARTS = True
+    # the attention's queries made by attention_q.py's kernel from the q | gate product's partials, with their
+    # positions (attention.QUERY_KERNEL), against XLA's three kernels and its positions' one
+    attention.QUERY_KERNEL = False
+    jax.clear_caches()
+    one("27B int4 plain, the attention queries in XLA ops", "Qwen3.5-27B", k=0, quant="int4")
+    attention.QUERY_KERNEL = True
+    # a batch of 4 (the tensor-core kernel's rows): its K partials summed by the GDN conv / step and the queries'
+    # kernels (quant_decode.decode_parts), against XLA's sums (the FMA kernel's partials only, as before)
+    from kernels_pallas import quant_decode
+    jax.clear_caches()
+    one("27B int4 plain batch 4", "Qwen3.5-27B", k=0, quant="int4", batch=4)
+    parts = quant_decode.decode_parts
+    quant_decode.decode_parts = lambda x, q, s, **kw: parts(x, q, s, **kw) if x.shape[0] == 1 else 1
+    jax.clear_caches()
+    one("27B int4 plain batch 4, the tensor-core kernel's K parts summed by XLA", "Qwen3.5-27B", k=0, quant="int4",
+        batch=4)
+    quant_decode.decode_parts = parts
 
     vector_max, ops.VECTOR_DOT_MAX = ops.VECTOR_DOT_MAX, 0
     jax.clear_caches()

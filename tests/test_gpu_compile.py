@@ -134,7 +134,10 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     norm's kernel writing its row's two rows and with the shared expert in the routed experts' launches than
     without, and a 27B plain step fewer with the RMSNorm kernel and with its KV rows written by their
     dynamic-update-slice, and a 27B int4 plain step fewer with its MLPs' gate and up in one launch, with K's
-    partials summed in chunks XLA fuses and with its GDN qkv / z partials summed by the conv and step kernels.
+    partials summed in chunks XLA fuses, with its GDN qkv / z partials summed by the conv and step kernels and
+    with its attention queries by their kernel, and at a batch of 4 with the tensor-core kernel's partials summed
+    by the kernels that read them, and a 27B int4 round fewer with the verify's z, b and a partials summed by its
+    kernel.
     Before gdn.in_projections, XLA's dot merger joined the four GDN in-projections over their weights
     concatenated in the loop: a copy of 169 MB (27B) per GDN layer at every round, 16 GB a round at full depth.
     The same program with the four dots on one x shows the probe finds it."""
@@ -203,6 +206,25 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     # (gdn.step_projections): XLA's two sums before them gone, 2 kernels a GDN layer fewer (3 GDN layers)
     assert rows["27B int4 plain"]["kernels"] + 6 <= \
         rows["27B int4 plain, the GDN in-projections' K parts summed by XLA"]["kernels"], rows
+    # an attention layer's queries by attention_q.py's kernel, with their positions (attention.QUERY_KERNEL): XLA's
+    # three kernels before the attention kernel and its positions' one gone, 3 fewer (the one attention layer)
+    assert rows["27B int4 plain"]["kernels"] + 3 <= \
+        rows["27B int4 plain, the attention queries in XLA ops"]["kernels"], rows
+    # at a batch of 4 the tensor-core kernel's K partials summed by the GDN conv / step kernels and the queries'
+    # kernel (quant_decode.decode_parts): XLA's sums gone, 2 a GDN layer and 1 an attention layer (7); b and a then
+    # on copies of x of their own (gdn.step_projections), not merged over their weights concatenated in the loop
+    # a round's z K partials (the tensor-core kernel's, over the verify's rows) summed by the GDN verify kernel as it
+    # loads them (gdn.gdn_layer): XLA's sum of them gone, a kernel a GDN layer (3)
+    assert rows["27B int4 k1 native"]["kernels"] + 3 <= \
+        rows["27B int4 k1 native, the verify's z K parts summed by XLA"]["kernels"], rows
+    # b and a over the verify's rows as their K partials, one batched gemm each, summed by the verify kernel
+    # (gdn.gate_products): XLA's split-K gemm and its sum were two kernels each, 2 a GDN layer fewer (6)
+    assert rows["27B int4 k1 native"]["kernels"] + 6 <= rows["27B int4 k1 native, b and a as products"]["kernels"], \
+        rows
+    batch = rows["27B int4 plain batch 4"]
+    assert batch["kernels"] + 7 <= \
+        rows["27B int4 plain batch 4, the tensor-core kernel's K parts summed by XLA"]["kernels"], rows
+    assert batch["small_concatenations"] == [], batch
     for label, r in rows.items():
         cats = r["concatenations"]
         report(f"XLA sm_90 compile (deviceless, H200), {label}: {r['kernels']} kernels an iteration, weight "
