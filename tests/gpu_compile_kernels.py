@@ -272,7 +272,7 @@ def loops(target):
     gdn.gdn_verify = kernel
     in_projections = gdn.in_projections  # b and a over the round's rows on one x (before their copies): merged
 
-    def ba_on_one_x(x, w, two=None):
+    def ba_on_one_x(x, w, two=None, gate_parts=False):  # (b and a as their products)
         x_qkv, x_z, x_ba = jax.lax.optimization_barrier((x, x, x))
         return tuple(linear(v, m) for v, m in ((x_qkv, w.in_proj_qkv), (x_z, w.in_proj_z), (x_ba, w.in_proj_b),
                                                 (x_ba, w.in_proj_a)))
@@ -281,8 +281,8 @@ def loops(target):
     jax.clear_caches()
     one("27B k1 native, b and a on one x", "Qwen3.5-27B")
     gdn.in_projections = in_projections
-    gdn.in_projections = lambda x, w, two=None: tuple(linear(x, m) for m in (w.in_proj_qkv, w.in_proj_z, w.in_proj_b,
-                                                                    w.in_proj_a))
+    gdn.in_projections = lambda x, w, two=None, gate_parts=False: tuple(
+        linear(x, m) for m in (w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a))
     jax.clear_caches()  # the loop was traced with the fixed function
     one("27B k1 native, the in-projections on one x (before the fix)", "Qwen3.5-27B")
 
