@@ -92,7 +92,8 @@ def split_heads(qkv, num_k_heads: int, nv: int, dk: int, dv: int):
 
 
 def gdn_step_reference(qkv, z, b, a, rec, A_log, dt_bias, norm_w, valid, *, num_k_heads: int, eps: float):
-    """Pure-JAX reference: the gated delta rule's step form in XLA ops (module doc); partials z summed first."""
+    """Pure-JAX reference: the gated delta rule's step form in XLA ops (module doc); partials (z, b and a) summed
+    first."""
     B = qkv.shape[0]
     z, b, a = (sum_parts(t).astype(qkv.dtype) if t.ndim == 3 else t for t in (z, b, a))
     nv, dk, dv = rec.shape[1:]

@@ -110,8 +110,8 @@ def solve_deltas(q, k, v, beta, G, inv, intra, state):
 
 
 def gdn_verify_reference(qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, *, num_k_heads: int, eps: float):
-    """Pure-JAX reference: the one-chunk form (verify_gated_delta_rule) and the gated norm (module doc); partials z
-    summed first."""
+    """Pure-JAX reference: the one-chunk form (verify_gated_delta_rule) and the gated norm (module doc); partials
+    (z, b and a) summed first."""
     B, T, _ = qkv.shape
     z, b, a = (sum_parts(t).astype(qkv.dtype) if t.ndim == 4 else t for t in (z, b, a))
     nv, dk, dv = rec.shape[1:]
