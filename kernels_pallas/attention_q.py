@@ -11,14 +11,14 @@ beside its pure-JAX reference (same signature).
                                  0 in the trunk, 1 in the MTP head), from the array the layer already holds, so
                                  that no positions are made for the kernel
       qg      [B, nkv, rows, hd] in `dtype`: row t G + g of kv head h is query head h G + g of row t (G = nh / nkv),
-                                 rows T G .. rows - 1 zeros (causal_attention.group, the attention kernel's tiles)
+                                 rows T G .. rows - 1 zeros (windowed_attention.group, the attention kernel's tiles)
       qpos    [B, rows] int32    each of those rows' cache position start[b] + t, -1 for the padding rows
-                                 (causal_attention.row_positions): the attention kernel's other operand, which XLA
+                                 (windowed_attention.row_positions): the attention kernel's other operand, which XLA
                                  made in a kernel of its own
 
     queries(parts, w, positions, *, head_dim, rotary_dim, theta, eps, dtype) -> q [B, T, nh, hd]
       the same queries in the trunk's layout at RoPE positions [B, T] (attention.project_qkv); the reference is
-      causal_attention.group of it.
+      windowed_attention.group of it.
 
 The values are the trunk's: the partials' sum rounded to `dtype` (ops.linear's product), rmsnorm_reference of each
 head's hd query values, kernels_pallas/rope.py's rotation. The kernel sums the partials in their order and the
@@ -43,18 +43,25 @@ from jax.experimental.pallas import triton as plt
 
 from kernels_pallas import causal_attention as ca
 from kernels_pallas import dispatch
+from kernels_pallas import windowed_attention as wa
 from kernels_pallas.rmsnorm import DTYPES, rmsnorm_reference
 from kernels_pallas.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from kernels_pallas.split_k import sum_parts
 
 MAX_HEAD_DIM = 1024
 NUM_WARPS = 2
 
 
+def product_of(parts, dtype):
+    """The q | gate product [B T, nh 2 hd] in dtype from parts [S, B T, nh 2 hd]: the product itself (S = 1), or
+    the partials' f32 sum (split_k.sum_parts) rounded to dtype, as ops.linear's product is."""
+    return (parts[0] if parts.shape[0] == 1 else sum_parts(parts)).astype(dtype)
+
+
 def queries(parts, w, positions, *, head_dim: int, rotary_dim: int, theta: float, eps: float, dtype):
     """The trunk's queries from the q | gate product's partials (module doc): [B, T, nh, hd] in dtype."""
     B, T = positions.shape
-    qg = jnp.sum(parts.astype(jnp.float32), axis=0).astype(dtype) if parts.shape[0] > 1 else parts[0].astype(dtype)
-    q = qg.reshape(B, T, -1, 2 * head_dim)[..., :head_dim]
+    q = product_of(parts, dtype).reshape(B, T, -1, 2 * head_dim)[..., :head_dim]
     cos, sin = rope_cos_sin(positions, rotary_dim, theta)
     return apply_rope(rmsnorm_reference(q, w, eps=eps), cos, sin)
 
@@ -70,7 +77,7 @@ def queries_grouped_reference(parts, w, start, *, offset: int, num_kv_heads: int
     positions = rows_at(start, parts.shape[1] // start.shape[0])
     q = queries(parts, w, positions + offset, head_dim=w.shape[0], rotary_dim=rotary_dim, theta=theta, eps=eps,
                 dtype=dtype)
-    return ca.group(q, num_kv_heads, rows), ca.row_positions(positions, q.shape[2] // num_kv_heads, rows)
+    return wa.group(q, num_kv_heads, rows), wa.row_positions(positions, q.shape[2] // num_kv_heads, rows)
 
 
 def check_inputs(parts, w, start, num_kv_heads: int, rotary_dim: int) -> None:

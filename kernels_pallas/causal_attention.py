@@ -196,15 +196,6 @@ def _kernel(qpos_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, bps, block_
     l_ref[...] = l_i
 
 
-def group(q, num_kv_heads: int, rows: int):
-    """q [B, T, nh, hd] -> [B, nkv, rows, hd]: the kernel's query rows, per kv head its G = nh / nkv heads x T rows
-    (t, g) t-major, zeros after the T G real ones (the row tiles' padding)."""
-    B, T, nh, hd = q.shape
-    G = nh // num_kv_heads
-    qg = jnp.moveaxis(q.reshape(B, T, num_kv_heads, G, hd), 2, 1).reshape(B, num_kv_heads, T * G, hd)
-    return jnp.pad(qg, ((0, 0), (0, 0), (0, rows - T * G), (0, 0)))
-
-
 def kernel_plan(q_shape, q_dtype, k_cache, block_k=None, num_splits=None, num_warps=None, num_stages=None):
     """The kernel's launch parameters (windowed_attention.Plan) for queries [B, T, nh, hd] of q_dtype; None picks
     each from the shapes, an int forces it."""
@@ -220,24 +211,18 @@ def causal_attend_pallas(q, k_cache, v_cache, q_pos, block_k: int | None = None,
     parameter from the shapes (windowed_attention.plan); an int forces it (tests, tuning)."""
     p = kernel_plan(q.shape, q.dtype, k_cache, block_k, num_splits, num_warps, num_stages)
     rows = p.row_tile * p.row_tiles
-    qg = group(q, k_cache.shape[2], rows)
-    qpos = row_positions(q_pos, q.shape[2] // k_cache.shape[2], rows)
+    qg = wa.group(q, k_cache.shape[2], rows)
+    qpos = wa.row_positions(q_pos, q.shape[2] // k_cache.shape[2], rows)
     return causal_attend_grouped_pallas(qg, qpos, k_cache, v_cache, T=q.shape[1], num_heads=q.shape[2], plan=p,
                                         interpret=interpret)
-
-
-def row_positions(q_pos, G: int, rows: int):
-    """q_pos [B, T] -> [B, rows] int32: the position of each of the kernel's query rows (`group`'s order: row t G + g
-    at q_pos[b, t]), -1 for the padding rows (they see no slot)."""
-    qpos = jnp.repeat(q_pos.astype(jnp.int32), G, axis=1)
-    return jnp.pad(qpos, ((0, 0), (0, rows - qpos.shape[1])), constant_values=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("T", "num_heads", "plan", "interpret"))
 def causal_attend_grouped_pallas(qg, qpos, k_cache, v_cache, *, T: int, num_heads: int, plan,
                                  interpret: bool = False):
     """The kernel on queries already in its rows: qg [B, nkv, rows, hd] and their positions qpos [B, rows]
-    (`group` and `row_positions` of q [B, T, nh, hd] and q_pos [B, T], or attention_q.py's kernel, which writes
+    (windowed_attention's `group` and `row_positions` of q [B, T, nh, hd] and q_pos [B, T], or attention_q.py's
+    kernel, which writes
     both), plan from kernel_plan -> [B, T, nh, hd]. The cache is not copied: the kernel reads k_cache / v_cache
     [B, S, nkv, hd] where they are."""
     B, nkv, M, hd = qg.shape

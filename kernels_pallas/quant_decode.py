@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import functools
 
-import jax.numpy as jnp
-
 from kernels_pallas import dispatch
 from kernels_pallas import quant_gemv as gemv
 from kernels_pallas import quant_mma as mma
 from kernels_pallas import quant_mma_fp8 as mma_fp8
 from kernels_pallas.quant_reference import check_inputs, quant_matmul_reference
+from kernels_pallas.split_k import as_parts
 
 
 def gemv_rows(M: int, kind: str) -> bool:
@@ -88,8 +87,7 @@ def quant_decode_parts(x, q, scale, *, kind: str, k: int, block, backend: str = 
         raise ValueError(f"quant_decode_parts: the plan cuts [{k}, {q.shape[1]}] at {x.shape[0]} rows into {S} part")
 
     def reference(x, q, scale):
-        y = quant_matmul_reference(x, q, scale, kind=kind, k=k, block=block).astype(jnp.float32)
-        return jnp.concatenate([y[None], jnp.zeros((S - 1, *y.shape), jnp.float32)])
+        return as_parts(quant_matmul_reference(x, q, scale, kind=kind, k=k, block=block), S)
 
     if decode_kernel(x, q, scale, kind, k, block) is quant_gemv:
         fn, reason_of = gemv.quant_gemv_pallas, gemv.unsupported_reason

@@ -4,6 +4,8 @@ quant_gemv_grouped.py, quant_mma.py, quant_mma_fp8.py)."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from kernels_pallas.quant_layout import cdiv
 
 SMS = 132  # streaming multiprocessors of an H100 / H200: the wave the decode kernels' grids are sized for
@@ -48,3 +50,10 @@ def sum_parts(out, chunk: int | None = None):
     for c in chunks[1:]:
         total = total + c
     return total
+
+
+def as_parts(y, parts: int):
+    """A product y [...] as `parts` float32 partials [parts, ...]: y in part 0, zeros in the others, so that a
+    consumer summing partials forms y bit for bit (the references of a kernel's unsummed partials, off cuda)."""
+    y = y.astype(jnp.float32)
+    return jnp.concatenate([y[None], jnp.zeros((parts - 1, *y.shape), jnp.float32)])

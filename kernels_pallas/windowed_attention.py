@@ -226,13 +226,11 @@ def windowed_attend_pallas(q, ring_k, ring_v, new_k, new_v, start, window: int, 
     # the queries and the call's new rows are small: regrouped per kv head, padded to their tiles in XLA.
     # [B, nkv, M, hd] with rows (t, g) t-major; padding rows are masked out by qrow = -1. The ring is not
     # copied: the kernel reads ring_k / ring_v [B, L, nkv, hd] where they are.
-    qg = jnp.moveaxis(q.reshape(B, T, nkv, G, hd), 2, 1).reshape(B, nkv, T * G, hd)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, M - T * G), (0, 0)))
+    qg = group(q, nkv, M)
     kv = lambda x, n: jnp.pad(jnp.moveaxis(x, 2, 1), ((0, 0), (0, 0), (0, n - x.shape[1]), (0, 0)))
     nk, nv = kv(new_k, Tn), kv(new_v, Tn)
     start = start.astype(jnp.int32)
-    m = jnp.arange(M, dtype=jnp.int32)
-    qrow = jnp.where(m[None] < T * G, start[:, None] + m[None] // G, -1)  # [B, M]
+    qrow = row_positions(start[:, None] + jnp.arange(T, dtype=jnp.int32)[None], G, M)  # [B, M]
     newest = jnp.broadcast_to((start - 1)[:, None], (B, block_k))
     t = jnp.arange(Tn, dtype=jnp.int32)
     newrow = jnp.where(t[None] < T, start[:, None] + t[None], -1)  # [B, Tn]
@@ -259,6 +257,22 @@ def windowed_attend_pallas(q, ring_k, ring_v, new_k, new_v, start, window: int, 
     out = combine_splits(acc, m_i, l_i)  # [B, nkv, M, hd] f32
     out = out[:, :, :T * G].astype(q.dtype).reshape(B, nkv, T, G, hd)
     return jnp.moveaxis(out, 1, 2).reshape(B, T, nh, hd)
+
+
+def group(q, num_kv_heads: int, rows: int):
+    """q [B, T, nh, hd] -> [B, nkv, rows, hd]: a kernel's query rows (this one's and causal_attention.py's), per kv
+    head its G = nh / nkv heads x T rows (t, g) t-major, zeros after the T G real ones (the row tiles' padding)."""
+    B, T, nh, hd = q.shape
+    G = nh // num_kv_heads
+    qg = jnp.moveaxis(q.reshape(B, T, num_kv_heads, G, hd), 2, 1).reshape(B, num_kv_heads, T * G, hd)
+    return jnp.pad(qg, ((0, 0), (0, 0), (0, rows - T * G), (0, 0)))
+
+
+def row_positions(q_pos, G: int, rows: int):
+    """q_pos [B, T] -> [B, rows] int32: the position of each of the kernel's query rows (`group`'s order: row t G + g
+    at q_pos[b, t]), -1 for the padding rows (they see no slot)."""
+    qpos = jnp.repeat(q_pos.astype(jnp.int32), G, axis=1)
+    return jnp.pad(qpos, ((0, 0), (0, rows - qpos.shape[1])), constant_values=-1)
 
 
 def split_specs(bm, hd):

@@ -158,8 +158,8 @@ def test_queries_kernel_writes_the_attention_rows(run):
     padding rows -1), padding rows zeros, every real row written; at RoPE positions up to 1M (the angles are the
     same f32 numbers: the reference's inverse frequencies)."""
     parts, w, start = _product(run)
-    rows = ca.kernel_plan((run.B, run.T, run.nh, run.hd), run.dtype, jnp.zeros((run.B, 64, run.nkv, run.hd))).row_tile
-    rows *= -(-run.T * run.nh // run.nkv // rows)
+    plan = ca.kernel_plan((run.B, run.T, run.nh, run.hd), run.dtype, jnp.zeros((run.B, 64, run.nkv, run.hd)))
+    rows = plan.row_tile * plan.row_tiles
     qg, qpos = queries_grouped_pallas(parts, w, start, interpret=True, **_grouped_kw(run, rows))
     want, want_pos = queries_grouped_reference(parts, w, start, **_grouped_kw(run, rows))
     assert qg.shape == want.shape == (run.B, run.nkv, rows, run.hd) and qg.dtype == run.dtype

@@ -18,12 +18,11 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import per_shard as spmd
-from kernels_pallas.attention_q import causal_attend_from_product, queries, rows_at
+from kernels_pallas.attention_q import causal_attend_from_product, product_of, queries, rows_at
 from kernels_pallas.causal_attention import FEW_QUERIES, causal_attend, causal_attend_before_write, takes_dense_form
 from kernels_pallas.masked_attention import BLOCK_DIAGONAL_ROWS
 from kernels_pallas.per_shard import active_mesh
 from kernels_pallas.rope import apply_rope, rope_cos_sin
-from kernels_pallas.split_k import sum_parts
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.ops import linear, linear_of_two, rmsnorm_1pw
 from qwen_mtp.trunk.quant import linear_parts
@@ -193,9 +192,9 @@ def _from_product(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, rope
     B, T, _ = x.shape
     parts = linear_parts(x, w.q_proj)
     parts = _lin(two)(x, w.q_proj).reshape(1, B * T, -1) if parts is None else parts
-    qg = parts[0] if parts.shape[0] == 1 else sum_parts(parts)  # (in chunks XLA fuses into the gate's consumer)
+    qg = product_of(parts, x.dtype)  # (the gate's: summed in chunks XLA fuses into the output's fusion)
     k, v = project_kv(x, w, cfg, rows_at(pos, T) + rope_offset, two)
     cache = write_kv(cache, to_cache(k, cache.k.dtype), to_cache(v, cache.v.dtype), pos)
     o = causal_attend_from_product(parts, w.q_norm, cache.k, cache.v, pos, rope_offset=rope_offset,
                                    **_query_args(cfg, x.dtype), backend=backend, interpret=interpret)
-    return output(o, gate_of(qg.astype(x.dtype).reshape(B, T, -1), cfg), w), cache
+    return output(o, gate_of(qg.reshape(B, T, -1), cfg), w), cache

@@ -19,6 +19,7 @@ from kernels_pallas.gdn_conv import causal_conv, conv_step, conv_window_at
 from kernels_pallas.gdn_step import gate_terms, gated_rmsnorm, gdn_step, split_heads
 from kernels_pallas.gdn_verify import gdn_verify, unit_lower_inverse, within_chunk
 from kernels_pallas.masked_attention import precision_for
+from kernels_pallas.split_k import as_parts
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.ops import linear, linear_of_two, pads_one_row
 from qwen_mtp.trunk.quant import QuantArray, linear_parts
@@ -152,10 +153,7 @@ def gate_products(x_b, x_a, w: GDNWeights, parts: bool):
         return jnp.einsum("msk,skn->smn", xs, m.reshape(S, K // S, N).astype(x.dtype),
                           precision=precision_for(x.dtype), preferred_element_type=jnp.float32)
 
-    def whole(x, m):
-        y = linear(x, m).reshape(1, -1, N).astype(jnp.float32)
-        return jnp.concatenate([y, jnp.zeros((S - 1, *y.shape[1:]), jnp.float32)])
-
+    whole = lambda x, m: as_parts(linear(x, m).reshape(-1, N), S)  # (split's shape, [S, rows, N])
     part = lambda x, m: jax.lax.platform_dependent(x, m, cuda=split, default=whole).reshape(S, *x.shape[:-1], N)
     return part(x_b, w.in_proj_b), part(x_a, w.in_proj_a)
 
