@@ -16,6 +16,7 @@ Pallas kernel is a custom call it cannot look inside: given sharded operands it 
   causal        the trunk's and the native head's causal attention over their KV caches, split the same way;
   gdn_rows      the GDN decode step and verify, split over batch rows (`data`) and heads (`model`): local;
   conv_rows     the GDN conv at a decode row, split over rows (`data`) and channels (`model`): local;
+  rollback_rows a GDN layer's rollback after a verify, split over rows (`data`), channels and heads (`model`): local;
   router_rows   the MoE router's top-k, split over tokens (`data`): local (every device holds all experts' rows).
 The mesh is the one `generate` runs under (jax.set_mesh(model.mesh)); with none, or nothing split, the kernel
 call is made as it is. Leaf module: the mesh-axis names and the batch rule live here, sharding.py builds on them.
@@ -221,3 +222,24 @@ def gdn_rows(call, qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid, num_k_hea
     specs = (rows,) * 6 + (state, heads, heads, P(None), P(dax))
     outs = (rows, P(dax, hax, None), state, state) if verify else (rows, state)
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=outs, check_vma=False)(q, k, v, *args)
+
+
+def rollback_rows(call, conv, x, rec, G, k, delta, index):
+    """A GDN layer's rollback (gdn_rollback.py) per shard: rows over `data`; the conv state's and the inputs'
+    channels over `model` as sharding.py's `conv` rule splits them (contiguous channels: the window is per
+    channel) and the value heads over `model` where it divides them (each head's state is its own): local.
+    call(conv, x, rec, G, k, delta, index) -> (conv, rec) is the dispatch on whole or local operands."""
+    mesh = active_mesh()
+    if mesh is None:
+        return call(conv, x, rec, G, k, delta, index)
+    dax = batch_axis(mesh, conv.shape[0])
+    n = mesh.shape["model"]
+    cax = "model" if n > 1 and conv.shape[2] % n == 0 else None
+    hax = heads_axis(mesh, rec.shape[1])
+    if dax is None and cax is None and hax is None:
+        return call(conv, x, rec, G, k, delta, index)
+    st, heads = P(dax, None, cax), P(dax, hax, None, None)
+    rows = P(None, dax, None, cax) if x.ndim == 4 else st
+    specs = (st, rows, heads, P(dax, hax, None), heads, heads, P(dax))
+    return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=(st, heads), check_vma=False)(
+        conv, x, rec, G, k, delta, index)

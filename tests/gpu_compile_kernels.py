@@ -66,8 +66,18 @@ def cases():
         args = _causal_args(b, t, 24, 4, 256, S, jnp.bfloat16, kv)
         label = f"causal attention 27B B{b} T{t} S{S}" + (" fp8 cache" if kv else "")
         out.append((label, jax.jit(causal_attend), args, {}, {"causal_attention": 1}))
+    from kernels_pallas.gdn_rollback import gdn_rollback
     from kernels_pallas.gdn_step import gdn_step
     from kernels_pallas.gdn_verify import gdn_verify
+    from tests.test_kernel_gdn_rollback import REAL_GDN as ROLLBACK_GDN
+    for model, B, parts in (("27B", 1, 0), ("27B", 1, 8), ("35B-A3B", 8, 0)):  # a k = 3 round's rollback, in place
+        C, h = ROLLBACK_GDN[model]
+        S, f32, bf16 = jax.ShapeDtypeStruct, jnp.float32, jnp.bfloat16
+        x = S((parts, B, 4, C), f32) if parts else S((B, 4, C), bf16)
+        args = (S((B, 3, C), bf16), x, S((B, h, 128, 128), f32), S((B, h, 4), f32), S((B, h, 4, 128), f32),
+                S((B, h, 4, 128), f32), S((B,), jnp.int32))
+        out.append((f"GDN rollback {model} B{B} T4" + (f" from {parts} K partials" if parts else ""),
+                    jax.jit(gdn_rollback), args, {}, {"gdn_rollback": 1}))
     from tests.test_kernel_gdn_step import REAL_GDN, _real_args
     for model, B, T in (("27B", 1, None), ("27B", 8, None), ("27B", 1, 4), ("122B-A10B / 397B-A17B", 8, 9)):
         nk, nv = REAL_GDN[model]
@@ -130,7 +140,8 @@ def loops(target):
     queries in XLA ops (before attention_q.py's kernel); 27B int4's k = 1 round, and with the verify's z K parts
     summed by XLA (before the GDN verify kernel took them), and with b and a as products (before
     gdn.gate_products' partials); 27B int4's plain step at batch 4, and with the tensor-core
-    kernel's K parts summed by XLA (before quant_decode.decode_parts took them); 27B's round with b and
+    kernel's K parts summed by XLA (before quant_decode.decode_parts took them); 27B int4's k = 1 round and 27B's k = 3 round, and each with the
+    rollback in XLA ops (before gdn_rollback.py's kernel); 27B's round with b and
     a on one x (merged over their weights concatenated in the loop, before in_projections' copies); and 27B's
     round with the GDN in-projections as they were before gdn.in_projections (four dots on one x), which XLA
     merged over the weights concatenated in the loop: the probe must find those."""
@@ -243,6 +254,19 @@ def loops(target):
     jax.clear_caches()
     one("27B int4 k1 native, b and a as products", "Qwen3.5-27B", quant="int4")
     gdn.GATE_PARTS = True
+    # a GDN layer's rollback as one kernel, both states in place (gdn_rollback.py), against its XLA reference (the
+    # weights, the state's rebuild, the window's slice and its copy into the loop-carried conv state): int4 at
+    # k = 1, bf16 at k = 3 (at k = 1 a bf16 round keeps the reference: rollback.KERNEL_MIN_ROWS)
+    from qwen_mtp.decoding import rollback
+    jax.clear_caches()
+    one("27B k3 native", "Qwen3.5-27B", k=3)
+    rebuild = rollback.gdn_rollback
+    rollback.gdn_rollback = functools.partial(rebuild, backend="reference")
+    jax.clear_caches()
+    one("27B int4 k1 native, the rollback in XLA ops (its reference)", "Qwen3.5-27B", quant="int4")
+    jax.clear_caches()
+    one("27B k3 native, the rollback in XLA ops (its reference)", "Qwen3.5-27B", k=3)
+    rollback.gdn_rollback = rebuild
     # the attention's queries made by attention_q.py's kernel from the q | gate product's partials, with their
     # positions (attention.QUERY_KERNEL), against XLA's three kernels and its positions' one
     attention.QUERY_KERNEL = False

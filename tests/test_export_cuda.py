@@ -56,6 +56,7 @@ CAUSAL = "causal_attention"  # the trunk's and the native head's attention (kern
 QUERIES = "attention_queries"  # a decode step's / verify's queries into its rows (kernels_pallas/attention_q.py)
 GDN_STEP, GDN_VERIFY = "gdn_decode_step", "gdn_verify"  # the GDN layers' decode step and verify (gdn_step.py)
 GDN_CONV = "gdn_conv_step"  # the GDN conv at a decode step, its state in place (gdn_conv.py)
+ROLLBACK = "gdn_rollback"  # a GDN layer's two states rebuilt after a verify, in place (gdn_rollback.py)
 SDS = jax.ShapeDtypeStruct
 i32 = lambda *s: SDS(s, jnp.int32)
 
@@ -180,10 +181,15 @@ def _check_round_kernels(calls, spec):
     """A round's kernels: the verify's GDN kernel and causal attention (one lowered function each for all the
     trunk's layers of a kind, whose shapes are the same; a call site per distinct shape) and the head's attention
     in the draft steps (k > 1) and in the refill, windowed (two shapes: 1 and k + 1 rows) or causal (native); each
-    causal attention's queries made by the queries' kernel (a decode program's rows are few)."""
+    causal attention's queries made by the queries' kernel (a decode program's rows are few); the rollback's kernel
+    (one lowered function for all the GDN layers) where the verify's rows are rollback.KERNEL_MIN_ROWS or more
+    (these programs' qkv is a product, not K partials)."""
+    from qwen_mtp.decoding.rollback import KERNEL_MIN_ROWS
+
     assert calls.count(GDN_VERIFY) == 1 and GDN_STEP not in calls and GDN_CONV not in calls, calls
+    assert calls.count(ROLLBACK) == (spec.k + 1 >= KERNEL_MIN_ROWS), calls
     assert CAUSAL in calls and QUERIES in calls, calls  # (one lowered function a shape and RoPE offset each)
-    calls = [c for c in calls if c not in (GDN_VERIFY, QUERIES)]
+    calls = [c for c in calls if c not in (GDN_VERIFY, QUERIES, ROLLBACK)]
     if spec.window is not None:
         assert set(calls) == {CAUSAL, KERNEL} and calls.count(KERNEL) == 1 + (spec.k > 1), calls
     else:
@@ -489,9 +495,9 @@ def test_quantized_27b_speculative_loop_lowers_for_cuda():
     # the draft steps (1 row) on the FMA decode kernel (the head's MLP gate and up in one launch, quant_gate_up.py),
     # the verify (k + 1 rows) on the tensor-core one; the draft head's norms of one row before quantized products
     # on the RMSNorm row kernel (forward.post_norm)
-    assert calls.count(KERNEL) == 2 and set(calls) == {KERNEL, CAUSAL, QUERIES, GDN_VERIFY, "quant_matmul_int4",
-                                                        "quant_matmul_int4_mma", "quant_gate_up_int4",
-                                                        "rmsnorm_rows"}, calls
+    assert calls.count(KERNEL) == 2 and set(calls) == {KERNEL, CAUSAL, QUERIES, GDN_VERIFY, ROLLBACK,
+                                                        "quant_matmul_int4", "quant_matmul_int4_mma",
+                                                        "quant_gate_up_int4", "rmsnorm_rows"}, calls
     # the verify's attention (every layer's) reads the fp8 trunk cache too, its queries from the queries' kernel
     assert calls.count(CAUSAL) == 1 and QUERIES in calls
     text = exported.mlir_module()

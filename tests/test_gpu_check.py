@@ -25,6 +25,9 @@ def test_gpu_check_runs_on_cpu(capsys):
     # attention_q.py: the queries in the attention kernel's rows and their positions
     assert "attention queries small B2 T3 heads 4/2x32 rotary 10 S2 float32: grid (2, 2, 16), max_rel " in out
     assert "pad_row: the row and zeros" in out  # the GDN step writing out_proj's two rows
+    # gdn_rollback.py: both states rebuilt after a verify, the rows' inputs also as K partials
+    assert "GDN rollback small B2 T4 C700 heads 3x16 float32: max_rel state " in out, out
+    assert "GDN rollback small B1 T3 C384 heads 2x32 from 3 K partials float32: max_rel state " in out, out
     # the conv's row and the step's z as a quantized product's K partials (quant.linear_parts), summed in the kernel
     assert "; from 6 K partials: max_rel " in out and "; z from 6 K partials: max_rel " in out, out
     assert "dense gate / up in one launch int4 32 M1 K96 N40 float32: one launch max_rel" in out  # quant_gate_up.py
@@ -39,10 +42,10 @@ def test_gpu_check_budget_skips_and_names_what_it_skips(capsys):
     out = capsys.readouterr().out
     assert "max_rel" not in out and "tokens/s" not in out  # nothing ran
     for part in ("windowed attention, small", "causal attention, small", "GDN step and verify, small",
-                 "RMSNorm rows, small", "attention queries, small", "quantized matmul, small",
+                 "RMSNorm rows, small", "attention queries, small", "GDN rollback, small", "quantized matmul, small",
                  "dense gate / up in one launch, small", "end to end, shipped model", "tensor parallel"):
         assert f"== {part}: skipped" in out
-    assert out.rstrip().splitlines()[-1].endswith("9 of 9 parts skipped for the --budget")
+    assert out.rstrip().splitlines()[-1].endswith("10 of 10 parts skipped for the --budget")
     from gpu_check import budget  # the run's budget ends with it: a later check in this process runs its cases
     assert not budget.out_of_time("a later check")  # (test_moe_routed calls check_moe in the same worker)
     with pytest.raises(SystemExit):

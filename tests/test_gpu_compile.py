@@ -137,7 +137,7 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     partials summed in chunks XLA fuses, with its GDN qkv / z partials summed by the conv and step kernels and
     with its attention queries by their kernel, and at a batch of 4 with the tensor-core kernel's partials summed
     by the kernels that read them, and a 27B int4 round fewer with the verify's z, b and a partials summed by its
-    kernel.
+    kernel, and a 27B round (int4 and bf16) fewer with the GDN rollback's kernel.
     Before gdn.in_projections, XLA's dot merger joined the four GDN in-projections over their weights
     concatenated in the loop: a copy of 169 MB (27B) per GDN layer at every round, 16 GB a round at full depth.
     The same program with the four dots on one x shows the probe finds it."""
@@ -221,6 +221,14 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     # (gdn.gate_products): XLA's split-K gemm and its sum were two kernels each, 2 a GDN layer fewer (6)
     assert rows["27B int4 k1 native"]["kernels"] + 6 <= rows["27B int4 k1 native, b and a as products"]["kernels"], \
         rows
+    # a GDN layer's rollback as one kernel, both states in place (gdn_rollback.py), where XLA ran up to four: the
+    # rebuild's weights, the state's rebuild, the window's slice and its copy into the loop-carried conv state (at
+    # k = 1 XLA joins the 3 layers' weights and rebuilds in one fusion each: 118 -> 115 when written); in bf16 XLA
+    # writes the rows' product out for the kernel (k = 3: 195 -> 188 when written)
+    assert rows["27B int4 k1 native"]["kernels"] + 3 <= \
+        rows["27B int4 k1 native, the rollback in XLA ops (its reference)"]["kernels"], rows
+    assert rows["27B k3 native"]["kernels"] + 4 <= rows["27B k3 native, the rollback in XLA ops (its reference)"][
+        "kernels"], rows
     batch = rows["27B int4 plain batch 4"]
     assert batch["kernels"] + 7 <= \
         rows["27B int4 plain batch 4, the tensor-core kernel's K parts summed by XLA"]["kernels"], rows
@@ -252,14 +260,14 @@ def test_a_tensor_parallel_round_moves_no_weight(python, report):
 def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
     """tests/gpu_compile_kernels.py: each Pallas kernel family at real Qwen3.5 shapes (quantized matmuls of 27B
     in every format at 1 and 5 rows, its gate and up in one launch at 1 row, the routed MoE experts of 35B-A3B
-    and 397B-A17B, windowed and causal attention, the GDN decode step, verify and conv step (the step's z and the
-    conv's row also as K partials, quant.linear_parts), the MoE router's
+    and 397B-A17B, windowed and causal attention, the GDN decode step, verify, conv step and rollback (the step's
+    z, the conv's row and the rollback's rows also as K partials, quant.linear_parts), the MoE router's
     top-k, the RMSNorm row) compiles for an H200 and holds its kernel; a launch over one block's shared memory is
     refused by XLA's compile (the probe reaches the machine code). Last in the file: the kernels the programs above
     hold at these shapes are read from the module's kernel cache (89 -> 59 s on this CPU alone)."""
     rows = [json.loads(x) for x in _run(python, "tests/gpu_compile_kernels.py", "H200").splitlines()
             if x.startswith("{")]
-    assert len(rows) == 51, [r["label"] for r in rows]
+    assert len(rows) == 54, [r["label"] for r in rows]
     *good, bad = rows
     assert "error" in bad and "Shared memory size limit exceeded" in bad["error"], bad
     for r in good:
@@ -269,7 +277,8 @@ def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
     families = {k for r in good for k in r["kernels"]}
     assert {"quant_matmul_int8", "quant_matmul_int4_mma", "quant_matmul_fp8", "moe_gemv_int4", "moe_gate_up_plain",
             "moe_down_glu_fp8", "windowed_draft_attention", "causal_attention", "gdn_decode_step", "gdn_verify",
-            "gdn_conv_step", "moe_router_topk", "rmsnorm_rows", "quant_gate_up_int4"} <= families, families
+            "gdn_conv_step", "gdn_rollback", "moe_router_topk", "rmsnorm_rows", "quant_gate_up_int4"} <= families, \
+        families
 
 
 def test_targets_and_a_missing_plugin_say_what_is_wrong(monkeypatch):

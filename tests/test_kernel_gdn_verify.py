@@ -95,19 +95,17 @@ def test_rollback_of_the_kernels_verify_is_the_step_kernels_state(dtype):
     """The state the rollback rebuilds from the kernel's (G, k, delta) after each verified row n equals the state
     after n + 1 steps of the step kernel over the same rows, and the verify's outputs are the steps' outputs:
     what the speculative round needs for greedy speculative == plain on a GPU."""
-    from qwen_mtp.decoding.rollback import rec_after
-    from qwen_mtp.trunk.state import GDNVerify
+    from kernels_pallas.gdn_rollback import rec_after
 
     B, T, nk, nv, dk, dv = 2, 5, 2, 6, 16, 32
     args = _inputs(B, T, nk, nv, dk, dv, (T, T), seed=21, dtype=dtype)
     qkv, z, b, a, rec, A_log, dt_bias, norm_w, n_valid = args
     out, G, k, delta = _kernel(*args, num_k_heads=nk, eps=EPS, interpret=True)
-    verified = GDNVerify(None, rec, G, k, delta)
     state = rec
     for n in range(T):
         step_out, state = gdn_step_pallas(qkv[:, n], z[:, n], b[:, n], a[:, n], state, A_log, dt_bias, norm_w,
                                           jnp.ones((B,), bool), num_k_heads=nk, eps=EPS, interpret=True)
-        rebuilt = rec_after(verified, jnp.full((B,), n, jnp.int32))
+        rebuilt = rec_after(rec, G, k, delta, jnp.full((B,), n, jnp.int32))
         assert rel_err(rebuilt, state)[0] < 1e-5, n
         np.testing.assert_allclose(np.asarray(out[:, n], np.float32), np.asarray(step_out, np.float32),
                                    rtol=1e-5 if dtype == jnp.float32 else 1e-2, atol=1e-6 if dtype == jnp.float32

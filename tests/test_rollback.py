@@ -25,8 +25,10 @@ CFG = dict(model_type="qwen3_5_text", vocab_size=64, hidden_size=48, intermediat
            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))
 
 
-def _layer(seed, strong_decay=False):
-    cfg = parse_config(dict(CFG), "<test_rollback>")
+def _layer(seed, strong_decay=False, head_dim=None):
+    """head_dim: the GDN heads' dk = dv (CFG's 8 by default; the rollback kernel takes 16 and up)."""
+    over = {} if head_dim is None else dict(linear_key_head_dim=head_dim, linear_value_head_dim=head_dim)
+    cfg = parse_config({**CFG, **over}, "<test_rollback>")
     r = np.random.default_rng(seed)
     f = lambda *s, scale=1.0: jnp.asarray(r.standard_normal(s) * scale, jnp.float32)
     H, nv, dv = cfg.hidden_size, cfg.gdn_num_v_heads, cfg.gdn_v_head_dim
@@ -108,8 +110,48 @@ def test_a_rollback_without_the_decay_fails(monkeypatch):
     for t in range(4):
         _, st = gdn.gdn_layer(x[:, t:t + 1], w, cfg, st, jnp.ones((2,), jnp.int32), mode="step")
     good = rollback.select_states((verified,), jnp.full((2,), 3, jnp.int32))[0]
-    broken = GDNVerify(verified.window, verified.rec, verified.G[..., -1:] + 0 * verified.G, verified.k,
+    broken = GDNVerify(verified.conv, verified.x, verified.rec, verified.G[..., -1:] + 0 * verified.G, verified.k,
                        verified.delta)
     bad = rollback.select_states((broken,), jnp.full((2,), 3, jnp.int32))[0]
     assert _err(good.rec, st.rec)[0] < 1e-5 * max(_err(good.rec, st.rec)[1], 1.0)
     assert _err(bad.rec, st.rec)[0] > 1e-3
+
+
+def test_a_quantized_qkvs_partials_reach_the_rollback(monkeypatch):
+    """Where a quantized qkv runs on a decode kernel that hands on its K partials (quant.linear_parts), the verify
+    keeps those partials for the rollback (GDNVerify.x [S, B, T, C]) and its conv reads their sum: the rollback's
+    kernel (interpret mode) and its reference rebuild, from them, the states of the same rows' decode steps (which
+    take the same partials, gdn.step_projections), the conv state bit for bit. The partials here are real: K cut
+    into 3 parts of the dequantized product, so a rollback that read one part would miss."""
+    import dataclasses
+    import functools
+
+    from kernels_pallas.gdn_rollback import gdn_rollback
+    from qwen_mtp.trunk import quant
+
+    cfg, w, f = _layer(8, head_dim=16)
+    w = dataclasses.replace(w, in_proj_qkv=quant.quantize(w.in_proj_qkv, "int4", 16),
+                            in_proj_z=quant.quantize(w.in_proj_z, "int4", 16))
+
+    def parts(x, m):  # K's 3 parts of x @ m, float32 [3, rows, N]
+        x2, wd = x.reshape(-1, m.shape[0]).astype(jnp.float32), quant.dequantize(m)
+        return jnp.stack([x2[:, i:i + 16] @ wd[i:i + 16] for i in range(0, m.shape[0], 16)])
+
+    monkeypatch.setattr(gdn, "linear_parts", parts)
+    B, T = 2, 4
+    st0 = _state(cfg, f, B)
+    x = f(B, T, cfg.hidden_size)
+    _, v = gdn.gdn_layer(x, w, cfg, st0, jnp.full((B,), T, jnp.int32), mode="verify")
+    assert v.x.shape == (3, B, T, cfg.conv_dim) and v.x.dtype == jnp.float32
+    st = st0
+    kernel = functools.partial(gdn_rollback, backend="pallas", interpret=True)
+    for n in range(T):
+        _, st = gdn.gdn_layer(x[:, n:n + 1], w, cfg, st, jnp.ones((B,), jnp.int32), mode="step")
+        idx = jnp.full((B,), n, jnp.int32)
+        for call in (kernel, gdn_rollback):
+            got = GDNState(*call(v.conv, v.x, v.rec, v.G, v.k, v.delta, idx))
+            np.testing.assert_array_equal(np.asarray(got.conv), np.asarray(st.conv))
+            e, scale = _err(got.rec, st.rec)
+            assert e < 1e-5 * max(scale, 1.0), (n, e)
+        one_part = GDNState(*gdn_rollback(v.conv, v.x[:1], v.rec, v.G, v.k, v.delta, idx))
+        assert _err(one_part.conv, st.conv)[0] > 1e-3  # (the control: the parts are not zeros)

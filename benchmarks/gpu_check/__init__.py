@@ -65,7 +65,9 @@
    the RMSNorm row kernel (kernels_pallas/rmsnorm.py, norms.py) at the real hidden sizes, timed beside XLA's, and
    the attention queries' kernel (kernels_pallas/attention_q.py, queries.py: the q | gate product's K partials
    summed, q_norm, RoPE, written in the attention kernel's rows) at the real heads, timed beside XLA's three
-   kernels. `--gdn-only` runs just this part.
+   kernels, and the GDN rollback kernel (kernels_pallas/gdn_rollback.py, rollback.py: both states of a GDN layer
+   rebuilt in place after a verify) at the real GDN layers, timed beside XLA's reference in a loop that carries
+   the states. `--gdn-only` runs just this part.
 10. the MoE block's kernels: the routed experts at decode, the prefill paths and the plan sweep (moe.py, its
    docstring), and the router's top-k kernel (router.py: kernels_pallas/moe_router.py against lax.top_k, bit for
    bit, at the real routers, timed beside XLA's sort and slice). `--moe-only` runs just this part.
@@ -91,7 +93,7 @@ Layout (until 2026-12-05 one script, benchmarks/gpu_check.py, which the first H2
 sections each form runs), `common` (paths, bandwidth, one-line errors, max_rel), `timing` (the chained-loop
 device timer and the checked timing), `budget` (--budget, one section, the summary), one module per item:
 `windowed` (1-3), `end_to_end` (4), `quant` (5), `tensor_parallel` (6), `e2e_27b` (7), `causal` and
-`long_context` (8), `gdn`, `norms` and `queries` (9), and `models` (the small config and the random-weight models of items 6-8).
+`long_context` (8), `gdn`, `norms`, `queries` and `rollback` (9), and `models` (the small config and the random-weight models of items 6-8).
 """
 
 

@@ -43,7 +43,10 @@ def request_bytes(model, batch: int, cache_len: int, kv_dtype, spec, cap: int, r
         chunks = -(-prompt_len // prefill_chunk)
         out["prefill hiddens"] = batch * chunks * prefill_chunk * cfg.hidden_size * jnp.dtype(dtype).itemsize
         # the verify's GDNVerify per layer (the conv window over its T rows; k, delta and G per row) and the
-        # rebuilt states (rollback.py), counted as a second copy of the GDN states; T = k + 1, or a tree's rows
+        # rebuilt states (rollback.py), counted as a second copy of the GDN states; T = k + 1, or a tree's rows.
+        # (On cuda the chain's rollback rebuilds both states in place, gdn_rollback.py, and a quantized qkv's rows
+        # are kept as the decode kernel's f32 K partials instead, S x T x conv_dim x 4 bytes: at Qwen3.5-27B int4,
+        # k = 3, 1.3 MB a layer and row against the 3.2 MB second copy counted for it)
         gdn = [s for s in state if isinstance(s, GDNState)]
         T, f32 = _verify_rows(spec), 4
         per_pos = cfg.gdn_num_v_heads * (cfg.gdn_k_head_dim + cfg.gdn_v_head_dim + 1) * f32

@@ -179,7 +179,7 @@ def gdn_state_after(v: TreeGDN, layout, node) -> GDNState:
     wgt = jnp.where(on[:, None], jnp.exp(g_n - v.G), 0.0)  # [B, h, N1]
     kw = v.k * wgt[..., None]
     rec = jnp.exp(g_n)[..., None] * v.rec
-    for t in range(v.G.shape[-1]):  # summed elementwise, as rollback.rec_after (one fused pass on a CPU)
+    for t in range(v.G.shape[-1]):  # summed elementwise, as gdn_rollback.rec_after (one fused pass on a CPU)
         rec = rec + kw[:, :, t, :, None] * v.delta[:, :, t, None, :]
     return GDNState(conv=conv.astype(v.xc.dtype), rec=rec)
 

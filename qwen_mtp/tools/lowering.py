@@ -205,6 +205,17 @@ def manual_report(exported) -> ManualReport:
     return ManualReport(kernels=kernels, collectives=collectives, regions=regions)
 
 
+def local_kernel_operands(exported, name: str) -> set:
+    """The operand types of the one kernel `name` in an exported (sharded) program, checked to run per shard (in a
+    manual computation) with no collective written in the program: a kernel's mesh test reads the local shapes
+    from them. AssertionError naming what was found otherwise."""
+    rep = manual_report(exported)
+    kernels = [k for k in rep.kernels if k.name == name]
+    assert len(kernels) == 1 and kernels[0].manual, rep.kernels
+    assert not rep.collectives, rep.collectives
+    return set(kernels[0].operands)
+
+
 SM90_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on an H100 / H200 (227 KiB)
 
 

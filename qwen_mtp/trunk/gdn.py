@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from kernels_pallas import per_shard
 from kernels_pallas.gdn_conv import causal_conv, conv_step, conv_window_at
+from kernels_pallas.gdn_rollback import inputs_of
 from kernels_pallas.gdn_step import gate_terms, gated_rmsnorm, gdn_step, split_heads
 from kernels_pallas.gdn_verify import gdn_verify, unit_lower_inverse, within_chunk
 from kernels_pallas.masked_attention import precision_for
@@ -242,15 +243,21 @@ def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode
                                z_parts=z_parts)
         return (_out_proj_of_one_row(out, w.out_proj) if pad else linear(out, w.out_proj)), GDNState(conv, rec)
     pre, z, b, a = in_projections(x, w, two, gate_parts=mode == "verify")
-    qkv, window = causal_conv(pre, st.conv, w.conv)
     if mode == "verify":
         # a quantized z's K partials (the tensor-core kernel's over the k + 1 rows) summed by the verify kernel as
         # it loads them, as the step kernel does (step_projections): XLA's sum was a kernel a GDN layer (the
-        # product `z` above is then read by nothing, and XLA drops it)
+        # product `z` above is then read by nothing, and XLA drops it); a quantized qkv's partials likewise summed
+        # by the rollback's kernel (gdn_rollback.py), which rebuilds the conv state from the rows' inputs: XLA
+        # sums them inside the conv's fusion and never writes the rows out
         pz = linear_parts(x, w.in_proj_z) if isinstance(w.in_proj_z, QuantArray) else None
         z = z if pz is None else pz.reshape(pz.shape[0], *z.shape)
+        pq = linear_parts(x, w.in_proj_qkv) if isinstance(w.in_proj_qkv, QuantArray) else None
+        rows = pre.astype(st.conv.dtype) if pq is None else pq.reshape(pq.shape[0], *pre.shape)
+        pre = pre if pq is None else inputs_of(rows, pre.dtype)
+        qkv, _ = causal_conv(pre, st.conv, w.conv)
         out, G, k_all, delta = decode_rows(qkv, z, b, a, w, cfg, st.rec, n_valid, verify=True)
-        return linear(out, w.out_proj), GDNVerify(window, st.rec, G, k_all, delta)
+        return linear(out, w.out_proj), GDNVerify(st.conv, rows, st.rec, G, k_all, delta)
+    qkv, window = causal_conv(pre, st.conv, w.conv)
     q, k, v, z, beta, g = rule_inputs(qkv, z, b, a, w, cfg)
     valid = (jnp.arange(T)[None, :] < n_valid[:, None])[..., None]
     beta, g = jnp.where(valid, beta, 0.0), jnp.where(valid, g, 0.0)

@@ -54,7 +54,10 @@ class GDNVerify:
     """What a speculative verify of T positions leaves per GDN layer (gdn mode "verify"): enough to rebuild the
     GDNState after ANY of its positions (rollback.select_states) without storing T states.
     The recurrent state after position n is rec_n = exp(G_n) rec + sum_{s<=n} exp(G_n - G_s) k_s delta_s^T."""
-    window: jax.Array  # [B, kernel - 1 + T, conv_dim]: the conv state, then the T new conv inputs
+    conv: jax.Array  # [B, kernel - 1, conv_dim]: the conv state BEFORE the verify
+    # [B, T, conv_dim]: the T new conv inputs, in conv's dtype; or (a quantized qkv on the decode kernel) their
+    # float32 K partials [S, B, T, conv_dim], which the rollback's kernel sums as it loads them
+    x: jax.Array
     rec: jax.Array  # [B, num_v_heads, k_head_dim, v_head_dim] f32: the recurrent state BEFORE the verify
     G: jax.Array  # [B, num_v_heads, T] f32: cumulative log decay, sum of g over positions 0..t
     k: jax.Array  # [B, num_v_heads, T, k_head_dim] f32: the (normed) keys
