@@ -109,6 +109,7 @@ K_PARTS = {"target": SMS * PROGRAMS_PER_SM, "min_steps": MIN_STEPS_PER_SPLIT, "m
            "wave": SMS}
 MAX_ELEMENTS = 2 ** 31
 MAX_GRID = 65535
+KINDS = ("int4", "int8")  # the formats this kernel takes (fp8: quant_mma_fp8.py)
 
 
 def halves(kind: str, dt):
@@ -181,16 +182,28 @@ def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
     return None
 
 
-def _kernel(*refs, kind, M, N, K, kq, g, p, dt):
+def _kernel(*refs, kind, M, N, K, kq, g, p, dt, pair=False):
     """x as it is [M, K] (`native`: a tile of 16 rows), or as rows_of_x arranged it with its corrections (the
     64-row tile, where the kernel's own sums of x cost more than the bytes' time allows: int4 3.7 -> 5.4
-    lane-instructions per value)."""
-    native = p.tile_m == ROWS
-    if native:
-        x_ref, q_ref, s_ref, c_ref, o_ref = refs
-    else:
-        x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref = refs
+    lane-instructions per value). pair (quant_mma_pair_pallas): two weights (gate, up), the grid's first col_tiles
+    programs the first's tiles, the next the second's (one branch each, the same program), written to
+    [splits, 2, M, N]."""
+    nx = 1 if p.tile_m == ROWS else 2
+    (x_ref, xs_ref), rest = (refs[:nx] + (None,))[:2], refs[nx:]
     j, part = pl.program_id(0), pl.program_id(1)
+    tile = functools.partial(_tile, x_ref, xs_ref, kind=kind, M=M, N=N, K=K, kq=kq, g=g, p=p, dt=dt)
+    if not pair:
+        q_ref, s_ref, c_ref, o_ref = rest
+        tile(q_ref, s_ref, c_ref, o_ref, j, part, None)
+        return
+    qg_ref, sg_ref, qu_ref, su_ref, c_ref, o_ref = rest
+    pl.when(j < p.col_tiles)(lambda: tile(qg_ref, sg_ref, c_ref, o_ref, j, part, 0))
+    pl.when(j >= p.col_tiles)(lambda: tile(qu_ref, su_ref, c_ref, o_ref, j - p.col_tiles, part, 1))
+
+
+def _tile(x_ref, xs_ref, q_ref, s_ref, c_ref, o_ref, j, part, which, *, kind, M, N, K, kq, g, p, dt):
+    """Program (column tile j, K part) of one weight; which: the pair's weight (0 gate, 1 up), None alone."""
+    native = p.tile_m == ROWS
     R, step = p.rows, p.rows * p.subs
     c0, C = j * p.words, 4 * p.words  # the tile's first word, its columns
     cols = c0 * 4 + jnp.arange(C, dtype=jnp.int32)
@@ -273,7 +286,9 @@ def _kernel(*refs, kind, M, N, K, kq, g, p, dt):
     if kind == "int8":  # the correction over the part's rows, then the column scales
         out = (out - (xs if native else xs_ref[:, pl.ds(part, 1)])) * scales(0)
     ok = (jnp.arange(p.tile_m, dtype=jnp.int32) < M)[:, None] & (cols < N)[None, :]
-    if p.splits > 1:
+    if which is not None:
+        plt.store(o_ref.at[part, jnp.int32(which), pl.ds(0, p.tile_m), pl.ds(c0 * 4, C)], out, mask=ok)
+    elif p.splits > 1:
         plt.store(o_ref.at[part, pl.ds(0, p.tile_m), pl.ds(c0 * 4, C)], out, mask=ok)
     else:
         plt.store(o_ref.at[pl.ds(0, p.tile_m), pl.ds(c0 * 4, C)], out.astype(o_ref.dtype), mask=ok)
@@ -335,3 +350,32 @@ def quant_mma_pallas(x, q, scale, *, kind: str = "int4", k: int, block, splits: 
         assert p.splits > 1, "quant_mma_pallas(unsummed=True): a plan of one K part has no partials"
         return out
     return sum_parts(out).astype(dt) if p.splits > 1 else out
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "words", "stages", "interpret"))
+def quant_mma_pair_pallas(x, qg, sg, qu, su, *, kind: str = "int4", k: int, block, splits: int | None = None,
+                          words: int | None = None, stages: int | None = None, interpret: bool = False):
+    """Two weights of one shape and layout (a dense MLP's gate and up) in one launch: grid (2 col_tiles, splits),
+    each program the single launch's program of its weight (the plan of one weight); float32 partials [splits, 2,
+    M, N], [s, 0] of x @ gate and [s, 1] of x @ up over K's part s (kernels_pallas/quant_gate_up.py sums them).
+    Inputs must pass unsupported_reason for each weight."""
+    block = tuple(block)
+    M, N = x.shape[0], qg.shape[1]
+    dt = jnp.dtype(x.dtype)
+    p = plan(M, k, N, block, kind=kind, splits=splits, words=words, stages=stages)
+    xs = (x,) if p.tile_m == ROWS else rows_of_x(x, kind, block, p)
+    (m_lo, _), (m_hi, _) = halves(kind, dt)
+    consts = jnp.asarray(np.array([NIBBLES, m_lo, m_hi], np.uint32).view(np.int32))
+    args = (*xs, as_words(qg), sg.astype(jnp.float32), as_words(qu), su.astype(jnp.float32), consts)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, s: (0,) * a.ndim)
+    out_shape = jax.ShapeDtypeStruct((p.splits, 2, M, N), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(_kernel, kind=kind, M=M, N=N, K=k, kq=qg.shape[0], g=block[0], p=p, dt=dt, pair=True),
+        grid=(2 * p.col_tiles, p.splits),
+        in_specs=[whole(a) for a in args],
+        out_specs=whole(out_shape),
+        out_shape=out_shape,
+        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=p.stages),
+        interpret=interpret,
+        name=f"quant_gate_up_{kind}_mma",
+    )(*args)

@@ -48,6 +48,11 @@ def cases():
         fn = jax.jit(lambda *a, kind=kind, block=block: quant_gate_up(*a, kind=kind, k=5120, block=block))
         out.append((f"quant gate/up in one launch {kind} 27B M1", fn, (x, q, s, q, s), {},
                     {f"quant_gate_up_{kind}": 1}))
+    for kind in ("int4", "int8"):  # ... and at a k = 3 verify's 4 rows, quant_mma's pair form
+        (x, q, s), block = _quant_args(kind, 4, 5120, 17408, jnp.bfloat16)
+        fn = jax.jit(lambda *a, kind=kind, block=block: quant_gate_up(*a, kind=kind, k=5120, block=block))
+        out.append((f"quant gate/up in one launch {kind} 27B M4 (tensor cores)", fn, (x, q, s, q, s), {},
+                    {f"quant_gate_up_{kind}_mma": 1}))
     moe = jax.jit(mlp.moe, static_argnums=2)
     for name, quant, tokens in (("Qwen3.5-35B-A3B", None, 1), ("Qwen3.5-35B-A3B", "int8", 1),
                                 ("Qwen3.5-35B-A3B", "int4", 1), ("Qwen3.5-35B-A3B", "fp8", 1),
@@ -138,10 +143,11 @@ def loops(target):
     two launches (before quant_gate_up.py), with K's parts summed by one reduce (before split_k.sum_parts), and
     with the GDN qkv / z products' K parts summed by XLA (before gdn.step_projections), and with its attention
     queries in XLA ops (before attention_q.py's kernel); 27B int4's k = 1 round, and with the verify's z K parts
-    summed by XLA (before the GDN verify kernel took them), and with b and a as products (before
-    gdn.gate_products' partials); 27B int4's plain step at batch 4, and with the tensor-core
-    kernel's K parts summed by XLA (before quant_decode.decode_parts took them); 27B int4's k = 1 round and 27B's k = 3 round, and each with the
-    rollback in XLA ops (before gdn_rollback.py's kernel); 27B's round with b and
+    summed by XLA (before the GDN verify kernel took them), with its gate and up in two launches (before
+    quant_mma's pair form), and with b and a as products (before
+    gdn.gate_products' partials); 27B int4's plain step at batch 4, and with the tensor-core kernel's K parts
+    summed by XLA (before quant_decode.decode_parts took them); 27B int4's k = 1 round and 27B's k = 3 round,
+    and each with the rollback in XLA ops (before gdn_rollback.py's kernel); 27B's round with b and
     a on one x (merged over their weights concatenated in the loop, before in_projections' copies); and 27B's
     round with the GDN in-projections as they were before gdn.in_projections (four dots on one x), which XLA
     merged over the weights concatenated in the loop: the probe must find those."""
@@ -249,6 +255,11 @@ def loops(target):
     gdn.linear_parts = linear_parts
     jax.clear_caches()
     one("27B int4 k1 native", "Qwen3.5-27B", quant="int4")
+    # ... and its MLPs' gate and up in one tensor-core launch (quant_mma's pair form), against two
+    kinds, quant.GATE_UP_KINDS = quant.GATE_UP_KINDS, ()
+    jax.clear_caches()
+    one("27B int4 k1 native, gate and up in two launches", "Qwen3.5-27B", quant="int4")
+    quant.GATE_UP_KINDS = kinds
     # ... and b and a as their K partials summed by the verify kernel (gdn.gate_products), against the products
     gdn.GATE_PARTS = False
     jax.clear_caches()

@@ -497,7 +497,8 @@ def test_quantized_27b_speculative_loop_lowers_for_cuda():
     # on the RMSNorm row kernel (forward.post_norm)
     assert calls.count(KERNEL) == 2 and set(calls) == {KERNEL, CAUSAL, QUERIES, GDN_VERIFY, ROLLBACK,
                                                         "quant_matmul_int4", "quant_matmul_int4_mma",
-                                                        "quant_gate_up_int4", "rmsnorm_rows"}, calls
+                                                        "quant_gate_up_int4", "quant_gate_up_int4_mma",
+                                                        "rmsnorm_rows"}, calls
     # the verify's attention (every layer's) reads the fp8 trunk cache too, its queries from the queries' kernel
     assert calls.count(CAUSAL) == 1 and QUERIES in calls
     text = exported.mlir_module()

@@ -69,7 +69,9 @@ def check() -> dict:
 
     report = manual_report(exported)
     names = [k.name for k in report.kernels]
-    assert set(names) == {QMM, QMM + "_mma", KERNEL, CAUSAL, "gdn_verify"} and names.count(KERNEL) == 2, names
+    # (the GDN rollback's kernel per shard too: gdn_rollback.py, per_shard.rollback_rows)
+    assert set(names) == {QMM, QMM + "_mma", KERNEL, CAUSAL, "gdn_verify", "gdn_rollback"} and \
+        names.count(KERNEL) == 2, names
     assert all(k.manual for k in report.kernels), [k.name for k in report.kernels if not k.manual]
     operands = {t for k in report.kernels for t in k.operands}
 

@@ -137,7 +137,8 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     partials summed in chunks XLA fuses, with its GDN qkv / z partials summed by the conv and step kernels and
     with its attention queries by their kernel, and at a batch of 4 with the tensor-core kernel's partials summed
     by the kernels that read them, and a 27B int4 round fewer with the verify's z, b and a partials summed by its
-    kernel, and a 27B round (int4 and bf16) fewer with the GDN rollback's kernel.
+    kernel and with its MLPs' gate and up in one tensor-core launch, and a 27B round (int4 and bf16) fewer with
+    the GDN rollback's kernel.
     Before gdn.in_projections, XLA's dot merger joined the four GDN in-projections over their weights
     concatenated in the loop: a copy of 169 MB (27B) per GDN layer at every round, 16 GB a round at full depth.
     The same program with the four dots on one x shows the probe finds it."""
@@ -221,6 +222,10 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     # (gdn.gate_products): XLA's split-K gemm and its sum were two kernels each, 2 a GDN layer fewer (6)
     assert rows["27B int4 k1 native"]["kernels"] + 6 <= rows["27B int4 k1 native, b and a as products"]["kernels"], \
         rows
+    # a round's MLPs' gate and up in one tensor-core launch (quant_mma's pair form, quant_gate_up.py): a kernel a
+    # layer fewer (4 layers)
+    assert rows["27B int4 k1 native"]["kernels"] + 4 <= \
+        rows["27B int4 k1 native, gate and up in two launches"]["kernels"], rows
     # a GDN layer's rollback as one kernel, both states in place (gdn_rollback.py), where XLA ran up to four: the
     # rebuild's weights, the state's rebuild, the window's slice and its copy into the loop-carried conv state (at
     # k = 1 XLA joins the 3 layers' weights and rebuilds in one fusion each: 118 -> 115 when written); in bf16 XLA
@@ -259,15 +264,15 @@ def test_a_tensor_parallel_round_moves_no_weight(python, report):
 
 def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
     """tests/gpu_compile_kernels.py: each Pallas kernel family at real Qwen3.5 shapes (quantized matmuls of 27B
-    in every format at 1 and 5 rows, its gate and up in one launch at 1 row, the routed MoE experts of 35B-A3B
-    and 397B-A17B, windowed and causal attention, the GDN decode step, verify, conv step and rollback (the step's
-    z, the conv's row and the rollback's rows also as K partials, quant.linear_parts), the MoE router's
+    in every format at 1 and 5 rows, its gate and up in one launch at 1 row and at 4, the routed MoE experts of
+    35B-A3B and 397B-A17B, windowed and causal attention, the GDN decode step, verify, conv step and rollback (the
+    step's z, the conv's row and the rollback's rows also as K partials, quant.linear_parts), the MoE router's
     top-k, the RMSNorm row) compiles for an H200 and holds its kernel; a launch over one block's shared memory is
     refused by XLA's compile (the probe reaches the machine code). Last in the file: the kernels the programs above
     hold at these shapes are read from the module's kernel cache (89 -> 59 s on this CPU alone)."""
     rows = [json.loads(x) for x in _run(python, "tests/gpu_compile_kernels.py", "H200").splitlines()
             if x.startswith("{")]
-    assert len(rows) == 54, [r["label"] for r in rows]
+    assert len(rows) == 56, [r["label"] for r in rows]
     *good, bad = rows
     assert "error" in bad and "Shared memory size limit exceeded" in bad["error"], bad
     for r in good:
