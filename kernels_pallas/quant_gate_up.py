@@ -18,11 +18,10 @@ compile): a kernel a layer fewer.
 
 Taken where backend "auto" of quant.linear would run a decode kernel for both products (quant_decode.
 decode_kernel) and no mesh is active (quant.gate_up); elsewhere the two calls as before. At quant_gemv's rows
-(int4 at 1 row, int8 and fp8 at 1 .. 3) its pair form; at the tensor-core kernel's rows of int4 (2 .. 64) and
-int8 (4 .. 64), a speculative round's verify and a batch's step, quant_mma's pair form the same way (named
-quant_gate_up_{kind}_mma: 27B int4, a k = 3 round at full depth, a kernel a layer fewer); fp8 at the tensor-core
-kernel's rows keeps its two launches. Backend: kernels_pallas/dispatch.py's rule; `unsupported_reason` falls back
-to the reference with a one-time warning.
+(int4 at 1 row, int8 and fp8 at 1 .. 3) its pair form; at the tensor-core kernel's rows (int4 2 .. 64, int8 and
+fp8 4 .. 64), a speculative round's verify and a batch's step, the pair form of quant_mma / quant_mma_fp8 the same
+way (named quant_gate_up_{kind}_mma: 27B int4, a k = 3 round at full depth, a kernel a layer fewer). Backend:
+kernels_pallas/dispatch.py's rule; `unsupported_reason` falls back to the reference with a one-time warning.
 """
 
 from __future__ import annotations
@@ -37,7 +36,8 @@ from jax.experimental.pallas import triton as plt
 from kernels_pallas import dispatch
 from kernels_pallas import quant_gemv as gemv
 from kernels_pallas import quant_mma as mma
-from kernels_pallas.quant_decode import decode_kernel, quant_gemv, quant_mma
+from kernels_pallas import quant_mma_fp8 as mma_fp8
+from kernels_pallas.quant_decode import decode_kernel, quant_gemv, quant_mma, tensor_core_module
 from kernels_pallas.quant_reference import check_inputs, quant_matmul_reference
 from kernels_pallas.split_k import sum_parts
 
@@ -62,13 +62,12 @@ def unsupported_reason(x, qg, sg, qu, su, *, kind: str, k: int, block):
                 f"(scales {list(su.shape)}) differ")
     M, N = x.shape[0], qg.shape[1]
     chosen = decode_kernel(x, qg, sg, kind, k, block)
-    if chosen is quant_mma and kind in mma.KINDS:
-        p = mma.plan(M, k, N, tuple(block), kind=kind)
-        if p.splits * 2 * M * N >= mma.MAX_ELEMENTS or 2 * p.col_tiles > mma.MAX_GRID:
+    if chosen is quant_mma:
+        module = tensor_core_module(kind)
+        p = module.plan(M, k, N, tuple(block), kind=kind)
+        if p.splits * 2 * M * N >= module.MAX_ELEMENTS or 2 * p.col_tiles > module.MAX_GRID:
             return f"partials [{p.splits}, 2, {M}, {N}] over {2 * p.col_tiles} column tiles: beyond the grid's limits"
         return None
-    if chosen is quant_mma:
-        return f"{M} rows of {kind}: the fp8 tensor-core decode kernel's (quant_decode.decode_kernel), two launches"
     reason = gemv.unsupported_reason(x, qg, sg, kind=kind, k=k, block=block)
     if reason is not None:
         return reason
@@ -88,9 +87,9 @@ def quant_gate_up_partials(x, qg, sg, qu, su, *, kind: str, k: int, block, split
     tensor-core kernel's rows (int4 / int8) its pair form (quant_mma.quant_mma_pair_pallas; splits as there)."""
     block = tuple(block)
     M, N = x.shape[0], qg.shape[1]
-    if kind in mma.KINDS and decode_kernel(x, qg, sg, kind, k, block) is quant_mma:
-        return mma.quant_mma_pair_pallas(x, qg, sg, qu, su, kind=kind, k=k, block=block, splits=splits,
-                                         interpret=interpret)
+    if decode_kernel(x, qg, sg, kind, k, block) is quant_mma:
+        pair = mma.quant_mma_pair_pallas if kind in mma.KINDS else mma_fp8.quant_mma_fp8_pair_pallas
+        return pair(x, qg, sg, qu, su, kind=kind, k=k, block=block, splits=splits, interpret=interpret)
     p = gemv.plan(M, k, N, kind, block, splits=splits, rows=rows)
     stored = (gemv.as_words(qg), gemv.as_words(qu)) if gemv.reads_words(kind) else (qg, qu)
     kernel = functools.partial(gemv.gemv_kernel, kind=kind, md=gemv.mode(kind, k, block), M=M, K=k, N=N,

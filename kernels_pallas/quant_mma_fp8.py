@@ -112,8 +112,22 @@ def unsupported_reason(x, q, scale, *, kind: str, k: int, block):
     return None
 
 
-def _kernel(x_ref, xe_ref, q_ref, s_ref, o_ref, *, M, K, N, bn, p):
+def _kernel(x_ref, xe_ref, *refs, M, K, N, bn, p, pair=False):
+    """pair (quant_mma_fp8_pair_pallas): two weights (gate, up), the grid's first col_tiles programs the first's
+    tiles, the next the second's (one branch each, the same program), written to [splits, 2, M, N]."""
     j, part = pl.program_id(0), pl.program_id(1)
+    tile = functools.partial(_tile, x_ref, xe_ref, M=M, K=K, N=N, bn=bn, p=p)
+    if not pair:
+        q_ref, s_ref, o_ref = refs
+        tile(q_ref, s_ref, o_ref, j, part, None)
+        return
+    qg_ref, sg_ref, qu_ref, su_ref, o_ref = refs
+    pl.when(j < p.col_tiles)(lambda: tile(qg_ref, sg_ref, o_ref, j, part, 0))
+    pl.when(j >= p.col_tiles)(lambda: tile(qu_ref, su_ref, o_ref, j - p.col_tiles, part, 1))
+
+
+def _tile(x_ref, xe_ref, q_ref, s_ref, o_ref, j, part, which, *, M, K, N, bn, p):
+    """Program (column tile j, K part) of one weight; which: the pair's weight (0 gate, 1 up), None alone."""
     R, step = p.rows, p.rows * p.subs
     c0 = j * COLUMNS
     cidx = c0 + jnp.arange(COLUMNS, dtype=jnp.int32)
@@ -154,7 +168,9 @@ def _kernel(x_ref, xe_ref, q_ref, s_ref, o_ref, *, M, K, N, bn, p):
         out = out * scales(jnp.int32(0))
     out = out * xe_ref[...]  # [tile_m, 1]: each row's power of two back
     ok = (jnp.arange(p.tile_m, dtype=jnp.int32) < M)[:, None] & col_ok[None, :]
-    if p.splits > 1:
+    if which is not None:
+        plt.store(o_ref.at[part, jnp.int32(which), pl.ds(0, p.tile_m), pl.ds(c0, COLUMNS)], out, mask=ok)
+    elif p.splits > 1:
         plt.store(o_ref.at[part, pl.ds(0, p.tile_m), pl.ds(c0, COLUMNS)], out, mask=ok)
     else:
         plt.store(o_ref.at[pl.ds(0, p.tile_m), pl.ds(c0, COLUMNS)], out.astype(o_ref.dtype), mask=ok)
@@ -198,3 +214,29 @@ def quant_mma_fp8_pallas(x, q, scale, *, kind: str = "fp8", k: int, block, split
         assert p.splits > 1, "quant_mma_fp8_pallas(unsummed=True): a plan of one K part has no partials"
         return out
     return sum_parts(out).astype(x.dtype) if p.splits > 1 else out
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "stages", "interpret"))
+def quant_mma_fp8_pair_pallas(x, qg, sg, qu, su, *, kind: str = "fp8", k: int, block, splits: int | None = None,
+                              stages: int | None = None, interpret: bool = False):
+    """Two weights of one shape and layout (a dense MLP's gate and up) in one launch: grid (2 col_tiles, splits),
+    each program the single launch's program of its weight; float32 partials [splits, 2, M, N], [s, 0] of x @ gate
+    and [s, 1] of x @ up over K's part s (kernels_pallas/quant_gate_up.py sums them). Inputs must pass
+    unsupported_reason for each weight."""
+    block = tuple(block)
+    M, N = x.shape[0], qg.shape[1]
+    p = plan(M, k, N, block, splits=splits, stages=stages)
+    xr, back = rows_of_x(x, p)
+    args = (xr, back, qg, sg.astype(jnp.float32), qu, su.astype(jnp.float32))
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, s: (0,) * a.ndim)
+    out_shape = jax.ShapeDtypeStruct((p.splits, 2, M, N), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(_kernel, M=M, K=k, N=N, bn=block[1], p=p, pair=True),
+        grid=(2 * p.col_tiles, p.splits),
+        in_specs=[whole(a) for a in args],
+        out_specs=whole(out_shape),
+        out_shape=out_shape,
+        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=p.stages),
+        interpret=interpret,
+        name="quant_gate_up_fp8_mma",
+    )(*args)

@@ -48,7 +48,7 @@ def cases():
         fn = jax.jit(lambda *a, kind=kind, block=block: quant_gate_up(*a, kind=kind, k=5120, block=block))
         out.append((f"quant gate/up in one launch {kind} 27B M1", fn, (x, q, s, q, s), {},
                     {f"quant_gate_up_{kind}": 1}))
-    for kind in ("int4", "int8"):  # ... and at a k = 3 verify's 4 rows, quant_mma's pair form
+    for kind in ("int4", "int8", "fp8"):  # ... and at a k = 3 verify's 4 rows, the tensor-core kernels' pair form
         (x, q, s), block = _quant_args(kind, 4, 5120, 17408, jnp.bfloat16)
         fn = jax.jit(lambda *a, kind=kind, block=block: quant_gate_up(*a, kind=kind, k=5120, block=block))
         out.append((f"quant gate/up in one launch {kind} 27B M4 (tensor cores)", fn, (x, q, s, q, s), {},

@@ -110,7 +110,7 @@ class TestQuantGateUpContract(GemvCases, KernelContract):
                f"float64 {vs_oracle:.1e}; gate and up swapped: {swapped:.2f} apart")
 
     def unsupported_case(self):
-        return Run(("fp8", (16, 16), 4, 64, 32, "bf16", {})), "fp8 tensor-core"
+        return Run(("int4", 32, 70, 100, 24, "bf16", {})), "70 rows"  # past every decode kernel's rows
 
     def check_fallback(self, run, args, out):
         np.testing.assert_array_equal(np.asarray(out), np.asarray(self.reference(run, *args)))
@@ -153,17 +153,17 @@ def _mlp_calls(kind, M, K, N, platform="cuda"):
 def test_mlp_lowers_the_one_launch_for_cuda_at_real_shapes():
     """The MLP at decode rows lowered for cuda: one launch for gate / up, then down's decode kernel, at every real
     shape and format at the rows the FMA kernel takes, and for int4 / int8 at the tensor-core kernel's rows (a
-    verify's, a batch's) its pair form; fp8 there the two launches as before; lowered for cpu, no kernel."""
+    verify's, a batch's) its pair form; past them (80 rows) the two launches as before; lowered for cpu, no
+    kernel."""
     for name, (K, N) in REAL.items():  # each format at its most rows (27B: at 1 row too)
         for kind, M in [("int4", 1), ("int8", 3), ("fp8", 3)] + [("int8", 1), ("fp8", 1)] * (name == "27B"):
             assert _mlp_calls(kind, M, K, N) == [f"quant_gate_up_{kind}", f"quant_matmul_{kind}"], (name, kind, M)
-        for kind, M in (("int4", 4), ("int8", 9)):  # a k = 3 verify; a batch of 9 rows
+        for kind, M in (("int4", 4), ("int8", 9), ("fp8", 4)):  # a k = 3 verify; a batch of 9 rows
             assert _mlp_calls(kind, M, K, N) == [f"quant_gate_up_{kind}_mma", f"quant_matmul_{kind}_mma"], \
                 (name, kind, M)
     assert _mlp_calls("int4", 2, 5120, 17408) == ["quant_gate_up_int4_mma", "quant_matmul_int4_mma"]
-    # fp8 at the tensor-core kernel's rows: gate and up of one shape lower one kernel function, called twice
-    # (kernel_calls: one entry), then down's
-    assert _mlp_calls("fp8", 4, 5120, 17408) == ["quant_matmul_fp8_mma"] * 2
+    # past the decode kernels' rows: no one launch (gate and up each quant.linear's choice there, XLA's dot)
+    assert not any(c.startswith("quant_gate_up") for c in _mlp_calls("int4", 80, 5120, 17408))
     assert _mlp_calls("int4", 1, 5120, 17408, platform="cpu") == []
     assert _mlp_calls("int4", 4, 5120, 17408, platform="cpu") == []
 
@@ -171,7 +171,9 @@ def test_mlp_lowers_the_one_launch_for_cuda_at_real_shapes():
 # (kind, int4 group | "channel", M, K, N, x dtype, forced splits): the tensor-core kernel's rows, its 16-row tile
 # (x as it is) and 64-row tile (rows_of_x), one K part and several
 MMA_CASES = [("int4", 32, 4, 256, 64, "bf16", 2), ("int8", "channel", 5, 128, 48, "bf16", 2),
-             ("int4", 32, 20, 256, 64, "bf16", 2), ("int4", 16, 3, 96, 40, "f16", 1)]
+             ("int4", 32, 20, 256, 64, "bf16", 2), ("int4", 16, 3, 96, 40, "f16", 1),
+             ("fp8", (32, 32), 4, 128, 64, "bf16", 2), ("fp8", "channel", 6, 96, 40, "f16", 1),
+             ("fp8", (16, 16), 20, 64, 40, "bf16", 2)]
 
 
 @pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: f"{c[0]}-M{c[2]}-splits{c[6]}")
@@ -180,7 +182,7 @@ def test_tensor_core_rows_take_the_pair_form(case, report):
     partials is the single launch's partials on that weight, f32 tight (each program is that launch's program: a
     half that read the other weight, its scales or a dropped part fails), and silu(gate) * up matches the
     reference at bf16 / f16 rounding and a float64 oracle, and not the reference with gate and up swapped."""
-    from kernels_pallas import quant_mma as mma
+    from kernels_pallas.quant_decode import tensor_core_kernel
 
     kind, fmt, M, K, N, dtype, splits = case
     x, qg, sg, block = _inputs(kind, fmt, M, K, N, dtype, seed=M + K)
@@ -190,7 +192,7 @@ def test_tensor_core_rows_take_the_pair_form(case, report):
     parts = gu.quant_gate_up_partials(x, qg, sg, qu, su, **kw, splits=splits, interpret=True)
     assert parts.shape == (splits, 2, M, N) and parts.dtype == jnp.float32, parts.shape
     for half, (q, s) in enumerate(((qg, sg), (qu, su))):
-        alone = mma.quant_mma_pallas(x, q, s, **kw, splits=splits, unsummed=splits > 1, interpret=True)
+        alone = tensor_core_kernel(kind)(x, q, s, **kw, splits=splits, unsummed=splits > 1, interpret=True)
         alone = alone if splits > 1 else alone[None]
         # (interpret mode: XLA's CPU dots of the two programs may associate a sum differently, a unit of f32; one
         # K part: the single launch writes the product in x's dtype, the pair its f32 value)
@@ -260,18 +262,19 @@ def test_kernel_compiles_for_sm90(report):
 
 
 def test_tensor_core_pair_compiles_for_sm90(report):
-    """27B's gate / up at a k = 3 verify's 4 rows (int4, int8) through quant_mma's pair form, compiled to sm_90:
+    """27B's gate / up at a k = 3 verify's 4 rows (int4, int8, fp8) through the tensor-core kernels' pair form
+    (quant_mma, quant_mma_fp8), compiled to sm_90:
     within a block's shared memory, no spill, and the inner loop's instructions per stored value within 2% of the
     single launch's (each program is that launch's program)."""
-    from kernels_pallas import quant_mma as mma
+    from kernels_pallas.quant_decode import tensor_core_kernel, tensor_core_module
     from qwen_mtp.tools.lowering import SM90_SHARED_LIMIT, compile_sm90, triton_kernels
     from tests.test_export_cuda import require_triton
 
     kernels = []
-    for kind in ("int4", "int8"):
+    for kind in ("int4", "int8", "fp8"):
         (x, q, s), block = _real_args(kind, 4, 5120, 17408)
         one = jax.jit(functools.partial(gu.quant_gate_up, kind=kind, k=5120, block=block))
-        alone = jax.jit(functools.partial(mma.quant_mma_pallas, kind=kind, k=5120, block=block))
+        alone = jax.jit(functools.partial(tensor_core_kernel(kind), kind=kind, k=5120, block=block))
         (k1,) = triton_kernels(export_for(one, x, q, s, q, s))
         (k2,) = triton_kernels(export_for(alone, x, q, s))
         assert k1.name == f"quant_gate_up_{kind}_mma", k1.name
@@ -281,7 +284,7 @@ def test_tensor_core_pair_compiles_for_sm90(report):
     for i, (kind, block, k1, k2) in enumerate(kernels):
         r1, r2 = results[2 * i], results[2 * i + 1]
         assert r1["error"] is None and r2["error"] is None, (kind, r1["error"], r2["error"])
-        p = mma.plan(4, 5120, 17408, block, kind=kind)
+        p = tensor_core_module(kind).plan(4, 5120, 17408, block, kind=kind)
         assert k1.grid == (2 * p.col_tiles, p.splits, 1) and k2.grid == (p.col_tiles, p.splits, 1), (k1, k2)
         assert r1["shared"] <= SM90_SHARED_LIMIT and r1["stack"] == 0 and r1["local"] == 0, (kind, r1)
         per_value = [max(loop["instructions"] for loop in r["loops"][:n]) * 32 / p.step_values(kind)

@@ -1,11 +1,11 @@
 """A quantized dense MLP's gate and up in one launch on the device (kernels_pallas/quant_gate_up.py,
 `check_gate_up`): against the reference (quant_matmul_reference twice, the activation between) and beside the
-two launches of the decode kernel (quant_gemv's at 1 - 3 rows, quant_mma's at a verify's 4) and XLA's activation
-that the MLP ran before, in int4 groups, fp8 blocks and int8 per channel, at small shapes and at Qwen3.5-27B's
-gate / up (5120 x 17408) and 35B-A3B's shared expert (2048 x 512) at the rows the one launch takes. GB/s counts the bytes both products must read (values,
-scales, x, the output); the line gives both forms' times and their ratio: quant.GATE_UP_KINDS should follow it
-(the one launch saves a kernel a layer; each of its programs is the single launch's, so the ratio is what the
-launch and the fusion after it cost)."""
+two launches of the decode kernel (quant_gemv's at 1 - 3 rows, the tensor-core kernels' at a verify's 4) and
+XLA's activation that the MLP ran before, in int4 groups, fp8 blocks and int8 per channel, at small shapes and
+at Qwen3.5-27B's gate / up (5120 x 17408) and 35B-A3B's shared expert (2048 x 512) at the rows the one launch
+takes. GB/s counts the bytes both products must read (values, scales, x, the output); the line gives both
+forms' times and their ratio: quant.GATE_UP_KINDS should follow it (the one launch saves a kernel a layer; each
+of its programs is the single launch's, so the ratio is what the launch and the fusion after it cost)."""
 
 import functools
 
@@ -25,11 +25,14 @@ from .timing import time_call
 GATE_UP_SMOKE = [("int4", 32, 1, 96, 40, "float32")]
 GATE_UP_SMALL = GATE_UP_SMOKE + [("int8", "channel", 2, 200, 72, "bfloat16"),
                                  ("fp8", (128, 128), 3, 300, 136, "float32"), ("int4", 128, 1, 300, 136, "bfloat16"),
-                                 ("int4", 32, 4, 256, 64, "bfloat16"), ("int8", "channel", 5, 200, 72, "bfloat16")]
-# at 1 / 3 rows the FMA kernel's pair form, at 4 (a k = 3 verify) the tensor-core kernel's (int4, int8)
+                                 ("int4", 32, 4, 256, 64, "bfloat16"), ("int8", "channel", 5, 200, 72, "bfloat16"),
+                                 ("fp8", (128, 128), 4, 300, 136, "bfloat16")]
+# at 1 / 3 rows the FMA kernel's pair form, at 4 (a k = 3 verify) the tensor-core kernels'
+
 GATE_UP_REAL = [(kind, fmt, M, K, N, "bfloat16") for (K, N) in ((5120, 17408), (2048, 512))
                 for kind, fmt, M in (("int4", 128, 1), ("fp8", (128, 128), 1), ("int8", "channel", 1),
-                                     ("fp8", (128, 128), 3), ("int4", 128, 4), ("int8", "channel", 4))]
+                                     ("fp8", (128, 128), 3), ("int4", 128, 4), ("int8", "channel", 4),
+                                     ("fp8", (128, 128), 4))]
 HBM_TARGET = 0.8
 NAMES = ("one launch", "two launches", "one/two")
 
