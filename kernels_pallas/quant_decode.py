@@ -63,10 +63,11 @@ def quant_gemv(x, q, scale, *, kind: str, k: int, block, backend: str = "auto", 
                 kind, k, block, backend, interpret)
 
 
-def decode_parts(x, q, scale, *, kind: str, k: int, block) -> int:
-    """K's parts the decode kernel backend "auto" takes for these inputs (decode_kernel) cuts this product into
-    (1: none, the kernel writes the product, or no decode kernel takes them)."""
-    kernel = decode_kernel(x, q, scale, kind, k, block)
+def decode_parts(x, q, scale, *, kind: str, k: int, block, kernel=None) -> int:
+    """K's parts the decode kernel backend "auto" takes for these inputs (decode_kernel; `kernel`: that choice
+    already made) cuts this product into (1: none, the kernel writes the product, or no decode kernel takes
+    them)."""
+    kernel = kernel or decode_kernel(x, q, scale, kind, k, block)
     if kernel is None:
         return 1
     if kernel is quant_gemv:
@@ -82,14 +83,15 @@ def quant_decode_parts(x, q, scale, *, kind: str, k: int, block, backend: str = 
     product bit for bit."""
     block = tuple(int(b) for b in block)
     check_inputs(x, q, scale, kind, k, block)
-    S = decode_parts(x, q, scale, kind=kind, k=k, block=block)
+    chosen = decode_kernel(x, q, scale, kind, k, block)
+    S = decode_parts(x, q, scale, kind=kind, k=k, block=block, kernel=chosen)
     if S < 2:
         raise ValueError(f"quant_decode_parts: the plan cuts [{k}, {q.shape[1]}] at {x.shape[0]} rows into {S} part")
 
     def reference(x, q, scale):
         return as_parts(quant_matmul_reference(x, q, scale, kind=kind, k=k, block=block), S)
 
-    if decode_kernel(x, q, scale, kind, k, block) is quant_gemv:
+    if chosen is quant_gemv:
         fn, reason_of = gemv.quant_gemv_pallas, gemv.unsupported_reason
     else:
         fn, reason_of = tensor_core_kernel(kind), tensor_core_module(kind).unsupported_reason
