@@ -318,6 +318,22 @@ def rows_of_x(x, kind, block, p):
     return xr, jnp.einsum("h,hms->ms", bases, sums, precision=jax.lax.Precision.HIGHEST)
 
 
+def launch(kernel, args, out_shape, grid, stages: int, name: str, interpret: bool):
+    """The tensor-core decode kernels' pallas_call (this module's and quant_mma_fp8.py's, single and pair forms):
+    every operand whole (each program indexes in place), NUM_WARPS warps, `stages` of Triton's pipeline."""
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, s: (0,) * a.ndim)
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[whole(a) for a in args],
+        out_specs=whole(out_shape),
+        out_shape=out_shape,
+        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=stages),
+        interpret=interpret,
+        name=name,
+    )(*args)
+
+
 @functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "words", "stages", "unsummed",
                                              "interpret"))
 def quant_mma_pallas(x, q, scale, *, kind: str = "int4", k: int, block, splits: int | None = None,
@@ -332,20 +348,11 @@ def quant_mma_pallas(x, q, scale, *, kind: str = "int4", k: int, block, splits: 
     xs = (x,) if p.tile_m == ROWS else rows_of_x(x, kind, block, p)  # x as it is at 16 rows (_kernel's doc)
     (m_lo, _), (m_hi, _) = halves(kind, dt)
     consts = jnp.asarray(np.array([NIBBLES, m_lo, m_hi], np.uint32).view(np.int32))
-    words = as_words(q)
-    whole = lambda a: pl.BlockSpec(a.shape, lambda i, s: (0,) * a.ndim)
     out_shape = jax.ShapeDtypeStruct((p.splits, M, N) if p.splits > 1 else (M, N),
                                      jnp.float32 if p.splits > 1 else dt)
-    out = pl.pallas_call(
-        functools.partial(_kernel, kind=kind, M=M, N=N, K=k, kq=q.shape[0], g=block[0], p=p, dt=dt),
-        grid=(p.col_tiles, p.splits),
-        in_specs=[whole(a) for a in xs] + [whole(words), whole(scale), whole(consts)],
-        out_specs=whole(out_shape),
-        out_shape=out_shape,
-        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=p.stages),
-        interpret=interpret,
-        name=f"quant_matmul_{kind}_mma",
-    )(*xs, words, scale.astype(jnp.float32), consts)
+    out = launch(functools.partial(_kernel, kind=kind, M=M, N=N, K=k, kq=q.shape[0], g=block[0], p=p, dt=dt),
+                 (*xs, as_words(q), scale.astype(jnp.float32), consts), out_shape, (p.col_tiles, p.splits), p.stages,
+                 f"quant_matmul_{kind}_mma", interpret)
     if unsummed:
         assert p.splits > 1, "quant_mma_pallas(unsummed=True): a plan of one K part has no partials"
         return out
@@ -367,15 +374,7 @@ def quant_mma_pair_pallas(x, qg, sg, qu, su, *, kind: str = "int4", k: int, bloc
     (m_lo, _), (m_hi, _) = halves(kind, dt)
     consts = jnp.asarray(np.array([NIBBLES, m_lo, m_hi], np.uint32).view(np.int32))
     args = (*xs, as_words(qg), sg.astype(jnp.float32), as_words(qu), su.astype(jnp.float32), consts)
-    whole = lambda a: pl.BlockSpec(a.shape, lambda i, s: (0,) * a.ndim)
-    out_shape = jax.ShapeDtypeStruct((p.splits, 2, M, N), jnp.float32)
-    return pl.pallas_call(
-        functools.partial(_kernel, kind=kind, M=M, N=N, K=k, kq=qg.shape[0], g=block[0], p=p, dt=dt, pair=True),
-        grid=(2 * p.col_tiles, p.splits),
-        in_specs=[whole(a) for a in args],
-        out_specs=whole(out_shape),
-        out_shape=out_shape,
-        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=p.stages),
-        interpret=interpret,
-        name=f"quant_gate_up_{kind}_mma",
-    )(*args)
+    return launch(functools.partial(_kernel, kind=kind, M=M, N=N, K=k, kq=qg.shape[0], g=block[0], p=p, dt=dt,
+                                    pair=True),
+                  args, jax.ShapeDtypeStruct((p.splits, 2, M, N), jnp.float32), (2 * p.col_tiles, p.splits),
+                  p.stages, f"quant_gate_up_{kind}_mma", interpret)

@@ -46,9 +46,9 @@ from kernels_pallas.quant_mma import (
     MAX_GRID,
     MAX_ROWS,
     MAX_STEP_ROWS,
-    NUM_WARPS,
     ROWS,
     STAGES,
+    launch,
 )
 
 COLUMNS = 128  # fp8 bytes (columns) per CTA: one 128-byte line per row
@@ -197,19 +197,10 @@ def quant_mma_fp8_pallas(x, q, scale, *, kind: str = "fp8", k: int, block, split
     M, N = x.shape[0], q.shape[1]
     p = plan(M, k, N, block, splits=splits, stages=stages)
     xr, back = rows_of_x(x, p)
-    whole = lambda a: pl.BlockSpec(a.shape, lambda i, s: (0,) * a.ndim)
     out_shape = jax.ShapeDtypeStruct((p.splits, M, N) if p.splits > 1 else (M, N),
                                      jnp.float32 if p.splits > 1 else x.dtype)
-    out = pl.pallas_call(
-        functools.partial(_kernel, M=M, K=k, N=N, bn=block[1], p=p),
-        grid=(p.col_tiles, p.splits),
-        in_specs=[whole(xr), whole(back), whole(q), whole(scale)],
-        out_specs=whole(out_shape),
-        out_shape=out_shape,
-        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=p.stages),
-        interpret=interpret,
-        name="quant_matmul_fp8_mma",
-    )(xr, back, q, scale.astype(jnp.float32))
+    out = launch(functools.partial(_kernel, M=M, K=k, N=N, bn=block[1], p=p), (xr, back, q, scale.astype(jnp.float32)),
+                 out_shape, (p.col_tiles, p.splits), p.stages, "quant_matmul_fp8_mma", interpret)
     if unsummed:
         assert p.splits > 1, "quant_mma_fp8_pallas(unsummed=True): a plan of one K part has no partials"
         return out
@@ -228,15 +219,6 @@ def quant_mma_fp8_pair_pallas(x, qg, sg, qu, su, *, kind: str = "fp8", k: int, b
     p = plan(M, k, N, block, splits=splits, stages=stages)
     xr, back = rows_of_x(x, p)
     args = (xr, back, qg, sg.astype(jnp.float32), qu, su.astype(jnp.float32))
-    whole = lambda a: pl.BlockSpec(a.shape, lambda i, s: (0,) * a.ndim)
-    out_shape = jax.ShapeDtypeStruct((p.splits, 2, M, N), jnp.float32)
-    return pl.pallas_call(
-        functools.partial(_kernel, M=M, K=k, N=N, bn=block[1], p=p, pair=True),
-        grid=(2 * p.col_tiles, p.splits),
-        in_specs=[whole(a) for a in args],
-        out_specs=whole(out_shape),
-        out_shape=out_shape,
-        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=p.stages),
-        interpret=interpret,
-        name="quant_gate_up_fp8_mma",
-    )(*args)
+    return launch(functools.partial(_kernel, M=M, K=k, N=N, bn=block[1], p=p, pair=True), args,
+                  jax.ShapeDtypeStruct((p.splits, 2, M, N), jnp.float32), (2 * p.col_tiles, p.splits), p.stages,
+                  "quant_gate_up_fp8_mma", interpret)
