@@ -84,7 +84,8 @@ def quant_gate_up_partials(x, qg, sg, qu, su, *, kind: str, k: int, block, split
                            rows: int | None = None, interpret: bool = False):
     """The one launch: float32 partials [parts, 2, M, N], [s, 0] of x @ gate and [s, 1] of x @ up over K's part s.
     splits and rows override the plan of one weight (quant_gemv_plan.plan), as for quant_gemv_pallas; at the
-    tensor-core kernel's rows (int4 / int8) its pair form (quant_mma.quant_mma_pair_pallas; splits as there)."""
+    tensor-core kernels' rows their pair form (quant_mma.quant_mma_pair_pallas for int4 / int8,
+    quant_mma_fp8.quant_mma_fp8_pair_pallas for fp8; splits as there, rows unused)."""
     block = tuple(block)
     M, N = x.shape[0], qg.shape[1]
     if decode_kernel(x, qg, sg, kind, k, block) is quant_mma:
