@@ -54,12 +54,20 @@ def rec_after(rec, G, k, delta, n):
     T = G.shape[-1]
     n = jnp.clip(n, 0, T - 1)
     g_n = jnp.take_along_axis(G, n[:, None, None], axis=-1)  # [B, h, 1]
-    w = jnp.where(jnp.arange(T) <= n[:, None, None], jnp.exp(g_n - G), 0.0)  # [B, h, T]
+    return rec_rebuilt(rec, G, k, delta, g_n, jnp.arange(T) <= n[:, None, None])
+
+
+def rec_rebuilt(rec, G, k, delta, g_n, keep):
+    """exp(g_n) rec + sum over the verified rows s that `keep` [B, h or 1, T] holds of exp(g_n - G_s) k_s
+    delta_s^T: the state after a row whose cumulative log decay is g_n [B, h, 1], from the state before the verify.
+    A chain keeps rows 0 .. n (rec_after); a tree the accepted node's ancestors and itself
+    (decoding/tree_verify.py's gdn_state_after)."""
+    w = jnp.where(keep, jnp.exp(g_n - G), 0.0)  # [B, h, T]
     kw = k * w[..., None]
     # T outer products summed elementwise: one pass over the state that XLA fuses (a CPU's batched dot of
     # inner size T, then the add, took 2.8x as long at the Qwen3.5-0.8B shape)
     out = jnp.exp(g_n)[..., None] * rec
-    for t in range(T):
+    for t in range(G.shape[-1]):
         out = out + kw[:, :, t, :, None] * delta[:, :, t, None, :]
     return out
 

@@ -5,8 +5,6 @@ models' GDN layers (27B 48 value heads / 10240 conv channels, 35B-A3B 32 / 8192,
 tensor-core kernel's 8 K partials; timed beside the reference, which XLA runs as three kernels and a copy of the
 conv state. Bytes: the f32 state read and written, k and delta read, the conv state and the rows' inputs."""
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +13,7 @@ from kernels_pallas.gdn_rollback import gdn_rollback_pallas, gdn_rollback_refere
 
 from .budget import out_of_time
 from .common import bandwidth, max_rel, one_line
+from .timing import time_loop
 
 # (label, B, T rows, conv channels, value heads, head dim, S partials (0: the rows' inputs), dtype)
 ROLLBACK_SMOKE = [("small", 2, 4, 700, 3, 16, 0, "float32"), ("small", 1, 3, 384, 2, 32, 3, "float32")]
@@ -35,20 +34,14 @@ def _inputs(rng, B, T, C, h, d, S, dt):
 def _time_carried(f, args, n=50):
     """Seconds per call of f over n calls in one compiled loop that carries the two states from call to call, as
     the decode loop does (timing.time_call's loop would hand the kernel the same state each call, which XLA must
-    copy first for the kernel to write it in place): the best of 3 runs."""
+    copy first for the kernel to write it in place): timing.time_loop's best of 3 runs."""
     conv, x, rec, *rest = args
 
     @jax.jit
     def loop(conv, rec):
         return jax.lax.fori_loop(0, n, lambda _, c: f(c[0], x, c[1], *rest), (conv, rec))
 
-    jax.block_until_ready(loop(conv, rec))
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        jax.block_until_ready(loop(conv, rec))
-        best = min(best, time.perf_counter() - t)
-    return best / n
+    return time_loop(loop, (conv, rec), n)
 
 
 def check_rollback(cases, interpret, timings):

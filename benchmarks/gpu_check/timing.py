@@ -39,7 +39,11 @@ def time_call(f, *a, n=50):
     `chained` in one compiled loop, the best of 3 runs of it. The first H200 run
     (benchmarks/results/h200-2026-12-04) timed separate calls, whose dispatch (about 40-60 us) hid every kernel
     faster than that."""
-    loop = chained(f, a, n)
+    return time_loop(chained(f, a, n), a, n)
+
+
+def time_loop(loop, a, n):
+    """Seconds per call of a compiled loop of n calls run on a: one run to compile it, then the best of 3."""
     jax.block_until_ready(loop(*a))
     best = float("inf")
     for _ in range(3):

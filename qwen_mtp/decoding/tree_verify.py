@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kernels_pallas.gdn_rollback import rec_rebuilt
 from kernels_pallas.gdn_verify import solve_deltas, unit_lower_inverse, verify_gated_delta_rule
 from qwen_mtp.head.tree import attend_tree
 from qwen_mtp.trunk.attention import output, project_qkv, write_kv
@@ -176,11 +177,7 @@ def gdn_state_after(v: TreeGDN, layout, node) -> GDNState:
     conv = jnp.take_along_axis(v.xc, idx[..., None], axis=1)  # [B, K-1, C]
     on = layout.mask[rows, node]  # [B, N1]
     g_n = jnp.take_along_axis(v.G, node[:, None, None], axis=-1)  # [B, h, 1]
-    wgt = jnp.where(on[:, None], jnp.exp(g_n - v.G), 0.0)  # [B, h, N1]
-    kw = v.k * wgt[..., None]
-    rec = jnp.exp(g_n)[..., None] * v.rec
-    for t in range(v.G.shape[-1]):  # summed elementwise, as gdn_rollback.rec_after (one fused pass on a CPU)
-        rec = rec + kw[:, :, t, :, None] * v.delta[:, :, t, None, :]
+    rec = rec_rebuilt(v.rec, v.G, v.k, v.delta, g_n, on[:, None])  # (the chain's rebuild, over the path's rows)
     return GDNState(conv=conv.astype(v.xc.dtype), rec=rec)
 
 
