@@ -28,8 +28,9 @@ the reference's own inverse frequencies (a constant), so an angle is the same f3
 Why a kernel: compiled for a GPU, XLA ran a decode step's or a verify's queries as three kernels before the
 attention kernel (27B int4, read from the compiled HLO: the partials' sum and the query slice; the norm, a Triton
 block fusion, which takes no reducing producer; RoPE with the regrouping and the pad to the row tiles): here one
-program per output row does all of it, two kernels an attention layer fewer. causal_attend_from_product runs it
-before the attention kernel (trunk/attention.attention_layer on cuda); dispatch.py's rule chooses the backend.
+program per output row does all of it, two kernels an attention layer fewer. Its programs are also
+attention_rows.py's, which write the layer's keys and values in the same launch (trunk/attention.attention_layer
+on cuda); dispatch.py's rule chooses the backend.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas import causal_attention as ca
 from kernels_pallas import dispatch
 from kernels_pallas import windowed_attention as wa
 from kernels_pallas.rmsnorm import DTYPES, rmsnorm_reference
@@ -112,36 +112,66 @@ def _pow2(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
-def _kernel(start_ref, freq_ref, parts_ref, w_ref, o_ref, qpos_ref, *, S, T, G, hd, half, eps, offset):
-    b, h, m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    f32, dt = jnp.float32, o_ref.dtype
-    valid = m < T * G
-    t = jnp.minimum(m // G, T - 1)
-    row, base = b * T + t, (h * G + m % G) * 2 * hd
-    rd = 2 * half
-    pieces = [(0, half), (half, half)] + [(rd, hd - rd)] * (hd > rd)  # x1 | x2 rotate; the rest passes
+def _lanes(width):
+    return jnp.arange(_pow2(width), dtype=jnp.int32) < width
 
-    def lanes(width):
-        return jnp.arange(_pow2(width), dtype=jnp.int32) < width
 
+def loader(b):
+    """load(ref, start, width, *lead) -> ref[*lead, start:start + width] in f32 (a power of two of lanes, the rest
+    masked to 0) for the program of batch row b (a Triton kernel's, attention_rows.py's too)."""
+    def load(ref, start, width, *lead):  # one indexer (Triton's lowering takes no chain of them)
+        return plt.load(ref.at[(*lead, pl.ds(_at(start, b), _pow2(width)))], mask=_lanes(width),
+                        other=0).astype(jnp.float32)
+    return load
+
+
+def _at(start, b):
     # a static start past 0 made dynamic: the indexer refuses a static slice whose padded lanes pass the end,
     # masked or not (jax.experimental.state.indexing), and pl.ds(0, ...) is only let through because 0 is falsy
-    at = lambda start: start + 0 * b
+    return start + 0 * b
 
-    def load(ref, start, width, *lead):  # one indexer (Triton's lowering takes no chain of them)
-        return plt.load(ref.at[(*lead, pl.ds(at(start), _pow2(width)))], mask=lanes(width), other=0).astype(f32)
 
-    # the product (its partials summed in order) rounded to dt, as ops.linear's is
-    xs = [sum(load(parts_ref, base + a, n, jnp.int32(s), row) for s in range(S)).astype(dt).astype(f32)
-          for a, n in pieces]
+def pieces_of(hd: int, half: int) -> list:
+    """A head's row as (start, width) pieces: x1 | x2 rotate, the rest passes."""
+    rd = 2 * half
+    return [(0, half), (half, half)] + [(rd, hd - rd)] * (hd > rd)
+
+
+def head_row(load, parts_ref, S: int, lead, base, pieces, dt):
+    """One head's values (pieces) of a row of a product's K partials [S, *lead's dims, N] (the row parts_ref[s,
+    *lead]) from column `base`: the partials summed in their order, rounded to dt (ops.linear's product), in f32."""
+    return [sum(load(parts_ref, base + a, n, jnp.int32(s), *lead) for s in range(S)).astype(dt).astype(jnp.float32)
+            for a, n in pieces]
+
+
+def norm_rotate(load, xs, w_ref, freq_ref, angle_at, pieces, *, hd: int, half: int, eps: float, dt):
+    """The (1 + w) RMSNorm of a head's row xs (head_row's pieces) rounded to dt, then rotate-half RoPE at position
+    angle_at (an int scalar): the pieces in dt (rmsnorm_reference, then rope.apply_rope)."""
     r = jax.lax.rsqrt(sum(jnp.sum(x * x) for x in xs) / hd + eps)
     ys = [(x * r * (1.0 + load(w_ref, a, n))).astype(dt) for x, (a, n) in zip(xs, pieces)]
-    position = start_ref[b] + t
-    angle = (position + offset).astype(f32) * load(freq_ref, 0, half)
+    angle = angle_at.astype(jnp.float32) * load(freq_ref, 0, half)
     cos, sin = jnp.cos(angle).astype(dt), jnp.sin(angle).astype(dt)
-    outs = [ys[0] * cos + -ys[1] * sin, ys[1] * cos + ys[0] * sin] + ys[2:]
-    for y, (a, n) in zip(outs, pieces):
-        plt.store(o_ref.at[b, h, m, pl.ds(at(a), _pow2(n))], jnp.where(valid, y, jnp.zeros_like(y)), mask=lanes(n))
+    return [ys[0] * cos + -ys[1] * sin, ys[1] * cos + ys[0] * sin] + ys[2:]
+
+
+def store_row(ref, lead, ys, pieces, b, valid=True):
+    """ref[*lead, a:a + n] = y for each piece (zeros where not valid)."""
+    for y, (a, n) in zip(ys, pieces):
+        plt.store(ref.at[(*lead, pl.ds(_at(a, b), _pow2(n)))], jnp.where(valid, y, jnp.zeros_like(y)),
+                  mask=_lanes(n))
+
+
+def query_program(start_ref, freq_ref, parts_ref, w_ref, o_ref, qpos_ref, *, S, T, G, hd, half, eps, offset):
+    """Program (b, h, m): output row m of kv head h (query head h G + m % G of row m // G), and its position."""
+    b, h, m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    dt, load = o_ref.dtype, loader(b)
+    valid = m < T * G
+    t = jnp.minimum(m // G, T - 1)
+    pieces = pieces_of(hd, half)
+    xs = head_row(load, parts_ref, S, (b * T + t,), (h * G + m % G) * 2 * hd, pieces, dt)
+    position = start_ref[b] + t
+    ys = norm_rotate(load, xs, w_ref, freq_ref, position + offset, pieces, hd=hd, half=half, eps=eps, dt=dt)
+    store_row(o_ref, (b, h, m), ys, pieces, b, valid)
 
     @pl.when(h == 0)  # the row's position, once
     def _():
@@ -163,7 +193,7 @@ def queries_grouped_pallas(parts, w, start, *, offset: int, num_kv_heads: int, r
     out = [jax.ShapeDtypeStruct((B, num_kv_heads, rows, hd), dtype), jax.ShapeDtypeStruct((B, rows), jnp.int32)]
     args = (start.astype(jnp.int32), freq, parts, w)
     qg, qpos = pl.pallas_call(
-        functools.partial(_kernel, S=S, T=T, G=G, hd=hd, half=rotary_dim // 2, eps=eps, offset=offset),
+        functools.partial(query_program, S=S, T=T, G=G, hd=hd, half=rotary_dim // 2, eps=eps, offset=offset),
         grid=(B, num_kv_heads, rows),
         in_specs=[whole(a) for a in args],
         out_specs=[whole(o) for o in out],
@@ -186,70 +216,3 @@ def queries_grouped(parts, w, start, *, offset: int, num_kv_heads: int, rows: in
     reference = functools.partial(queries_grouped_reference, **kw)
     return dispatch.run("attention queries", kernel, reference, unsupported_reason(parts, w, start), backend, parts,
                         w, start)
-
-
-def causal_attend_from_product(parts, w, k_cache, v_cache, start, *, rope_offset: int, head_dim: int,
-                               rotary_dim: int, theta: float, eps: float, dtype, backend: str = "auto",
-                               interpret: bool = False):
-    """causal_attention.causal_attend of the queries of B x T rows at start[b] + t (`queries` of parts, w at
-    positions rows_at(start, T) + rope_offset) over the caches, which hold the rows' own keys and values already
-    -> [B, T, nh, hd] in dtype: on cuda this kernel writes the queries into the attention kernel's rows and the
-    attention kernel reads them there (dispatch.run: either kernel refusing the shapes runs the whole reference);
-    elsewhere the queries' reference and causal_attend_reference. Differentiable: the gradient is the reference
-    queries' through the dense form (as causal_attend's)."""
-    check_inputs(parts, w, start, k_cache.shape[2], rotary_dim)
-    kw = dict(head_dim=head_dim, rotary_dim=rotary_dim, theta=theta, eps=eps, dtype=jnp.dtype(dtype))
-    return _from_product(parts, w, k_cache, v_cache, start, (int(rope_offset), tuple(kw.items())), backend,
-                         interpret)
-
-
-def _queries_at(parts, w, start, static):
-    T = parts.shape[1] // start.shape[0]
-    return queries(parts, w, rows_at(start, T) + static[0], **dict(static[1])), rows_at(start, T)
-
-
-def _dispatch_from_product(parts, w, k_cache, v_cache, start, static, backend, interpret):
-    offset, kw = static[0], dict(static[1])
-    hd, T = kw["head_dim"], parts.shape[1] // start.shape[0]
-    q_struct = jax.ShapeDtypeStruct((start.shape[0], T, parts.shape[2] // (2 * hd), hd), kw["dtype"])
-    q_pos = jax.ShapeDtypeStruct(q_struct.shape[:2], start.dtype)
-    reason = unsupported_reason(parts, w, start) or ca.unsupported_reason(q_struct, k_cache, q_pos)
-    norm_rope = {k: kw[k] for k in ("rotary_dim", "theta", "eps", "dtype")}
-
-    def reference(parts, w, k, v, start):
-        q, q_pos = _queries_at(parts, w, start, static)
-        return ca.causal_attend_reference(q, k, v, q_pos)
-
-    def kernel(parts, w, k, v, start):
-        p = ca.kernel_plan(q_struct.shape, q_struct.dtype, k)
-        qg, qpos = queries_grouped_pallas(parts, w, start, offset=offset, num_kv_heads=k.shape[2],
-                                          rows=p.row_tile * p.row_tiles, interpret=interpret, **norm_rope)
-        return ca.causal_attend_grouped_pallas(qg, qpos, k, v, T=T, num_heads=q_struct.shape[2], plan=p,
-                                               interpret=interpret)
-
-    return dispatch.run("attention from the q | gate product", kernel, reference, reason, backend, parts, w,
-                        k_cache, v_cache, start)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _from_product(parts, w, k_cache, v_cache, start, static, backend, interpret):
-    return _dispatch_from_product(parts, w, k_cache, v_cache, start, static, backend, interpret)
-
-
-def _from_product_fwd(parts, w, k_cache, v_cache, start, static, backend, interpret):
-    out = _dispatch_from_product(parts, w, k_cache, v_cache, start, static, backend, interpret)
-    return out, (parts, w, k_cache, v_cache, start)
-
-
-def _from_product_bwd(static, backend, interpret, res, g):
-    parts, w, k_cache, v_cache, start = res
-
-    def dense(parts, w, k, v):
-        q, q_pos = _queries_at(parts, w, start, static)
-        return ca.dense_causal(q, k, v, q_pos)
-
-    _, vjp = jax.vjp(dense, parts, w, k_cache, v_cache)
-    return (*vjp(g), None)
-
-
-_from_product.defvjp(_from_product_fwd, _from_product_bwd)

@@ -37,9 +37,9 @@ from kernels_pallas import dispatch
 from kernels_pallas import quant_gemv as gemv
 from kernels_pallas import quant_mma as mma
 from kernels_pallas import quant_mma_fp8 as mma_fp8
-from kernels_pallas.quant_decode import decode_kernel, quant_gemv, quant_mma, tensor_core_module
+from kernels_pallas.quant_decode import decode_kernel, decode_parts, quant_gemv, quant_mma, tensor_core_module
 from kernels_pallas.quant_reference import check_inputs, quant_matmul_reference
-from kernels_pallas.split_k import sum_parts
+from kernels_pallas.split_k import as_parts, sum_parts
 
 KINDS = ("int8", "int4", "fp8")
 
@@ -79,18 +79,19 @@ def unsupported_reason(x, qg, sg, qu, su, *, kind: str, k: int, block):
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "rows", "interpret"))
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "rows", "name", "interpret"))
 def quant_gate_up_partials(x, qg, sg, qu, su, *, kind: str, k: int, block, splits: int | None = None,
-                           rows: int | None = None, interpret: bool = False):
+                           rows: int | None = None, name: str = "gate_up", interpret: bool = False):
     """The one launch: float32 partials [parts, 2, M, N], [s, 0] of x @ gate and [s, 1] of x @ up over K's part s.
     splits and rows override the plan of one weight (quant_gemv_plan.plan), as for quant_gemv_pallas; at the
     tensor-core kernels' rows their pair form (quant_mma.quant_mma_pair_pallas for int4 / int8,
-    quant_mma_fp8.quant_mma_fp8_pair_pallas for fp8; splits as there, rows unused)."""
+    quant_mma_fp8.quant_mma_fp8_pair_pallas for fp8; splits as there, rows unused). The custom call is
+    quant_{name}_{kind} (the tensor-core forms': ..._mma)."""
     block = tuple(block)
     M, N = x.shape[0], qg.shape[1]
     if decode_kernel(x, qg, sg, kind, k, block) is quant_mma:
         pair = mma.quant_mma_pair_pallas if kind in mma.KINDS else mma_fp8.quant_mma_fp8_pair_pallas
-        return pair(x, qg, sg, qu, su, kind=kind, k=k, block=block, splits=splits, interpret=interpret)
+        return pair(x, qg, sg, qu, su, kind=kind, k=k, block=block, splits=splits, name=name, interpret=interpret)
     p = gemv.plan(M, k, N, kind, block, splits=splits, rows=rows)
     stored = (gemv.as_words(qg), gemv.as_words(qu)) if gemv.reads_words(kind) else (qg, qu)
     kernel = functools.partial(gemv.gemv_kernel, kind=kind, md=gemv.mode(kind, k, block), M=M, K=k, N=N,
@@ -107,7 +108,7 @@ def quant_gate_up_partials(x, qg, sg, qu, su, *, kind: str, k: int, block, split
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=p.num_warps, num_stages=1),
         interpret=interpret,
-        name=f"quant_gate_up_{kind}",
+        name=f"quant_{name}_{kind}",
     )(*args)
 
 
@@ -132,3 +133,25 @@ def quant_gate_up(x, qg, sg, qu, su, *, kind: str, k: int, block, backend: str =
     reference = functools.partial(quant_gate_up_reference, kind=kind, k=k, block=block)
     reason = unsupported_reason(x, qg, sg, qu, su, kind=kind, k=k, block=block)
     return dispatch.run("quantized gate / up (one launch)", kernel, reference, reason, backend, x, qg, sg, qu, su)
+
+
+def quant_pair_parts(x, qa, sa, qb, sb, *, kind: str, k: int, block, name: str = "pair", backend: str = "auto",
+                     interpret: bool = False):
+    """Two products of one x, x @ a and x @ b (one layout), as the one launch's float32 K partials [S, 2, M, N]
+    (quant_gate_up_partials; S = quant_decode.decode_parts, the plan of one weight), unsummed, for a consumer
+    kernel that sums them as it loads them (attention_rows.py: an attention layer's k and v, a launch where the
+    decode kernel took two). Elsewhere each reference product in part 0 and zeros in the others (split_k.as_parts),
+    so that the consumer's sums are the products bit for bit. The custom call: quant_{name}_{kind}[_mma]."""
+    block = tuple(int(b) for b in block)
+    check_inputs(x, qa, sa, kind, k, block)
+    check_inputs(x, qb, sb, kind, k, block)
+    S = decode_parts(x, qa, sa, kind=kind, k=k, block=block)
+
+    def reference(x, qa, sa, qb, sb):
+        products = (quant_matmul_reference(x, q, s, kind=kind, k=k, block=block) for q, s in ((qa, sa), (qb, sb)))
+        return jnp.stack([as_parts(y, S) for y in products], axis=1)
+
+    kernel = functools.partial(quant_gate_up_partials, kind=kind, k=k, block=block, name=name, interpret=interpret)
+    reason = unsupported_reason(x, qa, sa, qb, sb, kind=kind, k=k, block=block)
+    return dispatch.run("quantized pair's K partials (one launch)", kernel, reference, reason, backend, x, qa, sa, qb,
+                        sb)

@@ -359,13 +359,15 @@ def quant_mma_pallas(x, q, scale, *, kind: str = "int4", k: int, block, splits: 
     return sum_parts(out).astype(dt) if p.splits > 1 else out
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "words", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "words", "stages", "name", "interpret"))
 def quant_mma_pair_pallas(x, qg, sg, qu, su, *, kind: str = "int4", k: int, block, splits: int | None = None,
-                          words: int | None = None, stages: int | None = None, interpret: bool = False):
-    """Two weights of one shape and layout (a dense MLP's gate and up) in one launch: grid (2 col_tiles, splits),
-    each program the single launch's program of its weight (the plan of one weight); float32 partials [splits, 2,
-    M, N], [s, 0] of x @ gate and [s, 1] of x @ up over K's part s (kernels_pallas/quant_gate_up.py sums them).
-    Inputs must pass unsupported_reason for each weight."""
+                          words: int | None = None, stages: int | None = None, name: str = "gate_up",
+                          interpret: bool = False):
+    """Two weights of one shape and layout (a dense MLP's gate and up; an attention layer's k and v) in one launch:
+    grid (2 col_tiles, splits), each program the single launch's program of its weight (the plan of one weight);
+    float32 partials [splits, 2, M, N], [s, 0] of x @ gate and [s, 1] of x @ up over K's part s
+    (kernels_pallas/quant_gate_up.py). The custom call is quant_{name}_{kind}_mma. Inputs must pass
+    unsupported_reason for each weight."""
     block = tuple(block)
     M, N = x.shape[0], qg.shape[1]
     dt = jnp.dtype(x.dtype)
@@ -377,4 +379,4 @@ def quant_mma_pair_pallas(x, qg, sg, qu, su, *, kind: str = "int4", k: int, bloc
     return launch(functools.partial(_kernel, kind=kind, M=M, N=N, K=k, kq=qg.shape[0], g=block[0], p=p, dt=dt,
                                     pair=True),
                   args, jax.ShapeDtypeStruct((p.splits, 2, M, N), jnp.float32), (2 * p.col_tiles, p.splits),
-                  p.stages, f"quant_gate_up_{kind}_mma", interpret)
+                  p.stages, f"quant_{name}_{kind}_mma", interpret)

@@ -207,13 +207,13 @@ def quant_mma_fp8_pallas(x, q, scale, *, kind: str = "fp8", k: int, block, split
     return sum_parts(out).astype(x.dtype) if p.splits > 1 else out
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "stages", "name", "interpret"))
 def quant_mma_fp8_pair_pallas(x, qg, sg, qu, su, *, kind: str = "fp8", k: int, block, splits: int | None = None,
-                              stages: int | None = None, interpret: bool = False):
-    """Two weights of one shape and layout (a dense MLP's gate and up) in one launch: grid (2 col_tiles, splits),
-    each program the single launch's program of its weight; float32 partials [splits, 2, M, N], [s, 0] of x @ gate
-    and [s, 1] of x @ up over K's part s (kernels_pallas/quant_gate_up.py sums them). Inputs must pass
-    unsupported_reason for each weight."""
+                              stages: int | None = None, name: str = "gate_up", interpret: bool = False):
+    """Two weights of one shape and layout (a dense MLP's gate and up; an attention layer's k and v) in one launch:
+    grid (2 col_tiles, splits), each program the single launch's program of its weight; float32 partials [splits,
+    2, M, N], [s, 0] of x @ gate and [s, 1] of x @ up over K's part s (kernels_pallas/quant_gate_up.py). The
+    custom call is quant_{name}_fp8_mma. Inputs must pass unsupported_reason for each weight."""
     block = tuple(block)
     M, N = x.shape[0], qg.shape[1]
     p = plan(M, k, N, block, splits=splits, stages=stages)
@@ -221,4 +221,4 @@ def quant_mma_fp8_pair_pallas(x, qg, sg, qu, su, *, kind: str = "fp8", k: int, b
     args = (xr, back, qg, sg.astype(jnp.float32), qu, su.astype(jnp.float32))
     return launch(functools.partial(_kernel, M=M, K=k, N=N, bn=block[1], p=p, pair=True), args,
                   jax.ShapeDtypeStruct((p.splits, 2, M, N), jnp.float32), (2 * p.col_tiles, p.splits), p.stages,
-                  "quant_gate_up_fp8_mma", interpret)
+                  f"quant_{name}_fp8_mma", interpret)

@@ -71,6 +71,24 @@ def cases():
         args = _causal_args(b, t, 24, 4, 256, S, jnp.bfloat16, kv)
         label = f"causal attention 27B B{b} T{t} S{S}" + (" fp8 cache" if kv else "")
         out.append((label, jax.jit(causal_attend), args, {}, {"causal_attention": 1}))
+    from kernels_pallas.attention_rows import attend_new_rows
+    S, f32, bf16 = jax.ShapeDtypeStruct, jnp.float32, jnp.bfloat16
+    for model, B, T, Sq, Skv, kv in (("27B", 1, 1, 14, 14, bf16), ("27B", 1, 4, 8, 14, jnp.float8_e4m3fn),
+                                     ("35B-A3B", 8, 1, 4, 4, bf16)):  # a decode step, a k = 3 verify, a batch
+        nh, nkv = REAL_HEADS[model]
+        cache = S((B, 131072, nkv, 256), kv)
+        args = (S((Sq, B * T, nh * 512), f32), S((256,), bf16), S((Skv, 2, B * T, nkv * 256), f32), S((256,), bf16),
+                cache, cache, S((B,), jnp.int32))
+        fn = jax.jit(lambda *a: attend_new_rows(*a, rope_offset=0, head_dim=256, rotary_dim=64, theta=1e7, eps=1e-6,
+                                                dtype=bf16))
+        out.append((f"attention new rows {model} B{B} T{T} S131072" + (" fp8 cache" if kv != bf16 else ""), fn, args,
+                    {}, {"attention_new_rows": 1, "causal_attention": 1}))
+    from kernels_pallas.quant_gate_up import quant_pair_parts
+    for M, suffix in ((1, ""), (4, "_mma")):  # 27B's k and v in one launch (quant.pair_parts), a step and a verify
+        (x, q, s), block = _quant_args("int4", M, 5120, 1024, jnp.bfloat16)
+        fn = jax.jit(lambda *a, block=block: quant_pair_parts(*a, kind="int4", k=5120, block=block, name="k_v"))
+        out.append((f"quant k / v in one launch int4 27B M{M}", fn, (x, q, s, q, s), {},
+                    {f"quant_k_v_int4{suffix}": 1}))
     from kernels_pallas.gdn_rollback import gdn_rollback
     from kernels_pallas.gdn_step import gdn_step
     from kernels_pallas.gdn_verify import gdn_verify
@@ -138,14 +156,15 @@ def loops(target):
     the GDN step kernel (before its pad_row) and with its input norms' two rows made by XLA after the norm's
     kernel (before rmsnorm's pad_row), and in int4 with and without them, and with the shared expert's products
     apart from the routed experts' launches (before mlp._routed_and_shared), bf16 and int4; 27B's plain step, and
-    with its input and final norms in XLA ops (before rmsnorm.py's kernel), and with its KV rows written by the
-    batched scatter (before attention.ONE_ROW_WRITE); 27B int4's plain step, and with its MLPs' gate and up in
+    with its input and final norms in XLA ops (before rmsnorm.py's kernel), and with its attention's new rows in
+    XLA ops (before attention_rows.py's kernel), and so again with its KV rows written by the batched scatter
+    (before attention.ONE_ROW_WRITE); 27B int4's plain step, and with its MLPs' gate and up in
     two launches (before quant_gate_up.py), with K's parts summed by one reduce (before split_k.sum_parts), and
-    with the GDN qkv / z products' K parts summed by XLA (before gdn.step_projections), and with its attention
-    queries in XLA ops (before attention_q.py's kernel); 27B int4's k = 1 round, and with the verify's z K parts
-    summed by XLA (before the GDN verify kernel took them), with its gate and up in two launches (before
-    quant_mma's pair form), and with b and a as products (before
-    gdn.gate_products' partials); 27B int4's plain step at batch 4, and with the tensor-core kernel's K parts
+    with the GDN qkv / z products' K parts summed by XLA (before gdn.step_projections), and with its attention's
+    new rows in XLA ops (before attention_q.py's and attention_rows.py's kernels); 27B int4's k = 1 round, and
+    with the verify's z K parts summed by XLA (before the GDN verify kernel took them), with its gate and up in
+    two launches (before quant_mma's pair form), and with b and a as products (before gdn.gate_products'
+    partials); 27B int4's plain step at batch 4, and with the tensor-core kernel's K parts
     summed by XLA (before quant_decode.decode_parts took them); 27B int4's k = 1 round and 27B's k = 3 round,
     and each with the rollback in XLA ops (before gdn_rollback.py's kernel); 27B's round with b and
     a on one x (merged over their weights concatenated in the loop, before in_projections' copies); and 27B's
@@ -224,13 +243,17 @@ def loops(target):
     jax.clear_caches()
     one("27B plain, the input and final norms in XLA ops", "Qwen3.5-27B", k=0)
     forward.rmsnorm_written, forward.PADDED_INPUT = written, True
-    # the KV cache of a batch of one row written by its dynamic-update-slice (attention.ONE_ROW_WRITE), against the
-    # batched scatter
+    # an attention layer's new rows by attention_rows.py's kernel (attention.QUERY_KERNEL), against XLA's: where
+    # XLA writes them (a mesh, a prefill chunk), a batch of one row's KV cache written by its dynamic-update-slice
+    # (attention.ONE_ROW_WRITE), against the batched scatter
     from qwen_mtp.trunk import attention
+    attention.QUERY_KERNEL = False
+    jax.clear_caches()
+    one("27B plain, the attention's new rows in XLA ops", "Qwen3.5-27B", k=0)
     attention.ONE_ROW_WRITE = False
     jax.clear_caches()
-    one("27B plain, the KV rows written by a scatter", "Qwen3.5-27B", k=0)
-    attention.ONE_ROW_WRITE = True
+    one("27B plain, XLA's KV rows written by a scatter", "Qwen3.5-27B", k=0)
+    attention.ONE_ROW_WRITE, attention.QUERY_KERNEL = True, True
     # a quantized MLP's gate and up in one launch (quant_gate_up.py), against two (quant.GATE_UP_KINDS emptied)
     jax.clear_caches()
     one("27B int4 plain", "Qwen3.5-27B", k=0, quant="int4")
@@ -278,11 +301,11 @@ def loops(target):
     jax.clear_caches()
     one("27B k3 native, the rollback in XLA ops (its reference)", "Qwen3.5-27B", k=3)
     rollback.gdn_rollback = rebuild
-    # the attention's queries made by attention_q.py's kernel from the q | gate product's partials, with their
-    # positions (attention.QUERY_KERNEL), against XLA's three kernels and its positions' one
+    # the attention's new rows made by attention_rows.py's kernel from the products' partials, the queries with
+    # their positions, the keys and values written into the caches (attention.QUERY_KERNEL), against XLA's kernels
     attention.QUERY_KERNEL = False
     jax.clear_caches()
-    one("27B int4 plain, the attention queries in XLA ops", "Qwen3.5-27B", k=0, quant="int4")
+    one("27B int4 plain, the attention's new rows in XLA ops", "Qwen3.5-27B", k=0, quant="int4")
     attention.QUERY_KERNEL = True
     # a batch of 4 (the tensor-core kernel's rows): its K partials summed by the GDN conv / step and the queries'
     # kernels (quant_decode.decode_parts), against XLA's sums (the FMA kernel's partials only, as before)

@@ -53,7 +53,7 @@ from tests.test_kernel_windowed_attention import CASES as INTERPRET_CASES
 
 KERNEL = "windowed_draft_attention"
 CAUSAL = "causal_attention"  # the trunk's and the native head's attention (kernels_pallas/causal_attention.py)
-QUERIES = "attention_queries"  # a decode step's / verify's queries into its rows (kernels_pallas/attention_q.py)
+QUERIES = "attention_new_rows"  # a decode step's / verify's queries, keys and values (kernels_pallas/attention_rows.py)
 GDN_STEP, GDN_VERIFY = "gdn_decode_step", "gdn_verify"  # the GDN layers' decode step and verify (gdn_step.py)
 GDN_CONV = "gdn_conv_step"  # the GDN conv at a decode step, its state in place (gdn_conv.py)
 ROLLBACK = "gdn_rollback"  # a GDN layer's two states rebuilt after a verify, in place (gdn_rollback.py)
@@ -494,11 +494,12 @@ def test_quantized_27b_speculative_loop_lowers_for_cuda():
     calls = kernel_calls(exported)
     # the draft steps (1 row) on the FMA decode kernel (the head's MLP gate and up in one launch, quant_gate_up.py),
     # the verify (k + 1 rows) on the tensor-core one; the draft head's norms of one row before quantized products
-    # on the RMSNorm row kernel (forward.post_norm)
+    # on the RMSNorm row kernel (forward.post_norm); the verify's attention layers' k and v in one launch
+    # (quant.pair_parts), their rows written by the new rows' kernel (QUERIES)
     assert calls.count(KERNEL) == 2 and set(calls) == {KERNEL, CAUSAL, QUERIES, GDN_VERIFY, ROLLBACK,
                                                         "quant_matmul_int4", "quant_matmul_int4_mma",
                                                         "quant_gate_up_int4", "quant_gate_up_int4_mma",
-                                                        "rmsnorm_rows"}, calls
+                                                        "quant_k_v_int4_mma", "rmsnorm_rows"}, calls
     # the verify's attention (every layer's) reads the fp8 trunk cache too, its queries from the queries' kernel
     assert calls.count(CAUSAL) == 1 and QUERIES in calls
     text = exported.mlir_module()

@@ -193,9 +193,13 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     # a layer's input norm and the final norm at one row as one kernel (kernels_pallas/rmsnorm.py) where XLA ran a
     # reduce and the normed row: a kernel a GDN layer and one for the final norm fewer (3 GDN layers + 1)
     assert rows["27B plain"]["kernels"] + 4 <= rows["27B plain, the input and final norms in XLA ops"]["kernels"], rows
-    # a batch of one row's KV cache written by its dynamic-update-slice (attention.ONE_ROW_WRITE): XLA fuses the new
-    # rows' computation into the update, where the scatter's select took them a kernel of their own each (k, v)
-    assert rows["27B plain"]["kernels"] + 2 <= rows["27B plain, the KV rows written by a scatter"]["kernels"], rows
+    # an attention layer's new rows by attention_rows.py's kernel: in bf16, k's norm and the two caches' updates
+    # gone (XLA's split-K sums of the products stay), 3 kernels; where XLA writes the rows, a batch of one row's KV
+    # cache by its dynamic-update-slice (attention.ONE_ROW_WRITE): XLA fuses the new rows' computation into the
+    # update, where the scatter's select took them kernels of their own
+    xla_rows = rows["27B plain, the attention's new rows in XLA ops"]["kernels"]
+    assert rows["27B plain"]["kernels"] + 3 <= xla_rows, rows
+    assert xla_rows + 2 <= rows["27B plain, XLA's KV rows written by a scatter"]["kernels"], rows
     # a quantized MLP's gate and up in one launch (quant_gate_up.py): a kernel a layer fewer (4 layers)
     assert rows["27B int4 plain"]["kernels"] + 4 <= rows["27B int4 plain, gate and up in two launches"]["kernels"], \
         rows
@@ -207,10 +211,12 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     # (gdn.step_projections): XLA's two sums before them gone, 2 kernels a GDN layer fewer (3 GDN layers)
     assert rows["27B int4 plain"]["kernels"] + 6 <= \
         rows["27B int4 plain, the GDN in-projections' K parts summed by XLA"]["kernels"], rows
-    # an attention layer's queries by attention_q.py's kernel, with their positions (attention.QUERY_KERNEL): XLA's
-    # three kernels before the attention kernel and its positions' one gone, 3 fewer (the one attention layer)
-    assert rows["27B int4 plain"]["kernels"] + 3 <= \
-        rows["27B int4 plain, the attention queries in XLA ops"]["kernels"], rows
+    # an attention layer's new rows by attention_rows.py's kernel (attention.QUERY_KERNEL) from the products' K
+    # partials, k's and v's from one launch (quant.pair_parts): XLA's three kernels before the attention kernel and
+    # its positions' one gone, k's sum and norm and the two caches' updates, and v's launch, 7 fewer (the one
+    # attention layer: 82 -> 75)
+    assert rows["27B int4 plain"]["kernels"] + 7 <= \
+        rows["27B int4 plain, the attention's new rows in XLA ops"]["kernels"], rows
     # at a batch of 4 the tensor-core kernel's K partials summed by the GDN conv / step kernels and the queries'
     # kernel (quant_decode.decode_parts): XLA's sums gone, 2 a GDN layer and 1 an attention layer (7); b and a then
     # on copies of x of their own (gdn.step_projections), not merged over their weights concatenated in the loop
@@ -264,15 +270,16 @@ def test_a_tensor_parallel_round_moves_no_weight(python, report):
 
 def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
     """tests/gpu_compile_kernels.py: each Pallas kernel family at real Qwen3.5 shapes (quantized matmuls of 27B
-    in every format at 1 and 5 rows, its gate and up in one launch at 1 row and at 4, the routed MoE experts of
-    35B-A3B and 397B-A17B, windowed and causal attention, the GDN decode step, verify, conv step and rollback (the
+    in every format at 1 and 5 rows, its gate and up in one launch at 1 row and at 4, its k and v in one launch, the
+    routed MoE experts of 35B-A3B and 397B-A17B, windowed and causal attention, the attention's new rows (queries,
+    keys and values) before the causal kernel, the GDN decode step, verify, conv step and rollback (the
     step's z, the conv's row and the rollback's rows also as K partials, quant.linear_parts), the MoE router's
     top-k, the RMSNorm row) compiles for an H200 and holds its kernel; a launch over one block's shared memory is
     refused by XLA's compile (the probe reaches the machine code). Last in the file: the kernels the programs above
     hold at these shapes are read from the module's kernel cache (89 -> 59 s on this CPU alone)."""
     rows = [json.loads(x) for x in _run(python, "tests/gpu_compile_kernels.py", "H200").splitlines()
             if x.startswith("{")]
-    assert len(rows) == 57, [r["label"] for r in rows]
+    assert len(rows) == 62, [r["label"] for r in rows]
     *good, bad = rows
     assert "error" in bad and "Shared memory size limit exceeded" in bad["error"], bad
     for r in good:
@@ -282,8 +289,8 @@ def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
     families = {k for r in good for k in r["kernels"]}
     assert {"quant_matmul_int8", "quant_matmul_int4_mma", "quant_matmul_fp8", "moe_gemv_int4", "moe_gate_up_plain",
             "moe_down_glu_fp8", "windowed_draft_attention", "causal_attention", "gdn_decode_step", "gdn_verify",
-            "gdn_conv_step", "gdn_rollback", "moe_router_topk", "rmsnorm_rows", "quant_gate_up_int4"} <= families, \
-        families
+            "gdn_conv_step", "gdn_rollback", "moe_router_topk", "rmsnorm_rows", "quant_gate_up_int4",
+            "attention_new_rows", "quant_k_v_int4_mma"} <= families, families
 
 
 def test_targets_and_a_missing_plugin_say_what_is_wrong(monkeypatch):

@@ -228,6 +228,37 @@ def test_mlp_on_cpu_is_the_two_products(monkeypatch):
     assert _mlp_calls("int4", 1, 5120, 17408) == ["quant_matmul_int4"] * 2  # gate / up's function, down's
 
 
+@pytest.mark.parametrize("kind,fmt,M,dtype", [("int4", 32, 1, "bf16"), ("int4", 32, 4, "bf16"),
+                                                ("int8", "channel", 2, "bf16"), ("fp8", (32, 32), 4, "bf16")],
+                         ids=lambda c: str(c))
+def test_pair_parts_are_the_two_products_partials(kind, fmt, M, dtype):
+    """quant.pair_parts (an attention layer's k and v in one launch, kernels_pallas/attention_rows.py's input):
+    [S, 2, M, N] float32 K partials, S the decode kernel's parts of one weight (decode_parts); off cuda (the
+    reference) each half's sum rounded to x's dtype is quant.linear's product on its weight, bit for bit; the one
+    launch (interpret mode, the FMA kernel at 1 row, the tensor-core one at its rows) gives each half's sum within
+    f32 rounding of a float64 oracle, and half 0 is not the second weight's. Plain weights, two layouts or a mesh: None."""
+    from kernels_pallas.quant_decode import decode_parts
+    from kernels_pallas.split_k import sum_parts
+
+    K, N = 512, 64
+    x, qa, sa, block = _inputs(kind, fmt, M, K, N, dtype, seed=M)
+    _, qb, sb, _ = _inputs(kind, fmt, M, K, N, dtype, seed=M + 1)
+    a, b = (QuantArray(jnp.asarray(q), jnp.asarray(s), kind=kind, block=tuple(block), shape=(K, N))
+            for q, s in ((qa, sa), (qb, sb)))
+    kw = {"kind": kind, "k": K, "block": block}
+    S = decode_parts(x, qa, sa, **kw)
+    ref = quant.pair_parts(x, a, b)
+    got = gu.quant_pair_parts(x, qa, sa, qb, sb, **kw, backend="pallas", interpret=True)
+    assert ref.shape == got.shape == (S, 2, M, N) and got.dtype == jnp.float32, (ref.shape, got.shape, S)
+    for half, (w, q, s) in enumerate(((a, qa, sa), (b, qb, sb))):
+        product = np.asarray(quant.linear(x, w))
+        np.testing.assert_array_equal(np.asarray(sum_parts(ref[:, half]).astype(x.dtype)), product)
+        assert rel_err(sum_parts(got[:, half]), _oracle(x, q, s, kind, K, block))[0] < 1e-5, half
+    assert rel_err(sum_parts(got[:, 0]), _oracle(x, qb, sb, kind, K, block))[0] > 0.1
+    assert quant.pair_parts(x, qa, qb) is None  # (plain arrays: the caller's products)
+    assert quant.pair_parts(x, a, dataclasses.replace(b, block=(K, 1) if fmt != "channel" else (K, 2))) is None
+
+
 def test_kernel_compiles_for_sm90(report):
     """27B's gate / up at 1 row (int4, fp8) compiled to sm_90: within a block's shared memory, no spill, and the
     inner loop's instructions per stored value within 2% of quant_gemv's single launch of the same plan (each

@@ -63,9 +63,10 @@
    step kernel (kernels_pallas/gdn_conv.py: the conv and its next state in place) at the same rows and channels;
    at batch 1 the step also with pad_row (out_proj's two rows: the same row, then zeros the kernel writes); then
    the RMSNorm row kernel (kernels_pallas/rmsnorm.py, norms.py) at the real hidden sizes, timed beside XLA's, and
-   the attention queries' kernel (kernels_pallas/attention_q.py, queries.py: the q | gate product's K partials
-   summed, q_norm, RoPE, written in the attention kernel's rows) at the real heads, timed beside XLA's three
-   kernels, and the GDN rollback kernel (kernels_pallas/gdn_rollback.py, rollback.py: both states of a GDN layer
+   the attention's new-rows kernel (kernels_pallas/attention_rows.py, new_rows.py: the q | gate, k and v
+   products' K partials summed, q_norm and k_norm, RoPE, the queries written in the attention kernel's rows, the
+   keys and values into the caches) at the real heads, timed beside XLA's kernels in a loop that carries the
+   caches, and the GDN rollback kernel (kernels_pallas/gdn_rollback.py, rollback.py: both states of a GDN layer
    rebuilt in place after a verify) at the real GDN layers, timed beside XLA's reference in a loop that carries
    the states. `--gdn-only` runs just this part.
 10. the MoE block's kernels: the routed experts at decode, the prefill paths and the plan sweep (moe.py, its

@@ -44,7 +44,7 @@ from .quant import (
     check_quant_plans,
 )
 from .norms import NORM_REAL, NORM_SMALL, NORM_SMOKE, check_rmsnorm
-from .queries import QUERIES_REAL, QUERIES_SMALL, QUERIES_SMOKE, check_queries
+from .new_rows import NEW_ROWS_REAL, NEW_ROWS_SMALL, NEW_ROWS_SMOKE, check_new_rows
 from .rollback import ROLLBACK_REAL, ROLLBACK_SMALL, ROLLBACK_SMOKE, check_rollback
 from .router import ROUTER_REAL, ROUTER_SMALL, ROUTER_SMOKE, check_router
 from .tensor_parallel import check_tensor_parallel
@@ -64,7 +64,7 @@ def main(argv=None):
                          "top-k")
     ap.add_argument("--gdn-only", action="store_true",
                     help="only the GDN decode step and verify kernel checks (gdn.py), the RMSNorm row (norms.py), "
-                         "the attention queries' kernel (queries.py) and the GDN rollback (rollback.py)")
+                         "the attention's new-rows kernel (new_rows.py) and the GDN rollback (rollback.py)")
     ap.add_argument("--tp-only", action="store_true", help="only the tensor-parallel check (item 6)")
     ap.add_argument("--e2e27b-only", action="store_true",
                     help="only the end-to-end timing on the Qwen3.5-27B slice (item 7; on CPU a small config)")
@@ -122,8 +122,8 @@ def _run(args, t0, contexts):
                  "gdn": [("GDN step and verify, small", lambda: check_gdn(GDN_SMALL, interp, timings=False)),
                          ("RMSNorm rows, small",
                           lambda: check_rmsnorm(NORM_SMOKE if interp else NORM_SMALL, interp, False)),
-                         ("attention queries, small",
-                          lambda: check_queries(QUERIES_SMOKE if interp else QUERIES_SMALL, interp, False)),
+                         ("attention new rows, small",
+                          lambda: check_new_rows(NEW_ROWS_SMOKE if interp else NEW_ROWS_SMALL, interp, False)),
                          ("GDN rollback, small",
                           lambda: check_rollback(ROLLBACK_SMOKE if interp else ROLLBACK_SMALL, interp, False))],
                  "long": [("causal attention, small", lambda: check_causal(CAUSAL_SMALL, interp, timings=False))]}
@@ -144,7 +144,7 @@ def _run(args, t0, contexts):
                           lambda: check_moe_prefill(MOE_PREFILL_REAL, False, timings=True))],
                  "gdn": [("GDN step and verify, real shapes, timed", lambda: check_gdn(GDN_REAL, False, True)),
                          ("RMSNorm rows, real hidden sizes, timed", lambda: check_rmsnorm(NORM_REAL, False, True)),
-                         ("attention queries, real heads, timed", lambda: check_queries(QUERIES_REAL, False, True)),
+                         ("attention new rows, real heads, timed", lambda: check_new_rows(NEW_ROWS_REAL, False, True)),
                          ("GDN rollback, real layers, timed", lambda: check_rollback(ROLLBACK_REAL, False, True))],
                  "long": [("causal attention, 27B long caches, timed",
                            lambda: check_causal(CAUSAL_LONG, False, timings=True)),
@@ -169,7 +169,7 @@ def _run(args, t0, contexts):
         sec("causal attention, small", lambda: check_causal(CAUSAL_SMALL[:1], True, timings=False))
         sec("GDN step and verify, small", lambda: check_gdn(GDN_SMALL[:2], True, timings=False))
         sec("RMSNorm rows, small", lambda: check_rmsnorm(NORM_SMOKE, True, timings=False))
-        sec("attention queries, small", lambda: check_queries(QUERIES_SMOKE, True, timings=False))
+        sec("attention new rows, small", lambda: check_new_rows(NEW_ROWS_SMOKE, True, timings=False))
         sec("GDN rollback, small", lambda: check_rollback(ROLLBACK_SMOKE, True, timings=False))
         sec("quantized matmul, small", lambda: check_quant(QUANT_SMOKE, True, timings=False))
         sec("dense gate / up in one launch, small", lambda: check_gate_up(GATE_UP_SMOKE, True, timings=False))
@@ -184,7 +184,7 @@ def _run(args, t0, contexts):
     sec("causal attention, small", lambda: check_causal(CAUSAL_SMALL, False, timings=False))
     sec("GDN step and verify, small", lambda: check_gdn(GDN_SMALL, False, timings=False))
     sec("RMSNorm rows, small", lambda: check_rmsnorm(NORM_SMALL, False, timings=False))
-    sec("attention queries, small", lambda: check_queries(QUERIES_SMALL, False, timings=False))
+    sec("attention new rows, small", lambda: check_new_rows(NEW_ROWS_SMALL, False, timings=False))
     sec("GDN rollback, small", lambda: check_rollback(ROLLBACK_SMALL, False, timings=False))
     sec("quantized matmul, small", lambda: check_quant(QUANT_SMALL, False, timings=False))
     sec("decode kernel plan alternatives, small", lambda: check_quant_plans(QUANT_PLANS_SMOKE, False, timings=False))
@@ -200,7 +200,7 @@ def _run(args, t0, contexts):
     sec("causal attention, 27B long caches, timed", lambda: check_causal(CAUSAL_LONG, False, timings=True))
     sec("GDN step and verify, real shapes, timed", lambda: check_gdn(GDN_REAL, False, timings=True))
     sec("RMSNorm rows, real hidden sizes, timed", lambda: check_rmsnorm(NORM_REAL, False, timings=True))
-    sec("attention queries, real heads, timed", lambda: check_queries(QUERIES_REAL, False, timings=True))
+    sec("attention new rows, real heads, timed", lambda: check_new_rows(NEW_ROWS_REAL, False, timings=True))
     sec("GDN rollback, real layers, timed", lambda: check_rollback(ROLLBACK_REAL, False, timings=True))
     sec("end to end, shipped model", lambda: check_end_to_end(args.max_new, thorough=True))
     sec("tensor parallel", lambda: check_tensor_parallel(args.max_new))

@@ -2,10 +2,12 @@
 `check_gate_up`): against the reference (quant_matmul_reference twice, the activation between) and beside the
 two launches of the decode kernel (quant_gemv's at 1 - 3 rows, the tensor-core kernels' at a verify's 4) and
 XLA's activation that the MLP ran before, in int4 groups, fp8 blocks and int8 per channel, at small shapes and
-at Qwen3.5-27B's gate / up (5120 x 17408) and 35B-A3B's shared expert (2048 x 512) at the rows the one launch
-takes. GB/s counts the bytes both products must read (values, scales, x, the output); the line gives both
-forms' times and their ratio: quant.GATE_UP_KINDS should follow it (the one launch saves a kernel a layer; each
-of its programs is the single launch's, so the ratio is what the launch and the fusion after it cost)."""
+at Qwen3.5-27B's gate / up (5120 x 17408), 35B-A3B's shared expert (2048 x 512) and 27B's attention k / v
+(5120 x 1024: the same launch, quant.pair_parts, hands its partials to kernels_pallas/attention_rows.py) at the
+rows the one launch takes. GB/s counts the bytes both products must read (values, scales, x, the output); the
+line gives both forms' times and their ratio: quant.GATE_UP_KINDS should follow it (the one launch saves a
+kernel a layer; each of its programs is the single launch's, so the ratio is what the launch and the fusion
+after it cost)."""
 
 import functools
 
@@ -29,7 +31,7 @@ GATE_UP_SMALL = GATE_UP_SMOKE + [("int8", "channel", 2, 200, 72, "bfloat16"),
                                  ("fp8", (128, 128), 4, 300, 136, "bfloat16")]
 # at 1 / 3 rows the FMA kernel's pair form, at 4 (a k = 3 verify) the tensor-core kernels'
 
-GATE_UP_REAL = [(kind, fmt, M, K, N, "bfloat16") for (K, N) in ((5120, 17408), (2048, 512))
+GATE_UP_REAL = [(kind, fmt, M, K, N, "bfloat16") for (K, N) in ((5120, 17408), (2048, 512), (5120, 1024))
                 for kind, fmt, M in (("int4", 128, 1), ("fp8", (128, 128), 1), ("int8", "channel", 1),
                                      ("fp8", (128, 128), 3), ("int4", 128, 4), ("int8", "channel", 4),
                                      ("fp8", (128, 128), 4))]

@@ -18,14 +18,15 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import per_shard as spmd
-from kernels_pallas.attention_q import causal_attend_from_product, product_of, queries, rows_at
+from kernels_pallas.attention_q import product_of, queries, rows_at
+from kernels_pallas.attention_rows import attend_new_rows, write_rows_scatter
 from kernels_pallas.causal_attention import FEW_QUERIES, causal_attend, causal_attend_before_write, takes_dense_form
 from kernels_pallas.masked_attention import BLOCK_DIAGONAL_ROWS
 from kernels_pallas.per_shard import active_mesh
 from kernels_pallas.rope import apply_rope, rope_cos_sin
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.ops import linear, linear_of_two, rmsnorm_1pw
-from qwen_mtp.trunk.quant import linear_parts
+from qwen_mtp.trunk.quant import linear_parts, pair_parts
 from qwen_mtp.trunk.state import KVCache, to_cache
 from qwen_mtp.trunk.weights import AttnWeights
 
@@ -63,12 +64,6 @@ def project_kv(x, w: AttnWeights, cfg: ModelConfig, positions, two=None):
     v = _lin(two)(x, w.v_proj).reshape(B, T, nkv, hd)
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
     return apply_rope(k, cos, sin), v
-
-
-def write_rows_scatter(cache, new, pos):
-    """cache [B, S, nkv, hd] with new [B, T, nkv, hd] in slots pos[b] .. pos[b]+T-1 of row b (clamped to fit, as
-    dynamic_update_slice does), as one batched update: a scatter (what a GPU runs)."""
-    return jax.vmap(lambda c, u, p: jax.lax.dynamic_update_slice(c, u, (p, 0, 0)))(cache, new, pos)
 
 
 # write_rows_per_row unrolls its updates up to this many rows, and loops over the rows beyond (a 2000-row batch
@@ -135,9 +130,10 @@ def attention_layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, ro
     RoPE position = slot + rope_offset (0 for the trunk; 1 for the MTP head, whose row t sits at t + 1).
     The new rows are rounded to the cache dtype, written, and read back from the cache (upcast to the compute
     dtype) by kernels_pallas/causal_attention.py, which walks the cache in blocks and stops after the furthest
-    position. On cuda a decode step's or a verify's (T <= FEW_QUERIES, no mesh) queries are made by
-    kernels_pallas/attention_q.py's kernel from the q | gate product (its K partials), written where the attention
-    kernel reads them (_from_product: two kernels fewer than XLA's).
+    position. On cuda a decode step's or a verify's (T <= FEW_QUERIES, no mesh) queries, keys and values are
+    made by kernels_pallas/attention_rows.py's kernel from the products (their K partials), the queries written
+    where the attention kernel reads them, the keys and values into the caches (_from_product: five kernels fewer
+    than XLA's).
 
     On a CPU, a decode step or a verify (T <= BLOCK_DIAGONAL_ROWS) whose attention takes the dense form reads
     the cache BEFORE the write instead, with the same rounded new rows held apart (causal_attend_before_write:
@@ -153,8 +149,8 @@ def attention_layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, ro
     return _layer(x, w, cfg, cache, pos, rope_offset, two)
 
 
-# a decode step's or a verify's queries (no mesh) by kernels_pallas/attention_q.py's kernel on cuda (_from_product);
-# False: XLA's ops there too (tests/gpu_compile_kernels.py's control)
+# a decode step's or a verify's new rows (no mesh) by kernels_pallas/attention_rows.py's kernel on cuda
+# (_from_product); False: XLA's ops there too (tests/gpu_compile_kernels.py's control)
 QUERY_KERNEL = True
 
 
@@ -184,17 +180,39 @@ def _layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, rope_offset
 
 def _from_product(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, rope_offset, two,
                   backend: str = "auto", interpret: bool = False):
-    """_layer for a decode step or a verify with no mesh, as a GPU runs it: the q | gate product as its float32
-    K partials where the quantized decode kernel makes them (quant.linear_parts), else the product itself, read
-    by kernels_pallas/attention_q.py's kernel, which sums, norms and rotates the queries into the attention
-    kernel's rows (XLA's three kernels before the attention one, two fewer); the gate sums the partials in the
-    output's fusion. The same values as _layer (backend / interpret: the tests run the kernels on a CPU)."""
+    """_layer for a decode step or a verify with no mesh, as a GPU runs it: the q | gate product, and k's and v's
+    together, as their float32 K partials where the quantized decode kernel makes them (quant.linear_parts; k and
+    v in one launch, quant.pair_parts), else the products themselves, read by kernels_pallas/attention_rows.py's
+    kernel, which sums, norms and rotates the queries into the attention kernel's rows and writes the keys and
+    values into the caches in place (XLA's kernels between the products and the attention kernel: none left); the
+    gate sums the partials in the output's fusion. The same values as _layer (backend / interpret: the tests run
+    the kernels on a CPU)."""
     B, T, _ = x.shape
-    parts = linear_parts(x, w.q_proj)
-    parts = _lin(two)(x, w.q_proj).reshape(1, B * T, -1) if parts is None else parts
-    qg = product_of(parts, x.dtype)  # (the gate's: summed in chunks XLA fuses into the output's fusion)
-    k, v = project_kv(x, w, cfg, rows_at(pos, T) + rope_offset, two)
-    cache = write_kv(cache, to_cache(k, cache.k.dtype), to_cache(v, cache.v.dtype), pos)
-    o = causal_attend_from_product(parts, w.q_norm, cache.k, cache.v, pos, rope_offset=rope_offset,
-                                   **_query_args(cfg, x.dtype), backend=backend, interpret=interpret)
-    return output(o, gate_of(qg.reshape(B, T, -1), cfg), w), cache
+    q_parts = _parts(x, w.q_proj, two)
+    qg = product_of(q_parts, x.dtype)  # (the gate's: summed in chunks XLA fuses into the output's fusion)
+    o, k, v = attend_new_rows(q_parts, w.q_norm, _kv_parts(x, w, two), w.k_norm, cache.k, cache.v, pos,
+                              rope_offset=rope_offset, **_query_args(cfg, x.dtype), backend=backend,
+                              interpret=interpret)
+    return output(o, gate_of(qg.reshape(B, T, -1), cfg), w), KVCache(k, v)
+
+
+def _parts(x, m, two):
+    """x @ m as [S, B T, N]: the decode kernel's K partials (quant.linear_parts), else the product itself (S 1)."""
+    parts = linear_parts(x, m)
+    return _product(x, m, two) if parts is None else parts
+
+
+def _product(x, m, two):
+    return _lin(two)(x, m).reshape(1, x.shape[0] * x.shape[1], -1)
+
+
+def _kv_parts(x, w: AttnWeights, two):
+    """k's and v's products as [S, 2, B T, nkv hd]: one launch's K partials (quant.pair_parts), else each one's
+    (_parts; both products where one has partials and the other none)."""
+    kv = pair_parts(x, w.k_proj, w.v_proj, name="k_v")
+    if kv is not None:
+        return kv.reshape(*kv.shape[:2], -1, kv.shape[-1])
+    k, v = _parts(x, w.k_proj, two), _parts(x, w.v_proj, two)
+    if k.shape != v.shape or k.dtype != v.dtype:
+        k, v = _product(x, w.k_proj, two), _product(x, w.v_proj, two)
+    return jnp.stack([k, v], axis=1)

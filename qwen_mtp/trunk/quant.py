@@ -182,17 +182,32 @@ def gate_up(x, gate, up, *, backend: str = "auto"):
     """silu(x @ gate) * (x @ up) -> [..., N] in x's dtype, gate and up QuantArrays [K, N] of one layout, in one
     launch (kernels_pallas/quant_gate_up.py) where it takes them: no mesh active and rows the decode kernel is
     backend "auto"'s choice for. None otherwise: the caller's two products (mlp.gate_up), as before."""
-    if not (isinstance(gate, QuantArray) and isinstance(up, QuantArray) and gate.ndim == up.ndim == 2
-            and gate.kind == up.kind and gate.kind in GATE_UP_KINDS and tuple(gate.block) == tuple(up.block)
-            and spmd.active_mesh() is None):
+    pair = _one_launch(x, gate, up)
+    if pair is None:
         return None
-    K, N = gate.shape
-    x2 = x.reshape(-1, K)
-    args = (x2, gate.q, gate.scale, up.q, up.scale)
-    kw = dict(kind=gate.kind, k=K, block=tuple(gate.block))
-    if quant_gate_up.unsupported_reason(*args, **kw) is not None:
+    return quant_gate_up.quant_gate_up(*pair[0], **pair[1], backend=backend).reshape(*x.shape[:-1], up.shape[1])
+
+
+def _one_launch(x, a, b):
+    """(args, kw) of quant_gate_up's one launch for x @ a and x @ b, or None where it takes no launch: not two
+    QuantArrays [K, N] of one layout in GATE_UP_KINDS, a mesh active, or rows no decode kernel takes."""
+    if not (isinstance(a, QuantArray) and isinstance(b, QuantArray) and a.ndim == b.ndim == 2 and a.kind == b.kind
+            and a.kind in GATE_UP_KINDS and tuple(a.block) == tuple(b.block) and spmd.active_mesh() is None):
         return None
-    return quant_gate_up.quant_gate_up(*args, **kw, backend=backend).reshape(*x.shape[:-1], N)
+    K = a.shape[0]
+    args = (x.reshape(-1, K), a.q, a.scale, b.q, b.scale)
+    kw = dict(kind=a.kind, k=K, block=tuple(a.block))
+    return None if quant_gate_up.unsupported_reason(*args, **kw) is not None else (args, kw)
+
+
+def pair_parts(x, a, b, *, name: str = "pair", backend: str = "auto"):
+    """x [..., K] @ a and x @ b, QuantArrays [K, N] of one layout, as one launch's float32 K partials
+    [S, 2, rows, N] (kernels_pallas/quant_gate_up.quant_pair_parts; [s, 0] a's, [s, 1] b's; their sums rounded to
+    x's dtype are `linear`'s products, bit for bit off cuda), for a consumer kernel that sums them as it loads them
+    (attention_rows.py: k and v); None where gate_up would take no launch: the caller's products. name: the
+    launch's (its custom call quant_{name}_{kind}[_mma])."""
+    pair = _one_launch(x, a, b)
+    return None if pair is None else quant_gate_up.quant_pair_parts(*pair[0], **pair[1], name=name, backend=backend)
 
 
 def grouped_dot(x, w, group_sizes, *, impl: str = "auto"):

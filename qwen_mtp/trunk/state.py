@@ -30,10 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kernels_pallas import attention_rows
 from qwen_mtp.errors import ArgumentError
 from qwen_mtp.trunk.config import ModelConfig
 
-FP8_KV = jnp.dtype("float8_e4m3fn")
+FP8_KV = attention_rows.FP8
+to_cache = attention_rows.to_cache  # the rule's writer (module doc), shared with the kernel that writes rows
 KV_DTYPE_NAMES = ("float8_e4m3fn", "bfloat16", "float32")  # fp8, or a compute dtype name (load(dtype=...))
 
 
@@ -78,18 +80,6 @@ def resolve_kv_dtype(kv_dtype, compute_dtype):
     if name not in KV_DTYPE_NAMES:
         raise ArgumentError("kv_dtype", f"None (the compute dtype) or one of {list(KV_DTYPE_NAMES)}", repr(kv_dtype))
     return jnp.dtype(name)
-
-
-def to_cache(x, dtype):
-    """x as a KV cache of `dtype` stores it: a plain cast, except float8_e4m3fn, which saturates to its finite
-    range first (a cast of |x| > 448 would give NaN). Identity when x already has that dtype."""
-    dtype = jnp.dtype(dtype)
-    if x.dtype == dtype:
-        return x
-    if dtype == FP8_KV:
-        top = float(jnp.finfo(dtype).max)
-        x = jnp.clip(x, -top, top)
-    return x.astype(dtype)
 
 
 def kv_bytes(state) -> int:
