@@ -21,7 +21,8 @@ a few units of f32 rounding, bf16 ones to their rounding; values and every other
 
 Why a kernel: compiled for a GPU, XLA wrote a decode step's or a verify's keys and values with three kernels per
 attention layer (the k partials' sum and norm, then one dynamic-update-slice per cache, which computed k's RoPE
-and v's sum), besides the queries' kernel. Here the queries' programs (batch row b, kv head h, row m) with m < T
+and v's sum), besides the queries' kernel (27B int4 at full depth: 64 kernels of a plain step's 1025, with k and
+v's one launch, quant.pair_parts). Here the queries' programs (batch row b, kv head h, row m) with m < T
 also write key and value row m of head h: no program reads what another writes, so both caches are aliased to
 the outputs, and the attention kernel, the next launch, reads them. trunk/attention._from_product runs it on cuda
 for a decode step, a verify and the MTP head's draft step (no mesh); dispatch.py's rule chooses the backend.

@@ -236,7 +236,7 @@ def test_pair_parts_are_the_two_products_partials(kind, fmt, M, dtype):
     [S, 2, M, N] float32 K partials, S the decode kernel's parts of one weight (decode_parts); off cuda (the
     reference) each half's sum rounded to x's dtype is quant.linear's product on its weight, bit for bit; the one
     launch (interpret mode, the FMA kernel at 1 row, the tensor-core one at its rows) gives each half's sum within
-    f32 rounding of a float64 oracle, and half 0 is not the second weight's. Plain weights, two layouts or a mesh: None."""
+    f32 rounding of a float64 oracle, and half 0 is not the second weight's. Plain weights or two layouts: None."""
     from kernels_pallas.quant_decode import decode_parts
     from kernels_pallas.split_k import sum_parts
 
