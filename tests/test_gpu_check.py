@@ -22,8 +22,9 @@ def test_gpu_check_runs_on_cpu(capsys):
     assert "GDN conv one head (B1 C48 float32): max_rel out, state " in out  # gdn_conv.py beside the step
     assert "RMSNorm rows R1 H1000 float32: grid (1,), max_rel " in out  # rmsnorm.py
     assert "RMSNorm rows R1 H1000 float32 pad_row (the row and its two rows): max_rel " in out
-    # attention_q.py: the queries in the attention kernel's rows and their positions
-    assert "attention queries small B2 T3 heads 4/2x32 rotary 10 S2 float32: grid (2, 2, 16), max_rel " in out
+    # attention_rows.py: the queries in the attention kernel's rows and their positions, the keys and values
+    assert ("attention new rows small B2 T3 heads 4/2x32 rotary 10 S2/3 float32 float32: grid (2, 2, 16), max_rel "
+            in out)
     assert "pad_row: the row and zeros" in out  # the GDN step writing out_proj's two rows
     # gdn_rollback.py: both states rebuilt after a verify, the rows' inputs also as K partials
     assert "GDN rollback small B2 T4 C700 heads 3x16 float32: max_rel state " in out, out
@@ -42,7 +43,7 @@ def test_gpu_check_budget_skips_and_names_what_it_skips(capsys):
     out = capsys.readouterr().out
     assert "max_rel" not in out and "tokens/s" not in out  # nothing ran
     for part in ("windowed attention, small", "causal attention, small", "GDN step and verify, small",
-                 "RMSNorm rows, small", "attention queries, small", "GDN rollback, small", "quantized matmul, small",
+                 "RMSNorm rows, small", "attention new rows, small", "GDN rollback, small", "quantized matmul, small",
                  "dense gate / up in one launch, small", "end to end, shipped model", "tensor parallel"):
         assert f"== {part}: skipped" in out
     assert out.rstrip().splitlines()[-1].endswith("10 of 10 parts skipped for the --budget")

@@ -33,24 +33,24 @@ SLOTS = 4096
 
 
 def _inputs(rng, B, T, nh, nkv, hd, Sq, Skv, dtype, kv):
-    parts = lambda S, n: jnp.asarray(rng.standard_normal((S, B * T, n)) * 2 / np.sqrt(S), jnp.float32)
+    """q_parts, q_norm, kv_parts (k's and v's partials [Skv, 2, B T, nkv hd]), k_norm, k_cache, v_cache, start."""
+    parts = lambda *s: jnp.asarray(rng.standard_normal(s) * 2 / np.sqrt(s[0]), jnp.float32)
     norm = lambda: jnp.asarray(0.3 * rng.standard_normal(hd), jnp.float32).astype(dtype)
     cache = lambda: jnp.asarray(rng.standard_normal((B, SLOTS, nkv, hd)), jnp.float32).astype(kv)
     start = jnp.asarray(rng.integers(0, SLOTS - T + 1, B), jnp.int32)
-    return (parts(Sq, nh * 2 * hd), norm(), parts(Skv, nkv * hd), parts(Skv, nkv * hd), norm(), cache(), cache(),
-            start)
+    return parts(Sq, B * T, nh * 2 * hd), norm(), parts(Skv, 2, B * T, nkv * hd), norm(), cache(), cache(), start
 
 
 def _time_carried(f, args, n=50):
     """Seconds per call of f over n calls in one compiled loop that carries the caches from call to call, as the
     decode loop does (a loop handing the kernel the same caches each call would have XLA copy them first), and
     the queries and positions too, so that XLA computes them every call: timing.time_loop's best of 3 runs."""
-    q, qn, k, v, kn, kc, vc, start = args
+    q, qn, kv, kn, kc, vc, start = args
 
     @jax.jit
     def loop(kc, vc):
-        first = f(q, qn, k, v, kn, kc, vc, start)
-        return jax.lax.fori_loop(1, n, lambda _, c: f(q, qn, k, v, kn, c[2], c[3], start), first)
+        first = f(q, qn, kv, kn, kc, vc, start)
+        return jax.lax.fori_loop(1, n, lambda _, c: f(q, qn, kv, kn, c[2], c[3], start), first)
 
     return time_loop(loop, (kc, vc), n)
 
@@ -65,7 +65,7 @@ def check_new_rows(cases, interpret, timings):
         if out_of_time(f"{label} and the rest"):
             break
         args = _inputs(np.random.default_rng(i), B, T, nh, nkv, hd, Sq, Skv, jnp.dtype(dtype), jnp.dtype(kv))
-        p = kernel_plan((B, T, nh, hd), dtype, args[5])
+        p = kernel_plan((B, T, nh, hd), dtype, args[4])
         kw = dict(offset=0, rows=p.row_tile * p.row_tiles, rotary_dim=rd, theta=1e7, eps=1e-6, dtype=jnp.dtype(dtype))
         kern = jax.jit(lambda *a: new_rows_pallas(*a, interpret=interpret, **kw))
         ref = jax.jit(lambda *a: new_rows_reference(*a, **kw))
@@ -85,7 +85,7 @@ def check_new_rows(cases, interpret, timings):
                f"{'OK' if ok else 'FAIL'}"
         if timings:
             t_k, t_r = _time_carried(kern, args), _time_carried(ref, args)
-            nbytes = sum(a.nbytes for a in (args[0], args[2], args[3]))
+            nbytes = args[0].nbytes + args[2].nbytes
             line += (f"; {nbytes / 1e6:.2f} MB of partials; kernel {1e6 * t_k:.1f} us, XLA reference "
                      f"{1e6 * t_r:.1f} us, kernel/XLA {t_k / t_r:.2f}x")
         print(line, flush=True)
