@@ -46,16 +46,10 @@ from kernels_pallas import dispatch
 from kernels_pallas import windowed_attention as wa
 from kernels_pallas.rmsnorm import DTYPES, rmsnorm_reference
 from kernels_pallas.rope import apply_rope, inverse_frequencies, rope_cos_sin
-from kernels_pallas.split_k import sum_parts
+from kernels_pallas.split_k import product_of
 
 MAX_HEAD_DIM = 1024
 NUM_WARPS = 2
-
-
-def product_of(parts, dtype):
-    """The q | gate product [B T, nh 2 hd] in dtype from parts [S, B T, nh 2 hd]: the product itself (S = 1), or
-    the partials' f32 sum (split_k.sum_parts) rounded to dtype, as ops.linear's product is."""
-    return (parts[0] if parts.shape[0] == 1 else sum_parts(parts)).astype(dtype)
 
 
 def queries(parts, w, positions, *, head_dim: int, rotary_dim: int, theta: float, eps: float, dtype):

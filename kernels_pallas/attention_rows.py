@@ -42,6 +42,7 @@ from kernels_pallas import causal_attention as ca
 from kernels_pallas import dispatch
 from kernels_pallas.rmsnorm import DTYPES, rmsnorm_reference
 from kernels_pallas.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from kernels_pallas.split_k import product_of
 
 FP8 = jnp.dtype("float8_e4m3fn")
 
@@ -77,7 +78,7 @@ def keys_values(kv_parts, k_norm, start, *, offset: int, num_kv_heads: int, rota
     """The rows' keys (normed, rotated to start[b] + t + offset) and values [B, T, nkv, hd] in dtype."""
     B, hd = start.shape[0], k_norm.shape[0]
     T = kv_parts.shape[2] // B
-    k, v = (aq.product_of(kv_parts[:, i], dtype).reshape(B, T, num_kv_heads, hd) for i in (0, 1))
+    k, v = (product_of(kv_parts[:, i], dtype).reshape(B, T, num_kv_heads, hd) for i in (0, 1))
     cos, sin = rope_cos_sin(aq.rows_at(start, T) + offset, rotary_dim, theta)
     return apply_rope(rmsnorm_reference(k, k_norm, eps=eps), cos, sin), v
 

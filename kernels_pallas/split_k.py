@@ -57,3 +57,9 @@ def as_parts(y, parts: int):
     consumer summing partials forms y bit for bit (the references of a kernel's unsummed partials, off cuda)."""
     y = y.astype(jnp.float32)
     return jnp.concatenate([y[None], jnp.zeros((parts - 1, *y.shape), jnp.float32)])
+
+
+def product_of(parts, dtype):
+    """The product [...] in dtype from parts [S, ...]: the product itself (S = 1), or the partials' f32 sum
+    (sum_parts) rounded to dtype, as ops.linear's product is (a consumer kernel's reference)."""
+    return (parts[0] if parts.shape[0] == 1 else sum_parts(parts)).astype(dtype)

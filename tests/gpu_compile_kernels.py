@@ -72,13 +72,13 @@ def cases():
         label = f"causal attention 27B B{b} T{t} S{S}" + (" fp8 cache" if kv else "")
         out.append((label, jax.jit(causal_attend), args, {}, {"causal_attention": 1}))
     from kernels_pallas.attention_rows import attend_new_rows
-    S, f32, bf16 = jax.ShapeDtypeStruct, jnp.float32, jnp.bfloat16
+    S_, f32, bf16 = jax.ShapeDtypeStruct, jnp.float32, jnp.bfloat16
     for model, B, T, Sq, Skv, kv in (("27B", 1, 1, 14, 14, bf16), ("27B", 1, 4, 8, 14, jnp.float8_e4m3fn),
                                      ("35B-A3B", 8, 1, 4, 4, bf16)):  # a decode step, a k = 3 verify, a batch
         nh, nkv = REAL_HEADS[model]
-        cache = S((B, 131072, nkv, 256), kv)
-        args = (S((Sq, B * T, nh * 512), f32), S((256,), bf16), S((Skv, 2, B * T, nkv * 256), f32), S((256,), bf16),
-                cache, cache, S((B,), jnp.int32))
+        cache = S_((B, 131072, nkv, 256), kv)
+        args = (S_((Sq, B * T, nh * 512), f32), S_((256,), bf16), S_((Skv, 2, B * T, nkv * 256), f32), S_((256,), bf16),
+                cache, cache, S_((B,), jnp.int32))
         fn = jax.jit(lambda *a: attend_new_rows(*a, rope_offset=0, head_dim=256, rotary_dim=64, theta=1e7, eps=1e-6,
                                                 dtype=bf16))
         out.append((f"attention new rows {model} B{B} T{T} S131072" + (" fp8 cache" if kv != bf16 else ""), fn, args,
@@ -89,6 +89,12 @@ def cases():
         fn = jax.jit(lambda *a, block=block: quant_pair_parts(*a, kind="int4", k=5120, block=block, name="k_v"))
         out.append((f"quant k / v in one launch int4 27B M{M}", fn, (x, q, s, q, s), {},
                     {f"quant_k_v_int4{suffix}": 1}))
+    from kernels_pallas.add_rmsnorm import add_rmsnorm_rows
+    for model, R, S, H, pad in (("27B", 1, 16, 5120, False), ("27B", 4, 8, 5120, False), ("35B-A3B", 1, 4, 2048, True)):
+        args = (S_((R, H), bf16), S_((S, R, H), f32), S_((H,), bf16))  # a step's and a verify's out_proj partials
+        fn = jax.jit(lambda *a, pad=pad: add_rmsnorm_rows(*a, eps=1e-6, pad_row=pad))
+        out.append((f"residual add + RMSNorm {model} R{R} H{H} from {S} K partials" + (" pad_row" if pad else ""),
+                    fn, args, {}, {"add_rmsnorm_rows": 1}))
     from kernels_pallas.gdn_rollback import gdn_rollback
     from kernels_pallas.gdn_step import gdn_step
     from kernels_pallas.gdn_verify import gdn_verify
@@ -158,7 +164,8 @@ def loops(target):
     apart from the routed experts' launches (before mlp._routed_and_shared), bf16 and int4; 27B's plain step, and
     with its input and final norms in XLA ops (before rmsnorm.py's kernel), and with its attention's new rows in
     XLA ops (before attention_rows.py's kernel), and so again with its KV rows written by the batched scatter
-    (before attention.ONE_ROW_WRITE); 27B int4's plain step, and with its MLPs' gate and up in
+    (before attention.ONE_ROW_WRITE); 27B int4's plain step, and with its residual add and post norm apart
+    (before add_rmsnorm.py), with its MLPs' gate and up in
     two launches (before quant_gate_up.py), with K's parts summed by one reduce (before split_k.sum_parts), and
     with the GDN qkv / z products' K parts summed by XLA (before gdn.step_projections), and with its attention's
     new rows in XLA ops (before attention_q.py's and attention_rows.py's kernels); 27B int4's k = 1 round, and
@@ -257,6 +264,12 @@ def loops(target):
     # a quantized MLP's gate and up in one launch (quant_gate_up.py), against two (quant.GATE_UP_KINDS emptied)
     jax.clear_caches()
     one("27B int4 plain", "Qwen3.5-27B", k=0, quant="int4")
+    # a layer's residual add after its mixer and its post norm in one kernel from the out-projection's partials
+    # (forward.ADD_NORM, kernels_pallas/add_rmsnorm.py), against the add and the norm apart
+    forward.ADD_NORM = False
+    jax.clear_caches()
+    one("27B int4 plain, the residual add and the post norm apart", "Qwen3.5-27B", k=0, quant="int4")
+    forward.ADD_NORM = True
     kinds, quant.GATE_UP_KINDS = quant.GATE_UP_KINDS, ()
     jax.clear_caches()
     one("27B int4 plain, gate and up in two launches", "Qwen3.5-27B", k=0, quant="int4")

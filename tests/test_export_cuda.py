@@ -495,11 +495,12 @@ def test_quantized_27b_speculative_loop_lowers_for_cuda():
     # the draft steps (1 row) on the FMA decode kernel (the head's MLP gate and up in one launch, quant_gate_up.py),
     # the verify (k + 1 rows) on the tensor-core one; the draft head's norms of one row before quantized products
     # on the RMSNorm row kernel (forward.post_norm); the verify's attention layers' k and v in one launch
-    # (quant.pair_parts), their rows written by the new rows' kernel (QUERIES)
+    # (quant.pair_parts), their rows written by the new rows' kernel (QUERIES); the verify's residual add after a
+    # mixer and its post norm in one kernel (add_rmsnorm.py)
     assert calls.count(KERNEL) == 2 and set(calls) == {KERNEL, CAUSAL, QUERIES, GDN_VERIFY, ROLLBACK,
                                                         "quant_matmul_int4", "quant_matmul_int4_mma",
                                                         "quant_gate_up_int4", "quant_gate_up_int4_mma",
-                                                        "quant_k_v_int4_mma", "rmsnorm_rows"}, calls
+                                                        "quant_k_v_int4_mma", "rmsnorm_rows", "add_rmsnorm_rows"}, calls
     # the verify's attention (every layer's) reads the fp8 trunk cache too, its queries from the queries' kernel
     assert calls.count(CAUSAL) == 1 and QUERIES in calls
     text = exported.mlir_module()

@@ -22,6 +22,8 @@ def test_gpu_check_runs_on_cpu(capsys):
     assert "GDN conv one head (B1 C48 float32): max_rel out, state " in out  # gdn_conv.py beside the step
     assert "RMSNorm rows R1 H1000 float32: grid (1,), max_rel " in out  # rmsnorm.py
     assert "RMSNorm rows R1 H1000 float32 pad_row (the row and its two rows): max_rel " in out
+    # add_rmsnorm.py: the residual add and the norm after it, from the product's K partials
+    assert "residual add + RMSNorm rows R1 H1000 from 3 K partials float32: grid (1,), max_rel " in out
     # attention_rows.py: the queries in the attention kernel's rows and their positions, the keys and values
     assert ("attention new rows small B2 T3 heads 4/2x32 rotary 10 S2/3 float32 float32: grid (2, 2, 16), max_rel "
             in out)
@@ -43,10 +45,11 @@ def test_gpu_check_budget_skips_and_names_what_it_skips(capsys):
     out = capsys.readouterr().out
     assert "max_rel" not in out and "tokens/s" not in out  # nothing ran
     for part in ("windowed attention, small", "causal attention, small", "GDN step and verify, small",
-                 "RMSNorm rows, small", "attention new rows, small", "GDN rollback, small", "quantized matmul, small",
-                 "dense gate / up in one launch, small", "end to end, shipped model", "tensor parallel"):
+                 "RMSNorm rows, small", "residual add + RMSNorm rows, small", "attention new rows, small",
+                 "GDN rollback, small", "quantized matmul, small", "dense gate / up in one launch, small",
+                 "end to end, shipped model", "tensor parallel"):
         assert f"== {part}: skipped" in out
-    assert out.rstrip().splitlines()[-1].endswith("10 of 10 parts skipped for the --budget")
+    assert out.rstrip().splitlines()[-1].endswith("11 of 11 parts skipped for the --budget")
     from gpu_check import budget  # the run's budget ends with it: a later check in this process runs its cases
     assert not budget.out_of_time("a later check")  # (test_moe_routed calls check_moe in the same worker)
     with pytest.raises(SystemExit):

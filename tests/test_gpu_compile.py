@@ -200,6 +200,10 @@ def test_no_weight_is_copied_in_a_decode_loop(python, report):
     xla_rows = rows["27B plain, the attention's new rows in XLA ops"]["kernels"]
     assert rows["27B plain"]["kernels"] + 3 <= xla_rows, rows
     assert xla_rows + 2 <= rows["27B plain, XLA's KV rows written by a scatter"]["kernels"], rows
+    # a layer's residual add after its mixer and its post norm in one kernel (add_rmsnorm.py, forward.ADD_NORM),
+    # the out-projection's partials summed in it: a kernel a layer fewer (4 layers)
+    assert rows["27B int4 plain"]["kernels"] + 4 <= \
+        rows["27B int4 plain, the residual add and the post norm apart"]["kernels"], rows
     # a quantized MLP's gate and up in one launch (quant_gate_up.py): a kernel a layer fewer (4 layers)
     assert rows["27B int4 plain"]["kernels"] + 4 <= rows["27B int4 plain, gate and up in two launches"]["kernels"], \
         rows
@@ -272,14 +276,14 @@ def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
     """tests/gpu_compile_kernels.py: each Pallas kernel family at real Qwen3.5 shapes (quantized matmuls of 27B
     in every format at 1 and 5 rows, its gate and up in one launch at 1 row and at 4, its k and v in one launch, the
     routed MoE experts of 35B-A3B and 397B-A17B, windowed and causal attention, the attention's new rows (queries,
-    keys and values) before the causal kernel, the GDN decode step, verify, conv step and rollback (the
-    step's z, the conv's row and the rollback's rows also as K partials, quant.linear_parts), the MoE router's
-    top-k, the RMSNorm row) compiles for an H200 and holds its kernel; a launch over one block's shared memory is
+    keys and values) before the causal kernel, the residual add and RMSNorm, the GDN decode step, verify, conv step
+    and rollback (the step's z, the conv's row and the rollback's rows also as K partials, quant.linear_parts), the
+    MoE router's top-k, the RMSNorm row) compiles for an H200 and holds its kernel; a launch over one block's shared memory is
     refused by XLA's compile (the probe reaches the machine code). Last in the file: the kernels the programs above
     hold at these shapes are read from the module's kernel cache (89 -> 59 s on this CPU alone)."""
     rows = [json.loads(x) for x in _run(python, "tests/gpu_compile_kernels.py", "H200").splitlines()
             if x.startswith("{")]
-    assert len(rows) == 62, [r["label"] for r in rows]
+    assert len(rows) == 65, [r["label"] for r in rows]
     *good, bad = rows
     assert "error" in bad and "Shared memory size limit exceeded" in bad["error"], bad
     for r in good:
@@ -290,7 +294,7 @@ def test_every_kernel_compiles_for_h200_at_real_shapes(python, report):
     assert {"quant_matmul_int8", "quant_matmul_int4_mma", "quant_matmul_fp8", "moe_gemv_int4", "moe_gate_up_plain",
             "moe_down_glu_fp8", "windowed_draft_attention", "causal_attention", "gdn_decode_step", "gdn_verify",
             "gdn_conv_step", "gdn_rollback", "moe_router_topk", "rmsnorm_rows", "quant_gate_up_int4",
-            "attention_new_rows", "quant_k_v_int4_mma"} <= families, families
+            "attention_new_rows", "quant_k_v_int4_mma", "add_rmsnorm_rows"} <= families, families
 
 
 def test_targets_and_a_missing_plugin_say_what_is_wrong(monkeypatch):

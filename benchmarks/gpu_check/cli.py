@@ -43,7 +43,8 @@ from .quant import (
     check_quant,
     check_quant_plans,
 )
-from .norms import NORM_REAL, NORM_SMALL, NORM_SMOKE, check_rmsnorm
+from .norms import (ADD_NORM_REAL, ADD_NORM_SMALL, ADD_NORM_SMOKE, NORM_REAL, NORM_SMALL, NORM_SMOKE, check_add_rmsnorm,
+                    check_rmsnorm)
 from .new_rows import NEW_ROWS_REAL, NEW_ROWS_SMALL, NEW_ROWS_SMOKE, check_new_rows
 from .rollback import ROLLBACK_REAL, ROLLBACK_SMALL, ROLLBACK_SMOKE, check_rollback
 from .router import ROUTER_REAL, ROUTER_SMALL, ROUTER_SMOKE, check_router
@@ -64,7 +65,8 @@ def main(argv=None):
                          "top-k")
     ap.add_argument("--gdn-only", action="store_true",
                     help="only the GDN decode step and verify kernel checks (gdn.py), the RMSNorm row (norms.py), "
-                         "the attention's new-rows kernel (new_rows.py) and the GDN rollback (rollback.py)")
+                         "the residual add + norm (norms.py), the attention's new-rows kernel (new_rows.py) and the "
+                         "GDN rollback (rollback.py)")
     ap.add_argument("--tp-only", action="store_true", help="only the tensor-parallel check (item 6)")
     ap.add_argument("--e2e27b-only", action="store_true",
                     help="only the end-to-end timing on the Qwen3.5-27B slice (item 7; on CPU a small config)")
@@ -122,6 +124,8 @@ def _run(args, t0, contexts):
                  "gdn": [("GDN step and verify, small", lambda: check_gdn(GDN_SMALL, interp, timings=False)),
                          ("RMSNorm rows, small",
                           lambda: check_rmsnorm(NORM_SMOKE if interp else NORM_SMALL, interp, False)),
+                         ("residual add + RMSNorm rows, small",
+                          lambda: check_add_rmsnorm(ADD_NORM_SMOKE if interp else ADD_NORM_SMALL, interp, False)),
                          ("attention new rows, small",
                           lambda: check_new_rows(NEW_ROWS_SMOKE if interp else NEW_ROWS_SMALL, interp, False)),
                          ("GDN rollback, small",
@@ -144,6 +148,8 @@ def _run(args, t0, contexts):
                           lambda: check_moe_prefill(MOE_PREFILL_REAL, False, timings=True))],
                  "gdn": [("GDN step and verify, real shapes, timed", lambda: check_gdn(GDN_REAL, False, True)),
                          ("RMSNorm rows, real hidden sizes, timed", lambda: check_rmsnorm(NORM_REAL, False, True)),
+                         ("residual add + RMSNorm rows, real hidden sizes, timed",
+                          lambda: check_add_rmsnorm(ADD_NORM_REAL, False, True)),
                          ("attention new rows, real heads, timed", lambda: check_new_rows(NEW_ROWS_REAL, False, True)),
                          ("GDN rollback, real layers, timed", lambda: check_rollback(ROLLBACK_REAL, False, True))],
                  "long": [("causal attention, 27B long caches, timed",
@@ -169,6 +175,7 @@ def _run(args, t0, contexts):
         sec("causal attention, small", lambda: check_causal(CAUSAL_SMALL[:1], True, timings=False))
         sec("GDN step and verify, small", lambda: check_gdn(GDN_SMALL[:2], True, timings=False))
         sec("RMSNorm rows, small", lambda: check_rmsnorm(NORM_SMOKE, True, timings=False))
+        sec("residual add + RMSNorm rows, small", lambda: check_add_rmsnorm(ADD_NORM_SMOKE, True, timings=False))
         sec("attention new rows, small", lambda: check_new_rows(NEW_ROWS_SMOKE, True, timings=False))
         sec("GDN rollback, small", lambda: check_rollback(ROLLBACK_SMOKE, True, timings=False))
         sec("quantized matmul, small", lambda: check_quant(QUANT_SMOKE, True, timings=False))
@@ -184,6 +191,7 @@ def _run(args, t0, contexts):
     sec("causal attention, small", lambda: check_causal(CAUSAL_SMALL, False, timings=False))
     sec("GDN step and verify, small", lambda: check_gdn(GDN_SMALL, False, timings=False))
     sec("RMSNorm rows, small", lambda: check_rmsnorm(NORM_SMALL, False, timings=False))
+    sec("residual add + RMSNorm rows, small", lambda: check_add_rmsnorm(ADD_NORM_SMALL, False, timings=False))
     sec("attention new rows, small", lambda: check_new_rows(NEW_ROWS_SMALL, False, timings=False))
     sec("GDN rollback, small", lambda: check_rollback(ROLLBACK_SMALL, False, timings=False))
     sec("quantized matmul, small", lambda: check_quant(QUANT_SMALL, False, timings=False))
@@ -200,6 +208,8 @@ def _run(args, t0, contexts):
     sec("causal attention, 27B long caches, timed", lambda: check_causal(CAUSAL_LONG, False, timings=True))
     sec("GDN step and verify, real shapes, timed", lambda: check_gdn(GDN_REAL, False, timings=True))
     sec("RMSNorm rows, real hidden sizes, timed", lambda: check_rmsnorm(NORM_REAL, False, timings=True))
+    sec("residual add + RMSNorm rows, real hidden sizes, timed",
+        lambda: check_add_rmsnorm(ADD_NORM_REAL, False, timings=True))
     sec("attention new rows, real heads, timed", lambda: check_new_rows(NEW_ROWS_REAL, False, timings=True))
     sec("GDN rollback, real layers, timed", lambda: check_rollback(ROLLBACK_REAL, False, timings=True))
     sec("end to end, shipped model", lambda: check_end_to_end(args.max_new, thorough=True))

@@ -3,12 +3,15 @@ reference (the trunk's RMSNorm in XLA ops) at small shapes and at the real hidde
 122B-A10B 3072, 397B-A17B 4096) for one decode row, timed beside the reference, which XLA runs as a reduce and an
 elementwise kernel. The bytes are a few KB: the figure is a launch and its tail, what the trunk's input and final
 norms pay once a layer at one row. One row again with pad_row (the row and its two rows, a layer's input norm
-before a padded product: forward.PADDED_INPUT)."""
+before a padded product: forward.PADDED_INPUT). Then the residual add and norm kernel (kernels_pallas/add_rmsnorm.py,
+`check_add_rmsnorm`): the out-projection's K partials added to the residual rows and normed, at a decode row (16
+partials, 27B int4's out_proj) and a verify's 4 rows, timed beside XLA's add (the partials' sum in it) and norm."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.add_rmsnorm import add_rmsnorm_reference, add_rmsnorm_rows_pallas
 from kernels_pallas.rmsnorm import rmsnorm_reference, rmsnorm_rows_pallas
 
 from .budget import out_of_time
@@ -19,6 +22,10 @@ from .timing import time_call
 NORM_SMOKE = [(1, 1000, "float32")]
 NORM_SMALL = NORM_SMOKE + [(3, 640, "bfloat16"), (1, 2048, "float16")]
 NORM_REAL = [(1, H, "bfloat16") for H in (5120, 2048, 3072, 4096)]
+# (rows, hidden, K partials, dtype)
+ADD_NORM_SMOKE = [(1, 1000, 3, "float32")]
+ADD_NORM_SMALL = ADD_NORM_SMOKE + [(4, 640, 8, "bfloat16"), (1, 2048, 1, "float16")]
+ADD_NORM_REAL = [(1, H, 16, "bfloat16") for H in (5120, 2048, 3072, 4096)] + [(4, 5120, 8, "bfloat16")]
 
 
 def check_rmsnorm(cases, interpret, timings):
@@ -73,3 +80,37 @@ def _padded(label, x, w, interpret, timings):
         line += f"; kernel {1e6 * t_k:.1f} us, XLA reference {1e6 * t_r:.1f} us, kernel/XLA {t_k / t_r:.2f}x"
     print(line, flush=True)
     return 0 if ok else 1
+
+
+def check_add_rmsnorm(cases, interpret, timings):
+    """Each case's kernel against the reference (the new residual rows and their norm: f32 within 1e-5, bf16 /
+    f16 at their rounding); with timings, both timed. Returns the failures."""
+    failures = 0
+    for i, (R, H, S, dtype) in enumerate(cases):
+        label = f"residual add + RMSNorm rows R{R} H{H} from {S} K partials {dtype}"
+        if out_of_time(f"{label} and the rest"):
+            break
+        rng = np.random.default_rng(i)
+        x = jnp.asarray(rng.standard_normal((R, H)) * 3, jnp.float32).astype(dtype)
+        parts = jnp.asarray(rng.standard_normal((S, R, H)), jnp.float32)
+        parts = parts if S > 1 else parts.astype(dtype)
+        w = jnp.asarray(0.3 * rng.standard_normal(H), jnp.float32).astype(dtype)
+        kern = jax.jit(lambda *a: add_rmsnorm_rows_pallas(*a, eps=1e-6, interpret=interpret))
+        ref = jax.jit(lambda *a: add_rmsnorm_reference(*a, eps=1e-6))
+        try:
+            got, want = kern(x, parts, w), ref(x, parts, w)
+            rel = max(max_rel(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+                      for a, b in zip(got, want))
+        except Exception as e:  # noqa: BLE001 - one case that does not compile or run must not hide the others
+            print(f"{label}: FAIL {one_line(e)}", flush=True)
+            failures += 1
+            continue
+        ok = rel < (1e-5 if dtype == "float32" else 2e-2) and all(np.isfinite(np.asarray(a, np.float32)).all()
+                                                                    for a in got)
+        failures += not ok
+        line = f"{label}: grid ({R},), max_rel {rel:.1e} {'OK' if ok else 'FAIL'}"
+        if timings:
+            t_k, t_r = time_call(kern, x, parts, w), time_call(ref, x, parts, w)
+            line += f"; kernel {1e6 * t_k:.1f} us, XLA reference {1e6 * t_r:.1f} us, kernel/XLA {t_k / t_r:.2f}x"
+        print(line, flush=True)
+    return failures

@@ -18,14 +18,15 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import per_shard as spmd
-from kernels_pallas.attention_q import product_of, queries, rows_at
+from kernels_pallas.attention_q import queries, rows_at
 from kernels_pallas.attention_rows import attend_new_rows, write_rows_scatter
 from kernels_pallas.causal_attention import FEW_QUERIES, causal_attend, causal_attend_before_write, takes_dense_form
 from kernels_pallas.masked_attention import BLOCK_DIAGONAL_ROWS
 from kernels_pallas.per_shard import active_mesh
 from kernels_pallas.rope import apply_rope, rope_cos_sin
+from kernels_pallas.split_k import product_of
 from qwen_mtp.trunk.config import ModelConfig
-from qwen_mtp.trunk.ops import linear, linear_of_two, rmsnorm_1pw
+from qwen_mtp.trunk.ops import linear, linear_of_two, product_parts, rmsnorm_1pw
 from qwen_mtp.trunk.quant import linear_parts, pair_parts
 from qwen_mtp.trunk.state import KVCache, to_cache
 from qwen_mtp.trunk.weights import AttnWeights
@@ -120,12 +121,14 @@ def write_kv(cache: KVCache, k, v, pos, *, as_bits: bool = False) -> KVCache:
     return KVCache(write(cache.k, k), write(cache.v, v))
 
 
-def output(o, gate, w: AttnWeights):
+def output(o, gate, w: AttnWeights, parts: bool = False):
+    """o_proj(attn * sigmoid(gate)) [B, T, H]; parts: as ops.product_parts' [S, B T, H] (forward.decoder_layer)."""
     B, T = o.shape[:2]
-    return linear(o.reshape(B, T, -1) * jax.nn.sigmoid(gate), w.o_proj)
+    return (product_parts if parts else linear)(o.reshape(B, T, -1) * jax.nn.sigmoid(gate), w.o_proj)
 
 
-def attention_layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, rope_offset: int = 0, two=None):
+def attention_layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, rope_offset: int = 0, two=None,
+                    out_parts: bool = False):
     """Causal attention of T new tokens in slots pos[b] + t of the row's cache, each seeing slots <= its own.
     RoPE position = slot + rope_offset (0 for the trunk; 1 for the MTP head, whose row t sits at t + 1).
     The new rows are rounded to the cache dtype, written, and read back from the cache (upcast to the compute
@@ -140,13 +143,14 @@ def attention_layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, ro
     the same slots, the same values), and then writes them in place. Written first, the cache had two readers
     after its update, and XLA's CPU backend computed the update twice or copied the cache whole: in f32, the
     shipped model with a short prompt in a 128K-slot cache took 90 ms per plain step, 24.5 ms read first.
-    two: one row's x and a zero row (project_qkv)."""
+    two: one row's x and a zero row (project_qkv). out_parts: the output as o_proj's K partials [S, B T, H]
+    (ops.product_parts), which forward.decoder_layer adds to the residual in its norm's kernel."""
     T = x.shape[1]
     if T <= FEW_QUERIES and active_mesh() is None and QUERY_KERNEL:  # a decode step or a verify: on cuda, the
         # queries' kernel (_from_product)
-        on = lambda f: lambda x, w, cache, pos, two: f(x, w, cfg, cache, pos, rope_offset, two)
+        on = lambda f: lambda x, w, cache, pos, two: f(x, w, cfg, cache, pos, rope_offset, two, out_parts)
         return jax.lax.platform_dependent(x, w, cache, pos, two, cuda=on(_from_product), default=on(_layer))
-    return _layer(x, w, cfg, cache, pos, rope_offset, two)
+    return _layer(x, w, cfg, cache, pos, rope_offset, two, out_parts)
 
 
 # a decode step's or a verify's new rows (no mesh) by kernels_pallas/attention_rows.py's kernel on cuda
@@ -154,7 +158,7 @@ def attention_layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, ro
 QUERY_KERNEL = True
 
 
-def _layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, rope_offset, two):
+def _layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, rope_offset, two, out_parts=False):
     B, T, _ = x.shape
     positions = rows_at(pos, T)
     q, k, v, gate = project_qkv(x, w, cfg, positions + rope_offset, two)
@@ -175,10 +179,10 @@ def _layer(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, rope_offset
                                               default=write_then_read)
     else:
         o, cache = write_then_read(q, k, v, cache, positions)
-    return output(o, gate, w), cache
+    return output(o, gate, w, out_parts), cache
 
 
-def _from_product(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, rope_offset, two,
+def _from_product(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, rope_offset, two, out_parts=False,
                   backend: str = "auto", interpret: bool = False):
     """_layer for a decode step or a verify with no mesh, as a GPU runs it: the q | gate product, and k's and v's
     together, as their float32 K partials where the quantized decode kernel makes them (quant.linear_parts; k and
@@ -193,7 +197,7 @@ def _from_product(x, w: AttnWeights, cfg: ModelConfig, cache: KVCache, pos, rope
     o, k, v = attend_new_rows(q_parts, w.q_norm, _kv_parts(x, w, two), w.k_norm, cache.k, cache.v, pos,
                               rope_offset=rope_offset, **_query_args(cfg, x.dtype), backend=backend,
                               interpret=interpret)
-    return output(o, gate_of(qg.reshape(B, T, -1), cfg), w), KVCache(k, v)
+    return output(o, gate_of(qg.reshape(B, T, -1), cfg), w, out_parts), KVCache(k, v)
 
 
 def _parts(x, m, two):

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.add_rmsnorm import MAX_ROWS as ADD_NORM_ROWS
 from qwen_mtp.trunk.attention import attention_layer
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.gdn import gdn_layer
 from qwen_mtp.trunk.mlp import feed_forward
-from qwen_mtp.trunk.ops import contract, embed_rows, logits, pads_one_row, rmsnorm_1pw, rmsnorm_written
+from qwen_mtp.trunk.ops import (add_norm_written, contract, embed_rows, logits, pads_one_row, rmsnorm_1pw,
+                               rmsnorm_written)
 from qwen_mtp.trunk.quant import QuantArray
 from qwen_mtp.trunk.weights import AttnWeights, MoEWeights, Weights
 
@@ -42,24 +46,37 @@ def router_pads(x, mlp_w) -> bool:
     return PADDED_INPUT and x.shape[:-1] == (1, 1) and isinstance(mlp_w, MoEWeights) and pads_one_row(mlp_w.router)
 
 
+# A layer's residual add after its mixer and the norm before a quantized MLP as one kernel at decode and verify
+# rows (ops.add_norm_written, kernels_pallas/add_rmsnorm.py), the mixer handing its out-projection's K partials;
+# False: the add and the norm apart, as before (tests/gpu_compile_kernels.py's control).
+ADD_NORM = True
+
+
 def decoder_layer(x, lw, cfg: ModelConfig, kind: str, layer_state, pos, n_valid, gdn_mode: str):
     """One trunk layer. Its ops sit in the named scopes "attention" or "gdn" (the mixer with its input norm and
     residual) and "mlp" (dense or MoE), which profiling.py groups a trace by."""
+    norm = post_norm(lw.mlp)
+    fused = norm is rmsnorm_written and ADD_NORM and math.prod(x.shape[:-1]) <= ADD_NORM_ROWS
     with jax.named_scope("attention" if kind == "full_attention" else "gdn"):
         pad = input_pads(x, lw.mixer)
         h = rmsnorm_written(x, lw.input_norm, cfg.rms_norm_eps, pad_row=pad)
         h, two = h if pad else (h, None)
         if kind == "full_attention":
-            h, layer_state = attention_layer(h, lw.mixer, cfg, layer_state, pos, two=two)
+            h, layer_state = attention_layer(h, lw.mixer, cfg, layer_state, pos, two=two, out_parts=fused)
         else:
-            h, layer_state = gdn_layer(h, lw.mixer, cfg, layer_state, n_valid, mode=gdn_mode, two=two)
-        x = x + h
+            h, layer_state = gdn_layer(h, lw.mixer, cfg, layer_state, n_valid, mode=gdn_mode, two=two,
+                                       out_parts=fused)
     with jax.named_scope("mlp"):
-        norm = post_norm(lw.mlp)
-        if norm is rmsnorm_written and router_pads(x, lw.mlp):  # the row's two rows for the router's product
-            h, two = rmsnorm_written(x, lw.post_norm, cfg.rms_norm_eps, pad_row=True)
+        two = None
+        if fused:  # the residual add and the post norm in one kernel, from the mixer's out-projection's partials
+            x, h, *rest = add_norm_written(x, h, lw.post_norm, cfg.rms_norm_eps, pad_row=router_pads(x, lw.mlp))
+            two = rest[0] if rest else None
         else:
-            h, two = norm(x, lw.post_norm, cfg.rms_norm_eps), None
+            x = x + h
+            if norm is rmsnorm_written and router_pads(x, lw.mlp):  # the row's two rows for the router's product
+                h, two = rmsnorm_written(x, lw.post_norm, cfg.rms_norm_eps, pad_row=True)
+            else:
+                h = norm(x, lw.post_norm, cfg.rms_norm_eps)
         x = x + feed_forward(h, lw.mlp, cfg, two)
     return x, layer_state
 

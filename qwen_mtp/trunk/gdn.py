@@ -22,7 +22,7 @@ from kernels_pallas.gdn_verify import gdn_verify, unit_lower_inverse, within_chu
 from kernels_pallas.masked_attention import precision_for
 from kernels_pallas.split_k import as_parts
 from qwen_mtp.trunk.config import ModelConfig
-from qwen_mtp.trunk.ops import linear, linear_of_two, pads_one_row
+from qwen_mtp.trunk.ops import linear, linear_of_two, pads_one_row, product_parts
 from qwen_mtp.trunk.quant import QuantArray, linear_parts
 from qwen_mtp.trunk.state import GDNState, GDNVerify
 from qwen_mtp.trunk.weights import GDNWeights
@@ -228,12 +228,17 @@ def _out_proj_of_one_row(out, w):
                                       default=lambda o, w: linear(o[:1], w))
 
 
-def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode: str, two=None):
+def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode: str, two=None,
+              out_parts: bool = False):
     """x [B, T, H] (already input-normed). mode: "chunk" (prefill), "chunk_fast" (training: the chunk form
     with the all-matmul doubling inverse), "step" (decode: one row a call is decode_rows' kernel) or "verify" (a
     speculative verify: the second result is a GDNVerify, from which rollback.select_states builds the GDNState
-    after the accepted position). two: one row's x and a zero row [2, 1, H] (in_projections)."""
+    after the accepted position). two: one row's x and a zero row [2, 1, H] (in_projections). out_parts: the
+    output as out_proj's K partials [S, B T, H] (ops.product_parts), which forward.decoder_layer adds to the
+    residual in its norm's kernel."""
     T = x.shape[1]
+    project = lambda out: product_parts(out, w.out_proj) if out_parts else linear(out, w.out_proj)
+    as_parts = lambda y: y.reshape(1, -1, y.shape[-1]) if out_parts else y
     if mode == "step" and T == 1:  # the conv and its next state: one kernel on cuda, the state in place
         pre, z, b, a, z_parts = step_projections(x, w, two)
         qkv, conv = per_shard.conv_rows(conv_step, pre, st.conv, w.conv, n_valid > 0)
@@ -241,7 +246,7 @@ def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode
         pad = x.shape[0] == 1 and pads_one_row(w.out_proj)
         out, rec = decode_rows(qkv[:, None], z, b, a, w, cfg, st.rec, n_valid, verify=False, pad_row=pad,
                                z_parts=z_parts)
-        return (_out_proj_of_one_row(out, w.out_proj) if pad else linear(out, w.out_proj)), GDNState(conv, rec)
+        return (as_parts(_out_proj_of_one_row(out, w.out_proj)) if pad else project(out)), GDNState(conv, rec)
     pre, z, b, a = in_projections(x, w, two, gate_parts=mode == "verify")
     if mode == "verify":
         # a quantized z's K partials (the tensor-core kernel's over the k + 1 rows) summed by the verify kernel as
@@ -256,7 +261,7 @@ def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode
         pre = pre if pq is None else inputs_of(rows, pre.dtype)
         qkv, _ = causal_conv(pre, st.conv, w.conv)
         out, G, k_all, delta = decode_rows(qkv, z, b, a, w, cfg, st.rec, n_valid, verify=True)
-        return linear(out, w.out_proj), GDNVerify(st.conv, rows, st.rec, G, k_all, delta)
+        return project(out), GDNVerify(st.conv, rows, st.rec, G, k_all, delta)
     qkv, window = causal_conv(pre, st.conv, w.conv)
     q, k, v, z, beta, g = rule_inputs(qkv, z, b, a, w, cfg)
     valid = (jnp.arange(T)[None, :] < n_valid[:, None])[..., None]
@@ -270,4 +275,4 @@ def gdn_layer(x, w: GDNWeights, cfg: ModelConfig, st: GDNState, n_valid, *, mode
     else:
         raise ValueError(f"gdn_layer: mode expected one of chunk, chunk_fast, step, verify; found {mode!r}")
     out = gated_output(core, z, w, cfg, x.dtype)
-    return out, GDNState(conv_window_at(window, n_valid, st.conv.shape[1]), rec)
+    return as_parts(out), GDNState(conv_window_at(window, n_valid, st.conv.shape[1]), rec)

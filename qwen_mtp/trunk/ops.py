@@ -15,9 +15,11 @@ from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.masked_attention import precision_for  # the one precision rule
 from kernels_pallas.per_shard import active_mesh, batch_axis
+from kernels_pallas.add_rmsnorm import add_rmsnorm_rows
 from kernels_pallas.rmsnorm import rmsnorm_reference, rmsnorm_rows
 from qwen_mtp.trunk.quant import QuantArray
 from qwen_mtp.trunk.quant import linear as quant_linear
+from qwen_mtp.trunk.quant import linear_parts
 
 # Compile options of every decode loop (plain or speculative). On a CPU, XLA's copy insertion by default copies
 # a KV cache whole at each step of the loop that both reads it (the attention) and updates it in place (the new
@@ -171,3 +173,21 @@ def rmsnorm_written(x, w, eps, *, pad_row: bool = False):
     if pad_row:
         raise ValueError(f"rmsnorm_written(pad_row=True) takes one row, found x {list(x.shape)}")
     return rmsnorm_1pw(x, w, eps)
+
+
+def product_parts(x, w):
+    """x [..., in] @ w as [S, rows, out]: the quantized decode kernel's float32 K partials (quant.linear_parts) for
+    a consumer kernel that sums them as it loads them (add_norm_written), else `linear`'s product [1, rows, out]."""
+    parts = linear_parts(x, w)
+    return linear(x, w).reshape(1, -1, w.shape[-1]) if parts is None else parts
+
+
+def add_norm_written(x, parts, w, eps, *, pad_row: bool = False):
+    """(x + the product, rmsnorm_1pw of it) for x [..., H] and the product as product_parts' [S, rows, H]: the
+    residual add and the norm after it as one kernel on cuda (kernels_pallas/add_rmsnorm.py), where XLA ran the
+    add (the partials' sum in it) and the norm as a kernel each; pad_row (one row): (x_new, y, y2) as
+    rmsnorm_written's. Elsewhere x + the product, then the norm: the same numbers as before."""
+    shape = x.shape
+    out = add_rmsnorm_rows(x.reshape(-1, shape[-1]), parts, w, eps=eps, pad_row=pad_row)
+    x_new, y = out[0].reshape(shape), out[1].reshape(shape)
+    return (x_new, y, out[2].reshape(shape[0] + 1, *shape[1:])) if pad_row else (x_new, y)

@@ -1,0 +1,116 @@
+"""A layer's residual add and the RMSNorm after it as one kernel (vLLM's fused_add_rms_norm), the product added
+from its K partials. A Pallas kernel beside its pure-JAX reference (same signature).
+
+    add_rmsnorm_rows(x, parts, w, *, eps, pad_row=False) -> (x_new, y) | (x_new, y, y2)
+      x      [R, H]      the residual stream's rows, f32 / bf16 / f16
+      parts  [S, R, H]   the product to add (a mixer's out-projection): S >= 2 float32 K partials of the decode
+                         kernel (quant.linear_parts), or the product itself (S = 1)
+      w      [H]         the norm's weight; the scale is (1 + w)
+      x_new  [R, H]      x + the product (the partials' sum rounded to x's dtype, as ops.linear's), in x's dtype
+      y      [R, H]      rmsnorm_reference of x_new, in x's dtype
+      pad_row            (one row) y2 [2, H]: the row again and a row of zeros, rmsnorm.py's two rows
+
+The reference is the layer as it was: x + the product, then rmsnorm.py's reference, so a program lowered for cpu
+computes the same numbers (off cuda the partials are the product and zeros). The kernel adds in f32 and rounds,
+as XLA does a bf16 add; its sum of squares adds in another order than the reference's, so f32 results agree to a
+few units of f32 rounding and bf16 / f16 ones to their rounding; x_new is the reference's bits.
+
+Why a kernel: compiled for a GPU, a layer's residual add after its mixer was a kernel of its own (XLA sums the
+out-projection's K partials in it) and the norm before the MLP another (rmsnorm.py's at one row; at a verify's
+rows, where quantized products read the normed rows, XLA's reduce and write): one program per row now reads the
+partials and the residual row, writes the new residual row and its norm. forward.decoder_layer runs it where the
+MLP's products are quantized (forward.post_norm) at decode and verify rows; dispatch.py's rule picks the backend.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kernels_pallas import dispatch
+from kernels_pallas.rmsnorm import DTYPES, MAX_HIDDEN, NUM_WARPS, rmsnorm_reference
+from kernels_pallas.split_k import product_of
+
+MAX_ROWS = 64  # decode and verify rows (a prefill's norm is XLA's, folded into its products)
+
+
+def add_rmsnorm_reference(x, parts, w, *, eps: float, pad_row: bool = False):
+    """x + the product (product_of the partials in x's dtype), then rmsnorm_reference of it (the module doc)."""
+    x_new = x + product_of(parts, x.dtype).reshape(x.shape)
+    y = rmsnorm_reference(x_new, w, eps=eps, pad_row=pad_row)
+    return (x_new, *y) if pad_row else (x_new, y)
+
+
+def check_inputs(x, parts, w, pad_row: bool = False) -> None:
+    """ValueError naming what is wrong when the arrays are not rows, a product's partials of them and a norm's
+    weight."""
+    if x.ndim != 2 or w.shape != (x.shape[-1],) or parts.ndim != 3 or parts.shape[1:] != x.shape:
+        raise ValueError(f"add_rmsnorm_rows takes x [R, H], parts [S, R, H] and w [H]; found x {list(x.shape)}, "
+                         f"parts {list(parts.shape)}, w {list(w.shape)}")
+    if pad_row and x.shape[0] != 1:
+        raise ValueError(f"add_rmsnorm_rows(pad_row=True) takes one row (a zero row after it); found x "
+                         f"{list(x.shape)}")
+
+
+def unsupported_reason(x, parts, w):
+    """None if the kernel takes these arrays, else why not (the caller falls back to the reference)."""
+    for name, a in (("rows", x), ("product", parts), ("weight", w)):
+        if jnp.dtype(a.dtype) not in {jnp.dtype(d) for d in DTYPES}:
+            return f"{name} of dtype {jnp.dtype(a.dtype)}: the kernel takes float32 / bfloat16 / float16"
+    R, H = x.shape
+    if not 1 <= H <= MAX_HIDDEN:
+        return f"rows of {H}: one program's row holds 1 .. {MAX_HIDDEN}"
+    if not 1 <= R <= MAX_ROWS:
+        return f"{R} rows: the kernel takes 1 .. {MAX_ROWS} (decode and verify rows)"
+    return None
+
+
+def _kernel(x_ref, p_ref, w_ref, xo_ref, *y_refs, S, H, HP, eps, rows):
+    r = pl.program_id(0)
+    row = jnp.minimum(r, rows - 1)
+    ok = jnp.arange(HP, dtype=jnp.int32) < H
+    load = lambda ref: plt.load(ref, mask=ok, other=0).astype(jnp.float32)
+    dt = xo_ref.dtype
+    h = sum(load(p_ref.at[jnp.int32(s), row, pl.ds(0, HP)]) for s in range(S)).astype(dt).astype(jnp.float32)
+    x = (load(x_ref.at[row, pl.ds(0, HP)]) + h).astype(dt)
+    plt.store(xo_ref.at[row, pl.ds(0, HP)], x, mask=ok & (r < rows))
+    x = x.astype(jnp.float32)
+    y = (x * jax.lax.rsqrt(jnp.sum(x * x) / H + eps) * (1.0 + load(w_ref.at[pl.ds(0, HP)]))).astype(dt)
+    for y_ref in y_refs:  # pad_row: the rows to both outputs; the program past them writes the second's zero row
+        n = y_ref.shape[0]
+        plt.store(y_ref.at[jnp.minimum(r, n - 1), pl.ds(0, HP)], jnp.where(r < rows, y, 0), mask=ok & (r < n))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "pad_row", "num_warps", "interpret"))
+def add_rmsnorm_rows_pallas(x, parts, w, *, eps: float, pad_row: bool = False, num_warps: int = NUM_WARPS,
+                            interpret: bool = False):
+    """The Pallas kernel; one program per row (and one for pad_row's zero row). Inputs must pass check_inputs and
+    unsupported_reason."""
+    R, H = x.shape
+    HP = max(16, 1 << (H - 1).bit_length())
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * len(a.shape))  # each program indexes in place
+    out = [jax.ShapeDtypeStruct((R, H), x.dtype)] * 2 + [jax.ShapeDtypeStruct((R + 1, H), x.dtype)] * pad_row
+    return tuple(pl.pallas_call(
+        functools.partial(_kernel, S=parts.shape[0], H=H, HP=HP, eps=eps, rows=R),
+        grid=(R + pad_row,),
+        in_specs=[whole(a) for a in (x, parts, w)],
+        out_specs=[whole(o) for o in out],
+        out_shape=out,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="add_rmsnorm_rows",
+    )(x, parts, w))
+
+
+def add_rmsnorm_rows(x, parts, w, *, eps: float, pad_row: bool = False, backend: str = "auto",
+                     interpret: bool = False):
+    """The kernel in a program lowered for cuda, the reference elsewhere (dispatch.run); see the module doc."""
+    check_inputs(x, parts, w, pad_row)
+    kernel = functools.partial(add_rmsnorm_rows_pallas, eps=eps, pad_row=pad_row, interpret=interpret)
+    reference = functools.partial(add_rmsnorm_reference, eps=eps, pad_row=pad_row)
+    return dispatch.run("residual add and RMSNorm rows", kernel, reference, unsupported_reason(x, parts, w), backend,
+                        x, parts, w)
