@@ -109,7 +109,7 @@ def test_fp8_plain_logits_close_to_f32(model, plain, report):
            f"(max_abs={abs_:.2e}); the f32 cache picks the same token at {top1:.0%} of the steps")
 
 
-def _unrounded_attention_layer(x, w, cfg, cache, pos, rope_offset: int = 0, two=None):
+def _unrounded_attention_layer(x, w, cfg, cache, pos, rope_offset: int = 0, two=None, out_parts=False):
     """attention.attention_layer with one bug: the call's own new rows are read in the compute dtype instead of
     as the cache holds them (the cache itself is still written rounded)."""
     T = x.shape[1]
@@ -118,7 +118,7 @@ def _unrounded_attention_layer(x, w, cfg, cache, pos, rope_offset: int = 0, two=
     cache = attention.write_kv(cache, k, v, pos)
     view = attention.write_kv(KVCache(cache.k.astype(q.dtype), cache.v.astype(q.dtype)), k, v, pos)
     key_ok = jnp.arange(cache.k.shape[1], dtype=pos.dtype)[None, None, :] <= positions[:, :, None]
-    return attention.output(attend(q, view.k, view.v, key_ok), gate, w), cache
+    return attention.output(attend(q, view.k, view.v, key_ok), gate, w, out_parts), cache
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.add_rmsnorm import MAX_ROWS as ADD_NORM_ROWS
+from kernels_pallas.per_shard import active_mesh
 from qwen_mtp.trunk.attention import attention_layer
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.gdn import gdn_layer
@@ -47,8 +48,9 @@ def router_pads(x, mlp_w) -> bool:
 
 
 # A layer's residual add after its mixer and the norm before a quantized MLP as one kernel at decode and verify
-# rows (ops.add_norm_written, kernels_pallas/add_rmsnorm.py), the mixer handing its out-projection's K partials;
-# False: the add and the norm apart, as before (tests/gpu_compile_kernels.py's control).
+# rows (ops.add_norm_written, kernels_pallas/add_rmsnorm.py; under a mesh at one row), the mixer handing its
+# out-projection's K partials; False: the add and the norm apart, as before (tests/gpu_compile_kernels.py's
+# control).
 ADD_NORM = True
 
 
@@ -56,7 +58,8 @@ def decoder_layer(x, lw, cfg: ModelConfig, kind: str, layer_state, pos, n_valid,
     """One trunk layer. Its ops sit in the named scopes "attention" or "gdn" (the mixer with its input norm and
     residual) and "mlp" (dense or MoE), which profiling.py groups a trace by."""
     norm = post_norm(lw.mlp)
-    fused = norm is rmsnorm_written and ADD_NORM and math.prod(x.shape[:-1]) <= ADD_NORM_ROWS
+    rows = math.prod(x.shape[:-1])  # (under a mesh one row only, replicated as rmsnorm_written's: no gather)
+    fused = norm is rmsnorm_written and ADD_NORM and (rows == 1 or rows <= ADD_NORM_ROWS and active_mesh() is None)
     with jax.named_scope("attention" if kind == "full_attention" else "gdn"):
         pad = input_pads(x, lw.mixer)
         h = rmsnorm_written(x, lw.input_norm, cfg.rms_norm_eps, pad_row=pad)
