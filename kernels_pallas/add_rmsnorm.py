@@ -12,14 +12,16 @@ from its K partials. A Pallas kernel beside its pure-JAX reference (same signatu
 
 The reference is the layer as it was: x + the product, then rmsnorm.py's reference, so a program lowered for cpu
 computes the same numbers (off cuda the partials are the product and zeros). The kernel adds in f32 and rounds,
-as XLA does a bf16 add; its sum of squares adds in another order than the reference's, so f32 results agree to a
-few units of f32 rounding and bf16 / f16 ones to their rounding; x_new is the reference's bits.
+as XLA does a bf16 add; it sums the partials and the squares in other orders than the reference, so f32 results
+agree to a few units of f32 rounding and bf16 / f16 ones to their rounding (from one part x_new is the
+reference's bits).
 
 Why a kernel: compiled for a GPU, a layer's residual add after its mixer was a kernel of its own (XLA sums the
 out-projection's K partials in it) and the norm before the MLP another (rmsnorm.py's at one row; at a verify's
 rows, where quantized products read the normed rows, XLA's reduce and write): one program per row now reads the
 partials and the residual row, writes the new residual row and its norm. forward.decoder_layer runs it where the
-MLP's products are quantized (forward.post_norm) at decode and verify rows; dispatch.py's rule picks the backend.
+MLP's products are quantized (forward.post_norm) at decode and verify rows (under a mesh at one row);
+dispatch.py's rule picks the backend.
 """
 
 from __future__ import annotations
