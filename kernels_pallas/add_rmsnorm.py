@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels_pallas import dispatch
-from kernels_pallas.rmsnorm import DTYPES, MAX_HIDDEN, NUM_WARPS, rmsnorm_reference
+from kernels_pallas.rmsnorm import DTYPES, MAX_HIDDEN, NUM_WARPS, norm_and_store, rmsnorm_reference
 from kernels_pallas.split_k import product_of
 
 MAX_ROWS = 64  # decode and verify rows (a prefill's norm is XLA's, folded into its products)
@@ -77,14 +77,13 @@ def _kernel(x_ref, p_ref, w_ref, xo_ref, *y_refs, S, H, HP, eps, rows):
     ok = jnp.arange(HP, dtype=jnp.int32) < H
     load = lambda ref: plt.load(ref, mask=ok, other=0).astype(jnp.float32)
     dt = xo_ref.dtype
-    h = sum(load(p_ref.at[jnp.int32(s), row, pl.ds(0, HP)]) for s in range(S)).astype(dt).astype(jnp.float32)
+    # the partials in order, in a loop (a dense MLP's down hands up to ~100 at one row: 27B int8)
+    h = jax.lax.fori_loop(0, S, lambda s, acc: acc + load(p_ref.at[s, row, pl.ds(0, HP)]),
+                          jnp.zeros((HP,), jnp.float32))
+    h = h.astype(dt).astype(jnp.float32)
     x = (load(x_ref.at[row, pl.ds(0, HP)]) + h).astype(dt)
     plt.store(xo_ref.at[row, pl.ds(0, HP)], x, mask=ok & (r < rows))
-    x = x.astype(jnp.float32)
-    y = (x * jax.lax.rsqrt(jnp.sum(x * x) / H + eps) * (1.0 + load(w_ref.at[pl.ds(0, HP)]))).astype(dt)
-    for y_ref in y_refs:  # pad_row: the rows to both outputs; the program past them writes the second's zero row
-        n = y_ref.shape[0]
-        plt.store(y_ref.at[jnp.minimum(r, n - 1), pl.ds(0, HP)], jnp.where(r < rows, y, 0), mask=ok & (r < n))
+    norm_and_store(x.astype(jnp.float32), w_ref, y_refs, r=r, rows=rows, H=H, HP=HP, eps=eps)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "pad_row", "num_warps", "interpret"))

@@ -73,17 +73,24 @@ def unsupported_reason(x, w):
     return None
 
 
-def _kernel(x_ref, w_ref, *y_refs, H, HP, eps, rows):
-    r = pl.program_id(0)
-    lanes = jnp.arange(HP, dtype=jnp.int32)
-    ok = lanes < H
-    x = plt.load(x_ref.at[jnp.minimum(r, rows - 1), pl.ds(0, HP)], mask=ok, other=0).astype(jnp.float32)
+def norm_and_store(x, w_ref, y_refs, *, r, rows: int, H: int, HP: int, eps: float) -> None:
+    """Program r's part of a row kernel: x [HP] (float32, row min(r, rows - 1), lanes past H zero) normed with
+    w_ref's weight, stored as row r of each of y_refs [n, H] in their dtype. pad_row: the rows go to both outputs
+    and the program past them (r = rows) writes the second one's zero row. add_rmsnorm.py's kernel ends with it
+    too."""
+    ok = jnp.arange(HP, dtype=jnp.int32) < H
     w = plt.load(w_ref.at[pl.ds(0, HP)], mask=ok, other=0).astype(jnp.float32)
     y = (x * jax.lax.rsqrt(jnp.sum(x * x) / H + eps) * (1.0 + w)).astype(y_refs[0].dtype)
-    # pad_row: the rows written to both outputs, and the program past them writes the second one's zero row
     for y_ref in y_refs:
         n = y_ref.shape[0]
         plt.store(y_ref.at[jnp.minimum(r, n - 1), pl.ds(0, HP)], jnp.where(r < rows, y, 0), mask=ok & (r < n))
+
+
+def _kernel(x_ref, w_ref, *y_refs, H, HP, eps, rows):
+    r = pl.program_id(0)
+    ok = jnp.arange(HP, dtype=jnp.int32) < H
+    x = plt.load(x_ref.at[jnp.minimum(r, rows - 1), pl.ds(0, HP)], mask=ok, other=0).astype(jnp.float32)
+    norm_and_store(x, w_ref, y_refs, r=r, rows=rows, H=H, HP=HP, eps=eps)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "pad_row", "num_warps", "interpret"))

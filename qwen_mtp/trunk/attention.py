@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from kernels_pallas import per_shard as spmd
 from kernels_pallas.attention_q import queries, rows_at
-from kernels_pallas.attention_rows import attend_new_rows, write_rows_scatter
+from kernels_pallas.attention_rows import attend_new_rows, write_rows, write_rows_scatter
 from kernels_pallas.causal_attention import FEW_QUERIES, causal_attend, causal_attend_before_write, takes_dense_form
 from kernels_pallas.masked_attention import BLOCK_DIAGONAL_ROWS
 from kernels_pallas.per_shard import active_mesh
@@ -110,13 +110,13 @@ ONE_ROW_WRITE = True
 
 def write_kv(cache: KVCache, k, v, pos, *, as_bits: bool = False) -> KVCache:
     """Write k, v [B, T, nkv, hd] into slots pos[b] .. pos[b]+T-1 of each row, rounded to the cache dtype.
-    as_bits: see write_rows_per_row (on a CPU; a GPU's scatter ignores it)."""
+    as_bits: see write_rows_per_row (on a CPU; a GPU's writes ignore it)."""
     per_row = functools.partial(write_rows_per_row, as_bits=as_bits)
 
+    gpu = write_rows if ONE_ROW_WRITE else write_rows_scatter  # (attention_rows.write_rows: the rule above)
+
     def write(c, new):
-        if c.shape[0] == 1 and ONE_ROW_WRITE:  # one row: its dynamic-update-slice everywhere
-            return per_row(c, to_cache(new, c.dtype), pos)
-        return jax.lax.platform_dependent(c, to_cache(new, c.dtype), pos, cpu=per_row, default=write_rows_scatter)
+        return jax.lax.platform_dependent(c, to_cache(new, c.dtype), pos, cpu=per_row, default=gpu)
 
     return KVCache(write(cache.k, k), write(cache.v, v))
 
