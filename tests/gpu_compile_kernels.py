@@ -165,8 +165,9 @@ def loops(target):
     with its input and final norms in XLA ops (before rmsnorm.py's kernel), and with its attention's new rows in
     XLA ops (before attention_rows.py's kernel), and so again with its KV rows written by the batched scatter
     (before attention.ONE_ROW_WRITE); 27B int4's plain step, and with its residual add and post norm apart
-    (before add_rmsnorm.py), with its MLPs' gate and up in
-    two launches (before quant_gate_up.py), with K's parts summed by one reduce (before split_k.sum_parts), and
+    (before add_rmsnorm.py), with its MLPs' add apart from the next norm (before forward.HAND_ON), with its MLPs'
+    gate and up in two launches (before quant_gate_up.py), with its MLPs' add apart and K's parts summed by one
+    reduce (before split_k.sum_parts), and
     with the GDN qkv / z products' K parts summed by XLA (before gdn.step_projections), and with its attention's
     new rows in XLA ops (before attention_q.py's and attention_rows.py's kernels); 27B int4's k = 1 round, and
     with the verify's z K parts summed by XLA (before the GDN verify kernel took them), with its gate and up in
@@ -270,16 +271,22 @@ def loops(target):
     jax.clear_caches()
     one("27B int4 plain, the residual add and the post norm apart", "Qwen3.5-27B", k=0, quant="int4")
     forward.ADD_NORM = True
+    # a dense MLP's residual add and the next layer's input norm (the final norm) in one kernel from the
+    # down-projection's partials (forward.HAND_ON), against the add apart
+    forward.HAND_ON = False
+    jax.clear_caches()
+    one("27B int4 plain, the MLP's add apart from the next norm", "Qwen3.5-27B", k=0, quant="int4")
     kinds, quant.GATE_UP_KINDS = quant.GATE_UP_KINDS, ()
     jax.clear_caches()
     one("27B int4 plain, gate and up in two launches", "Qwen3.5-27B", k=0, quant="int4")
     quant.GATE_UP_KINDS = kinds
-    # K's partials summed in chunks XLA runs inside the consumer (split_k.sum_parts), against one reduce of them all
+    # where XLA adds the MLP's product (the MLP's add apart), K's partials summed in chunks XLA runs inside the
+    # consumer (split_k.sum_parts), against one reduce of them all
     from kernels_pallas import split_k
     split_k.ELEMENTAL_ROWS = 1 << 20
     jax.clear_caches()
-    one("27B int4 plain, K's parts summed by one reduce", "Qwen3.5-27B", k=0, quant="int4")
-    split_k.ELEMENTAL_ROWS = 31
+    one("27B int4 plain, the MLP's add apart, K's parts summed by one reduce", "Qwen3.5-27B", k=0, quant="int4")
+    split_k.ELEMENTAL_ROWS, forward.HAND_ON = 31, True
     # the GDN qkv and z products' K partials summed by the conv and step kernels as they load them
     # (gdn.step_projections, quant.linear_parts), against XLA's sum of each before them
     linear_parts, gdn.linear_parts = gdn.linear_parts, lambda x, m: None

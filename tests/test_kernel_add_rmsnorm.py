@@ -158,13 +158,15 @@ REAL_HIDDEN = {"27B": 5120, "35B-A3B": 2048, "122B-A10B": 3072, "397B-A17B": 409
 
 def test_kernel_lowers_and_compiles_for_sm90_at_real_shapes(report):
     """At the real models' hidden sizes (a bf16 decode row from 16 f32 partials; 27B also at a verify's 4 rows
-    from 8, in f32, and 35B-A3B with pad_row): the program lowered for cuda holds the kernel, the one lowered for
+    from 8, in f32, and its MLP's down-projection's partials, 99 at a step of int8 weights with pad_row and 20 at a
+    verify; 35B-A3B with pad_row): the program lowered for cuda holds the kernel, the one lowered for
     cpu none, and its Triton IR compiles to sm_90 machine code within shared memory and with no register spilled."""
     S_ = jax.ShapeDtypeStruct
     cases = []
     for model, R, S, dtype, pad in [(m, 1, 16, jnp.bfloat16, False) for m in REAL_HIDDEN] + [
             ("27B", 4, 8, jnp.bfloat16, False), ("27B", 1, 16, jnp.float32, False), ("35B-A3B", 1, 4, jnp.bfloat16,
-                                                                                     True)]:
+                                                                                     True),
+            ("27B", 1, 99, jnp.bfloat16, True), ("27B", 4, 20, jnp.bfloat16, False)]:  # down's: int8 step, verify
         H = REAL_HIDDEN[model]
         args = (S_((R, H), dtype), S_((S, R, H), jnp.float32), S_((H,), dtype))
         assert unsupported_reason(*args) is None
@@ -173,12 +175,12 @@ def test_kernel_lowers_and_compiles_for_sm90_at_real_shapes(report):
     compiles_for_sm90(cases, "add_rmsnorm_rows", "residual add + RMSNorm", report)
 
 
-def _cfg(moe: bool):
+def _cfg(moe: bool, mtp: bool = False, layers: int = 2):
     from qwen_mtp.trunk.config import parse_config
-    common = {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2,
+    common = {"num_hidden_layers": layers, "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2,
               "head_dim": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 8, "linear_key_head_dim": 32,
               "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "vocab_size": 128,
-              "full_attention_interval": 2, "rms_norm_eps": 1e-6, "mtp_num_hidden_layers": 0,
+              "full_attention_interval": 2, "rms_norm_eps": 1e-6, "mtp_num_hidden_layers": int(mtp),
               "max_position_embeddings": 64, "tie_word_embeddings": False}
     extra = ({"model_type": "qwen3_5_moe_text", "num_experts": 256, "num_experts_per_tok": 8,
               "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32} if moe else
@@ -217,3 +219,46 @@ def test_the_trunk_adds_and_norms_in_one_kernel_with_the_same_values(monkeypatch
     for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(step(*args))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert "add_rmsnorm_rows" not in kernel_calls(export_for(step, *args))
+
+
+@pytest.mark.parametrize("T", [1, 4], ids=["step", "verify"])
+def test_a_dense_mlp_hands_its_output_to_the_next_norm(monkeypatch, T):
+    """forward and the MTP head with int4 weights at a decode step and a verify's 4 rows: lowered for cuda, each
+    layer's add after its MLP and the next layer's input norm (after the last, the final norm; in the head, its
+    own norm) are one add_rmsnorm_rows call, the down-projection handing its K partials (forward.hands_on): two
+    calls a layer and the head's two, where forward.HAND_ON off leaves a layer's and the head's post norm's one
+    (tests/test_gpu_compile.py counts the kernels); lowered for cpu none. On this CPU the values (hidden rows,
+    every state, the head's out and cache) are bit for bit those with HAND_ON off, and the head traced
+    (trace=True: its stages kept apart) gives the same out with no call of the kernel."""
+    import re
+
+    from qwen_mtp.head.mtp import init_mtp_cache, mtp_forward
+    from qwen_mtp.tools.lowering import export_for, kernel_calls
+    from qwen_mtp.trunk import forward
+    from qwen_mtp.trunk.random_weights import random_weights
+    from qwen_mtp.trunk.state import init_state
+
+    cfg = _cfg(False, mtp=True, layers=3)  # GDN, attention, GDN
+    w = random_weights(cfg, jax.random.PRNGKey(2), "bfloat16", "int4", mtp=True)
+    st, cache = init_state(cfg, 1, 16, jnp.bfloat16), init_mtp_cache(cfg, 1, 16, jnp.bfloat16)
+    pos, n_valid = jnp.array([3], jnp.int32), jnp.full((1,), T, jnp.int32)
+
+    def step(w, t, st, cache, trace=False):
+        h, st = forward.forward(w, cfg, t, st, pos, n_valid, gdn_mode="step" if T == 1 else "verify")
+        out, cache, _ = mtp_forward(w, cfg, t, h, cache, pos, trace=trace)
+        return h, st, out, cache
+
+    args = (w, jnp.arange(3, 3 + T, dtype=jnp.int32)[None], st, cache)
+    sites = lambda fn: len(re.findall(r"call @add_rmsnorm_rows", export_for(fn, *args).mlir_module()))
+    handed = jax.jit(step)(*args)
+    assert sites(step) == 2 * cfg.num_layers + 2
+    assert sites(lambda *a: step(*a, trace=True)) == 2 * cfg.num_layers
+    assert kernel_calls(export_for(step, *args, platform="cpu")) == []
+    traced = jax.jit(lambda *a: step(*a, trace=True))(*args)
+    np.testing.assert_array_equal(np.asarray(handed[2]), np.asarray(traced[2]))
+    monkeypatch.setattr(forward, "HAND_ON", False)
+    jax.clear_caches()
+    assert sites(step) == cfg.num_layers + 1
+    assert all(float(jnp.abs(handed[i].astype(jnp.float32)).max(-1).min()) > 0 for i in (0, 2))  # every row read
+    for a, b in zip(jax.tree.leaves(handed), jax.tree.leaves(jax.jit(step)(*args))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -25,7 +25,8 @@ NORM_REAL = [(1, H, "bfloat16") for H in (5120, 2048, 3072, 4096)]
 # (rows, hidden, K partials, dtype)
 ADD_NORM_SMOKE = [(1, 1000, 3, "float32")]
 ADD_NORM_SMALL = ADD_NORM_SMOKE + [(4, 640, 8, "bfloat16"), (1, 2048, 1, "float16")]
-ADD_NORM_REAL = [(1, H, 16, "bfloat16") for H in (5120, 2048, 3072, 4096)] + [(4, 5120, 8, "bfloat16")]
+ADD_NORM_REAL = [(1, H, 16, "bfloat16") for H in (5120, 2048, 3072, 4096)] + [(4, 5120, 8, "bfloat16")] + \
+    [(1, 5120, 46, "bfloat16"), (4, 5120, 20, "bfloat16")]  # 27B int4's down-projection handing its partials on
 
 
 def check_rmsnorm(cases, interpret, timings):

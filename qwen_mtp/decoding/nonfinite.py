@@ -31,7 +31,7 @@ def _stage_flags(weights, cfg, tokens):
     x = embed_rows(weights.embed, tokens)
     flags = [jnp.all(jnp.isfinite(x))]
     for lw, kind, st in zip(weights.layers, cfg.layer_types, state):
-        x, _ = decoder_layer(x, lw, cfg, kind, st, pos, n_valid, "chunk")
+        x, _, _ = decoder_layer(x, lw, cfg, kind, st, pos, n_valid, "chunk")
         flags.append(jnp.all(jnp.isfinite(x)))
     h = rmsnorm_1pw(x, weights.final_norm, cfg.rms_norm_eps)
     flags.append(jnp.all(jnp.isfinite(h)))

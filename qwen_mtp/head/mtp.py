@@ -10,8 +10,10 @@
 The head shares embed_tokens and lm_head with the trunk and has its own one-layer KV cache. Its row t is fed
 (token t+1, trunk hidden t) and sits at RoPE position t+1, in cache slot t. Its norms follow the trunk's rule
 (forward.py): at one row the layer's input norm and the final norm are one kernel on cuda (ops.rmsnorm_written),
-the post-attention norm too before quantized products (forward.post_norm); the pre-fc norms stay XLA's (a
-kernel of their own cost a draft step two more, deviceless H200 compile).
+the post-attention norm too before quantized products (forward.post_norm), and there the residual adds with the
+norms after them are one kernel each (ops.add_norm_written: the attention's and a dense MLP's out-projections
+hand their K partials); the pre-fc norms stay XLA's (a kernel of their own cost a draft step two more,
+deviceless H200 compile).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from qwen_mtp.head.ring import init_ring, ring_attention_layer
 from qwen_mtp.trunk.attention import attention_layer
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.mlp import feed_forward
-from qwen_mtp.trunk.forward import post_norm
-from qwen_mtp.trunk.ops import embed_rows, linear, rmsnorm_1pw, rmsnorm_written
+from qwen_mtp.trunk.forward import add_norm_rows, hands_on, mlp_parts, post_norm
+from qwen_mtp.trunk.ops import add_norm_written, embed_rows, linear, rmsnorm_1pw, rmsnorm_written
 from qwen_mtp.trunk.state import KVCache
 from qwen_mtp.trunk.weights import Weights
 
@@ -66,19 +68,31 @@ def mtp_forward(weights: Weights, cfg: ModelConfig, tokens, hidden, cache: KVCac
     with jax.named_scope("mtp_fc"):
         fc_in = jnp.concatenate([e, h], axis=-1)
         x = linear(fc_in, w.fc)
+    # at decode and verify rows the residual adds and the norms after them are one kernel each, as in the trunk
+    # (forward.add_norm_rows, forward.hands_on), where no trace asks for the stages between them
+    fused = not trace and post_norm(w.layer.mlp) is rmsnorm_written and add_norm_rows(x)
     with jax.named_scope("mtp_attention"):
         ah = rmsnorm_written(x, w.layer.input_norm, eps)
         if window is None:
-            attn, cache = attention_layer(ah, w.layer.mixer, cfg, cache, slot, rope_offset=ROPE_OFFSET)
+            attn, cache = attention_layer(ah, w.layer.mixer, cfg, cache, slot, rope_offset=ROPE_OFFSET,
+                                          out_parts=fused)
         else:
-            attn, cache = ring_attention_layer(ah, w.layer.mixer, cfg, cache, slot, window, sinks, ROPE_OFFSET)
-        res1 = x + attn
+            attn, cache = ring_attention_layer(ah, w.layer.mixer, cfg, cache, slot, window, sinks, ROPE_OFFSET,
+                                               out_parts=fused)
     with jax.named_scope("mtp_mlp"):
-        mh = post_norm(w.layer.mlp)(res1, w.layer.post_norm, eps)
-        mlp_out = feed_forward(mh, w.layer.mlp, cfg)
-        res2 = res1 + mlp_out
+        if fused:
+            res1, mh = add_norm_written(x, attn, w.layer.post_norm, eps)
+        else:
+            res1 = x + attn
+            mh = post_norm(w.layer.mlp)(res1, w.layer.post_norm, eps)
+        handed = not trace and hands_on(res1, w.layer.mlp)
+        mlp_out = mlp_parts(mh, w.layer.mlp) if handed else feed_forward(mh, w.layer.mlp, cfg)
     with jax.named_scope("mtp_norm"):
-        out = rmsnorm_written(res2, w.norm, eps)
+        if handed:
+            res2, out = add_norm_written(res1, mlp_out, w.norm, eps)
+        else:
+            res2 = res1 + mlp_out
+            out = rmsnorm_written(res2, w.norm, eps)
     stages = None
     if trace:
         stages = dict(e=e, h=h, fc_in=fc_in, fc=x, ah=ah, attn=attn, res1=res1, mh=mh, mlp=mlp_out, res2=res2,

@@ -55,9 +55,10 @@ def init_ring(batch: int, sinks: int, window: int, k: int, kv_heads: int, head_d
 
 
 def ring_attention_layer(x, w, cfg, cache: KVCache, start, window: int, sinks: int, rope_offset: int,
-                         attend_fn=None):
+                         attend_fn=None, out_parts: bool = False):
     """The head's attention with Wind-MTP: windowed over the ring, then this call's rows are written. The new
-    rows enter the attention rounded to the ring's dtype, as they will be read from the ring later."""
+    rows enter the attention rounded to the ring's dtype, as they will be read from the ring later. out_parts:
+    the output as o_proj's K partials (attention.output's parts, for ops.add_norm_written)."""
     B, T, _ = x.shape
     rows = start[:, None] + jnp.arange(T, dtype=start.dtype)[None]
     q, k, v, gate = project_qkv(x, w, cfg, rows + rope_offset)
@@ -68,5 +69,5 @@ def ring_attention_layer(x, w, cfg, cache: KVCache, start, window: int, sinks: i
         o = spmd.windowed(q, cache.k, cache.v, k, v, start, call)
     else:
         o = attend_fn(q, cache.k, cache.v, k, v, start, window, sinks)
-    return output(o, gate, w), ring_write(cache, k, v, start, sinks)
+    return output(o, gate, w, parts=out_parts), ring_write(cache, k, v, start, sinks)
 

@@ -12,11 +12,11 @@ from kernels_pallas.per_shard import active_mesh
 from qwen_mtp.trunk.attention import attention_layer
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.gdn import gdn_layer
-from qwen_mtp.trunk.mlp import feed_forward
-from qwen_mtp.trunk.ops import (add_norm_written, contract, embed_rows, logits, pads_one_row, rmsnorm_1pw,
-                               rmsnorm_written)
+from qwen_mtp.trunk.mlp import feed_forward, gate_up
+from qwen_mtp.trunk.ops import (add_norm_written, contract, embed_rows, logits, pads_one_row, product_parts,
+                               rmsnorm_1pw, rmsnorm_written)
 from qwen_mtp.trunk.quant import QuantArray
-from qwen_mtp.trunk.weights import AttnWeights, MoEWeights, Weights
+from qwen_mtp.trunk.weights import AttnWeights, MLPWeights, MoEWeights, Weights
 
 
 def post_norm(mlp_w):
@@ -49,21 +49,51 @@ def router_pads(x, mlp_w) -> bool:
 
 # A layer's residual add after its mixer and the norm before a quantized MLP as one kernel at decode and verify
 # rows (ops.add_norm_written, kernels_pallas/add_rmsnorm.py; under a mesh at one row), the mixer handing its
-# out-projection's K partials; False: the add and the norm apart, as before (tests/gpu_compile_kernels.py's
-# control).
+# out-projection's K partials; so too the add after a dense quantized MLP and the next layer's input norm (or the
+# final norm), the MLP handing its down-projection's partials (forward's `pending`). False: the adds and the
+# norms apart, as before (tests/gpu_compile_kernels.py's control); HAND_ON = False: the MLP's add apart only.
 ADD_NORM = True
+HAND_ON = True
 
 
-def decoder_layer(x, lw, cfg: ModelConfig, kind: str, layer_state, pos, n_valid, gdn_mode: str):
-    """One trunk layer. Its ops sit in the named scopes "attention" or "gdn" (the mixer with its input norm and
+def add_norm_rows(x) -> bool:
+    """Whether a residual add and the norm after it may be one kernel at x's rows (ADD_NORM)."""
+    rows = math.prod(x.shape[:-1])  # (under a mesh one row only, replicated as rmsnorm_written's: no gather)
+    return ADD_NORM and (rows == 1 or rows <= ADD_NORM_ROWS and active_mesh() is None)
+
+
+def hands_on(x, mlp_w) -> bool:
+    """Whether a layer hands its MLP's output on as the down-projection's partials (HAND_ON): a dense MLP with a
+    quantized down-projection (the decode kernel's partials, quant.linear_parts) at add_norm_rows."""
+    return HAND_ON and isinstance(mlp_w, MLPWeights) and isinstance(mlp_w.down, QuantArray) and add_norm_rows(x)
+
+
+def mlp_parts(h, mlp_w):
+    """A dense MLP's output as its down-projection's K partials [S, rows, H] (ops.product_parts), for hands_on."""
+    return product_parts(gate_up(h, mlp_w.gate, mlp_w.up), mlp_w.down)
+
+
+def input_norm(x, pending, w, eps, pad_row: bool):
+    """A layer's input norm (or the final norm) of x, the previous layer's MLP output added first where it was
+    handed on (pending: its down-projection's partials [S, rows, H], else None): (x, the normed rows[, two])."""
+    if pending is None:
+        y = rmsnorm_written(x, w, eps, pad_row=pad_row)
+        return (x, *y) if pad_row else (x, y)
+    return add_norm_written(x, pending, w, eps, pad_row=pad_row)
+
+
+def decoder_layer(x, lw, cfg: ModelConfig, kind: str, layer_state, pos, n_valid, gdn_mode: str, pending=None,
+                  hand_on: bool = False):
+    """One trunk layer: (x, pending, layer_state). pending: the previous layer's MLP output not yet added to x
+    (input_norm); hand_on: this layer's MLP output handed on the same way where hands_on allows (else added, and
+    pending None). Its ops sit in the named scopes "attention" or "gdn" (the mixer with its input norm and
     residual) and "mlp" (dense or MoE), which profiling.py groups a trace by."""
     norm = post_norm(lw.mlp)
-    rows = math.prod(x.shape[:-1])  # (under a mesh one row only, replicated as rmsnorm_written's: no gather)
-    fused = norm is rmsnorm_written and ADD_NORM and (rows == 1 or rows <= ADD_NORM_ROWS and active_mesh() is None)
+    fused = norm is rmsnorm_written and add_norm_rows(x)
     with jax.named_scope("attention" if kind == "full_attention" else "gdn"):
         pad = input_pads(x, lw.mixer)
-        h = rmsnorm_written(x, lw.input_norm, cfg.rms_norm_eps, pad_row=pad)
-        h, two = h if pad else (h, None)
+        x, h, *rest = input_norm(x, pending, lw.input_norm, cfg.rms_norm_eps, pad)
+        two = rest[0] if rest else None
         if kind == "full_attention":
             h, layer_state = attention_layer(h, lw.mixer, cfg, layer_state, pos, two=two, out_parts=fused)
         else:
@@ -80,8 +110,10 @@ def decoder_layer(x, lw, cfg: ModelConfig, kind: str, layer_state, pos, n_valid,
                 h, two = rmsnorm_written(x, lw.post_norm, cfg.rms_norm_eps, pad_row=True)
             else:
                 h = norm(x, lw.post_norm, cfg.rms_norm_eps)
+        if hand_on and hands_on(x, lw.mlp):
+            return x, mlp_parts(h, lw.mlp), layer_state
         x = x + feed_forward(h, lw.mlp, cfg, two)
-    return x, layer_state
+    return x, None, layer_state
 
 
 def forward(weights: Weights, cfg: ModelConfig, tokens, state: tuple, pos, n_valid, *, gdn_mode: str = "chunk"):
@@ -94,12 +126,12 @@ def forward(weights: Weights, cfg: ModelConfig, tokens, state: tuple, pos, n_val
     """
     with jax.named_scope("embed"):
         x = embed_rows(weights.embed, tokens)
-    new_state = []
+    new_state, pending = [], None
     for lw, kind, st in zip(weights.layers, cfg.layer_types, state):
-        x, st = decoder_layer(x, lw, cfg, kind, st, pos, n_valid, gdn_mode)
+        x, pending, st = decoder_layer(x, lw, cfg, kind, st, pos, n_valid, gdn_mode, pending, hand_on=True)
         new_state.append(st)
     with jax.named_scope("final_norm"):
-        return rmsnorm_written(x, weights.final_norm, cfg.rms_norm_eps), tuple(new_state)
+        return input_norm(x, pending, weights.final_norm, cfg.rms_norm_eps, False)[1], tuple(new_state)
 
 
 def _tied_logits(hidden, e):
