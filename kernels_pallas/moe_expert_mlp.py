@@ -166,13 +166,14 @@ def unsupported_reason(x, wg, sg, wu, su, wd, sd, ids, *, kind: str, block_in, b
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "block_in", "block_out", "rows_per_x", "splits_in",
-                                             "splits_out", "interpret"))
+                                             "splits_out", "unsummed", "interpret"))
 def moe_expert_mlp_pallas(x, wg, sg, wu, su, wd, sd, ids, *, kind: str, block_in, block_out,
                           rows_per_x: int = 1, splits_in: int | None = None, splits_out: int | None = None,
-                          shared=None, interpret: bool = False):
+                          shared=None, unsummed: bool = False, interpret: bool = False):
     """The two kernels (module doc); splits_in / splits_out override the plans' K parts. shared: the shared
-    expert's pairs after the routed ones in both launches. Inputs must pass check_inputs and unsupported_reason
-    (moe_expert_mlp checks both)."""
+    expert's pairs after the routed ones in both launches. unsummed: down's K parts [S, P, H] (float32 where
+    S > 1), for a consumer kernel that sums them (moe_add_rmsnorm.py). Inputs must pass check_inputs and
+    unsupported_reason (moe_expert_mlp checks both)."""
     H, I, R, dt = x.shape[1], wg.shape[2], ids.shape[0], x.dtype
     T = shared_tokens(ids, rows_per_x, shared)
     P = R + T  # the pairs of both launches, the shared expert's last
@@ -186,7 +187,7 @@ def moe_expert_mlp_pallas(x, wg, sg, wu, su, wd, sd, ids, *, kind: str, block_in
         g, u = (sum_parts(parts[:, h]).astype(dt) for h in (0, 1))
         own = {} if shared is None else {"shared": tuple(shared[4:]), "shared_tokens": T, "shared_row0": R}
         return grouped.quant_gemv_grouped_pallas(jax.nn.silu(g) * u, wd, sd, ids, kind=kind, k=I, block=bo,
-                                                 splits=splits_out, interpret=interpret, **own)
+                                                 splits=splits_out, unsummed=unsummed, interpret=interpret, **own)
     size = jnp.dtype(dt).itemsize
     p_in = mg.plan(2 * P, H, I, kind, bi, size, splits=splits_in)  # gate's and up's programs, one grid
     if splits_in is None and p_in.splits > MAX_GLU_PARTS:
@@ -204,7 +205,8 @@ def moe_expert_mlp_pallas(x, wg, sg, wu, su, wd, sd, ids, *, kind: str, block_in
                       tiles=2, out_shape=gate_up)
     p_out = mg.plan(P, I, H, kind, bo, size, splits=splits_out)
     kernel = mg.bind(kind, I, H, bo, p_out, dt, wd.shape[1], sd.shape[1], glu_parts=p_in.splits, **own_out)
-    return mg.launch(kernel, p_out, P, H, dt, (parts, wd, sd, ids, *tail_out), f"moe_down_glu_{kind}", interpret)
+    return mg.launch(kernel, p_out, P, H, dt, (parts, wd, sd, ids, *tail_out), f"moe_down_glu_{kind}", interpret,
+                     unsummed=unsummed)
 
 
 def moe_expert_mlp(x, wg, sg, wu, su, wd, sd, ids, *, kind: str, block_in=None, block_out=None,

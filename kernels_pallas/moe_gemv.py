@@ -345,9 +345,10 @@ def moe_gemv_pallas(x, w, scale, ids, *, kind: str, k: int, block, block_n: int 
     return launch(kernel, p, P, N, dt, (x, w, scale, ids.astype(jnp.int32)), f"moe_gemv_{kind}", interpret)
 
 
-def launch(kernel, p: Plan, P, N, dt, args, name, interpret, *, tiles=1, out_shape=None):
+def launch(kernel, p: Plan, P, N, dt, args, name, interpret, *, tiles=1, out_shape=None, unsummed=False):
     """routed_kernel over the grid (P, tiles x p.col_tiles, p.splits), every operand whole; the output [P, N] in
-    dt, its K parts summed (out_shape given: that array as the kernel writes it, unsummed)."""
+    dt, its K parts summed (out_shape given: that array as the kernel writes it, unsummed; unsummed: the parts
+    [S, P, N], float32 where S > 1, for a consumer kernel that sums them as it loads them)."""
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j, s: (0,) * len(a.shape))  # each program slices in place
     summed = out_shape is None
     if summed:
@@ -363,6 +364,8 @@ def launch(kernel, p: Plan, P, N, dt, args, name, interpret, *, tiles=1, out_sha
         interpret=interpret,
         name=name,
     )(*args)
+    if unsummed:
+        return out if p.splits > 1 else out[None]
     return sum_parts(out).astype(dt) if summed and p.splits > 1 else out
 
 

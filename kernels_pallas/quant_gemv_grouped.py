@@ -62,19 +62,23 @@ def plan_alternatives(kind: str, k: int, N: int, block, pairs: int, words=WORDS,
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "k", "block", "splits", "rows", "words", "rows_per_x",
-                                             "shared_tokens", "shared_row0", "interpret"))
+                                             "shared_tokens", "shared_row0", "unsummed", "interpret"))
 def quant_gemv_grouped_pallas(x, q, scale, ids, *, kind: str, k: int, block, splits: int | None = None,
                               rows: int | None = None, words: int | None = None, rows_per_x: int = 1, shared=None,
-                              shared_tokens: int = 0, shared_row0: int = 0, interpret: bool = False):
+                              shared_tokens: int = 0, shared_row0: int = 0, unsummed: bool = False,
+                              interpret: bool = False):
     """The routed MoE product at decode on this module's kernel (kernels_pallas/moe_gemv.py's signature):
     out[p] = x[p // rows_per_x] @ (q[ids[p]], scale[ids[p]]) -> [P, N], one program per (pair, column tile, K
     part), each reading only its pair's expert, with the conversion and the launch of the M = 1 decode kernel.
-    splits, rows and words override the plan (quant_gemv_plan.plan). shared: see the module doc. Inputs must pass
-    moe_gemv.check_inputs and grouped_unsupported_reason."""
+    splits, rows and words override the plan (quant_gemv_plan.plan). shared: see the module doc. unsummed: the K
+    parts [S, P, N] (float32 where S > 1), unsummed. Inputs must pass moe_gemv.check_inputs and
+    grouped_unsupported_reason."""
     pairs = ids.shape[0] + _tokens(shared, shared_tokens)
     p = plan(1, k, q.shape[2], kind, tuple(block), splits=splits, rows=rows, words=words, pairs=pairs)
     out = _launch(x, (q,), (scale,), ids, kind, k, tuple(block), p, rows_per_x, interpret,
                   shared and ((shared[0],), (shared[1],)), shared_tokens, shared_row0)
+    if unsummed:
+        return out if p.splits > 1 else out[None]
     return sum_parts(out).astype(x.dtype) if p.splits > 1 else out
 
 

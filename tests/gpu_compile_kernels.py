@@ -95,6 +95,12 @@ def cases():
         fn = jax.jit(lambda *a, pad=pad: add_rmsnorm_rows(*a, eps=1e-6, pad_row=pad))
         out.append((f"residual add + RMSNorm {model} R{R} H{H} from {S} K partials" + (" pad_row" if pad else ""),
                     fn, args, {}, {"add_rmsnorm_rows": 1}))
+    from kernels_pallas.moe_add_rmsnorm import moe_add_rmsnorm_rows
+    gate = (S_((1, 1), f32), S_((2, 2048), bf16), S_((2048, 1), bf16))  # 35B-A3B: the shared gate's logit, rows, weight
+    args = (S_((1, 2048), bf16), S_((2, 9, 2048), f32), S_((1, 8), f32), gate, S_((2048,), bf16))
+    fn = jax.jit(lambda *a: moe_add_rmsnorm_rows(*a, eps=1e-6, norm_topk=True, pad_row=True))
+    out.append(("MoE combine + residual add + RMSNorm 35B-A3B k8 from 2 K partials pad_row", fn, args, {},
+                {"moe_add_rmsnorm_rows": 1}))
     from kernels_pallas.gdn_rollback import gdn_rollback
     from kernels_pallas.gdn_step import gdn_step
     from kernels_pallas.gdn_verify import gdn_verify
@@ -161,7 +167,8 @@ def loops(target):
     before moe_router.py, moe_gemv's rows_per_x and moe_expert_mlp.py, with out_proj's input padded by XLA after
     the GDN step kernel (before its pad_row) and with its input norms' two rows made by XLA after the norm's
     kernel (before rmsnorm's pad_row), and in int4 with and without them, and with the shared expert's products
-    apart from the routed experts' launches (before mlp._routed_and_shared), bf16 and int4; 27B's plain step, and
+    apart from the routed experts' launches (before mlp._routed_and_shared), bf16 and int4, and with the MoE
+    block's combine and add apart from the next norm (before moe_add_rmsnorm.py), int4 and bf16; 27B's plain step, and
     with its input and final norms in XLA ops (before rmsnorm.py's kernel), and with its attention's new rows in
     XLA ops (before attention_rows.py's kernel), and so again with its KV rows written by the batched scatter
     (before attention.ONE_ROW_WRITE); 27B int4's plain step, and with its residual add and post norm apart
@@ -243,6 +250,13 @@ def loops(target):
     forward.PADDED_INPUT = True
     jax.clear_caches()
     one("35B-A3B int4 plain", "Qwen3.5-35B-A3B", k=0, quant="int4")
+    # a MoE block's combine, the residual add and the next layer's input norm in one kernel at one row
+    # (forward.HAND_ON, kernels_pallas/moe_add_rmsnorm.py), against the combine and the add apart from the norm
+    forward.HAND_ON = False
+    jax.clear_caches()
+    one("35B-A3B int4 plain, the MoE block's add apart from the next norm", "Qwen3.5-35B-A3B", k=0, quant="int4")
+    one("35B-A3B plain, the MoE block's add apart from the next norm", "Qwen3.5-35B-A3B", k=0)
+    forward.HAND_ON = True
     # a layer's input norm and the final norm at one row as one kernel (ops.rmsnorm_written), against XLA's two
     one("27B plain", "Qwen3.5-27B", k=0)
     written = forward.rmsnorm_written

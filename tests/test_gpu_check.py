@@ -24,6 +24,8 @@ def test_gpu_check_runs_on_cpu(capsys):
     assert "RMSNorm rows R1 H1000 float32 pad_row (the row and its two rows): max_rel " in out
     # add_rmsnorm.py: the residual add and the norm after it, from the product's K partials
     assert "residual add + RMSNorm rows R1 H1000 from 3 K partials float32: grid (1,), max_rel " in out
+    # moe_add_rmsnorm.py: a MoE block's pairs combined, added and normed
+    assert "MoE combine + residual add + RMSNorm rows R1 H1000 k8 from 2 K partials float32: grid (1,), max_rel " in out
     # attention_rows.py: the queries in the attention kernel's rows and their positions, the keys and values
     assert ("attention new rows small B2 T3 heads 4/2x32 rotary 10 S2/3 float32 float32: grid (2, 2, 16), max_rel "
             in out)

@@ -221,15 +221,18 @@ def test_the_trunk_adds_and_norms_in_one_kernel_with_the_same_values(monkeypatch
     assert "add_rmsnorm_rows" not in kernel_calls(export_for(step, *args))
 
 
-@pytest.mark.parametrize("T", [1, 4], ids=["step", "verify"])
-def test_a_dense_mlp_hands_its_output_to_the_next_norm(monkeypatch, T):
+@pytest.mark.parametrize("moe,T", [(False, 1), (False, 4), (True, 1), (True, 4)],
+                         ids=["dense-step", "dense-verify", "moe-step", "moe-verify"])
+def test_an_mlp_block_hands_its_output_to_the_next_norm(monkeypatch, moe, T):
     """forward and the MTP head with int4 weights at a decode step and a verify's 4 rows: lowered for cuda, each
-    layer's add after its MLP and the next layer's input norm (after the last, the final norm; in the head, its
-    own norm) are one add_rmsnorm_rows call, the down-projection handing its K partials (forward.hands_on): two
-    calls a layer and the head's two, where forward.HAND_ON off leaves a layer's and the head's post norm's one
-    (tests/test_gpu_compile.py counts the kernels); lowered for cpu none. On this CPU the values (hidden rows,
-    every state, the head's out and cache) are bit for bit those with HAND_ON off, and the head traced
-    (trace=True: its stages kept apart) gives the same out with no call of the kernel."""
+    layer's add after its MLP block and the next layer's input norm (after the last, the final norm; in the
+    head, its own norm) are one call (forward.hands_on): a dense MLP's down-projection handing its K partials
+    (add_rmsnorm_rows), a MoE block at one row its pairs' and shared expert's rows (moe_add_rmsnorm_rows, the
+    combine in it; over a verify's rows XLA joins them itself: none). forward.HAND_ON off leaves only the post
+    norms' calls, a layer's and the head's (tests/test_gpu_compile.py counts the kernels); lowered for cpu none.
+    On this CPU the values (hidden rows, every state, the head's out and cache) are bit for bit those with
+    HAND_ON off, and the head traced (trace=True: its stages kept apart) gives the same out with no call of its
+    own."""
     import re
 
     from qwen_mtp.head.mtp import init_mtp_cache, mtp_forward
@@ -238,7 +241,7 @@ def test_a_dense_mlp_hands_its_output_to_the_next_norm(monkeypatch, T):
     from qwen_mtp.trunk.random_weights import random_weights
     from qwen_mtp.trunk.state import init_state
 
-    cfg = _cfg(False, mtp=True, layers=3)  # GDN, attention, GDN
+    cfg = _cfg(moe, mtp=True, layers=3)  # GDN, attention, GDN
     w = random_weights(cfg, jax.random.PRNGKey(2), "bfloat16", "int4", mtp=True)
     st, cache = init_state(cfg, 1, 16, jnp.bfloat16), init_mtp_cache(cfg, 1, 16, jnp.bfloat16)
     pos, n_valid = jnp.array([3], jnp.int32), jnp.full((1,), T, jnp.int32)
@@ -249,16 +252,21 @@ def test_a_dense_mlp_hands_its_output_to_the_next_norm(monkeypatch, T):
         return h, st, out, cache
 
     args = (w, jnp.arange(3, 3 + T, dtype=jnp.int32)[None], st, cache)
-    sites = lambda fn: len(re.findall(r"call @add_rmsnorm_rows", export_for(fn, *args).mlir_module()))
+
+    def sites(fn):
+        text = export_for(fn, *args).mlir_module()
+        return [len(re.findall(rf"call @{name}_rows", text)) for name in ("add_rmsnorm", "moe_add_rmsnorm")]
+
+    L, handing = cfg.num_layers, not moe or T == 1  # the blocks that hand on, each layer's and the head's
     handed = jax.jit(step)(*args)
-    assert sites(step) == 2 * cfg.num_layers + 2
-    assert sites(lambda *a: step(*a, trace=True)) == 2 * cfg.num_layers
+    assert sites(step) == [L + 1 + (not moe) * (L + 1), moe * handing * (L + 1)]
+    assert sites(lambda *a: step(*a, trace=True)) == [L + (not moe) * L, moe * handing * L]
     assert kernel_calls(export_for(step, *args, platform="cpu")) == []
     traced = jax.jit(lambda *a: step(*a, trace=True))(*args)
     np.testing.assert_array_equal(np.asarray(handed[2]), np.asarray(traced[2]))
     monkeypatch.setattr(forward, "HAND_ON", False)
     jax.clear_caches()
-    assert sites(step) == cfg.num_layers + 1
+    assert sites(step) == [L + 1, 0]
     assert all(float(jnp.abs(handed[i].astype(jnp.float32)).max(-1).min()) > 0 for i in (0, 2))  # every row read
     for a, b in zip(jax.tree.leaves(handed), jax.tree.leaves(jax.jit(step)(*args))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -25,8 +25,8 @@ from qwen_mtp.errors import MissingMTPHeadError
 from qwen_mtp.head.ring import init_ring, ring_attention_layer
 from qwen_mtp.trunk.attention import attention_layer
 from qwen_mtp.trunk.config import ModelConfig
-from qwen_mtp.trunk.mlp import feed_forward
-from qwen_mtp.trunk.forward import add_norm_rows, hands_on, mlp_parts, post_norm
+from qwen_mtp.trunk.mlp import Unadded, feed_forward
+from qwen_mtp.trunk.forward import add_norm_rows, hands_on, input_norm, post_norm
 from qwen_mtp.trunk.ops import add_norm_written, embed_rows, linear, rmsnorm_1pw, rmsnorm_written
 from qwen_mtp.trunk.state import KVCache
 from qwen_mtp.trunk.weights import Weights
@@ -85,11 +85,10 @@ def mtp_forward(weights: Weights, cfg: ModelConfig, tokens, hidden, cache: KVCac
         else:
             res1 = x + attn
             mh = post_norm(w.layer.mlp)(res1, w.layer.post_norm, eps)
-        handed = not trace and hands_on(res1, w.layer.mlp)
-        mlp_out = mlp_parts(mh, w.layer.mlp) if handed else feed_forward(mh, w.layer.mlp, cfg)
+        mlp_out = feed_forward(mh, w.layer.mlp, cfg, hand_on=not trace and hands_on(res1, w.layer.mlp))
     with jax.named_scope("mtp_norm"):
-        if handed:
-            res2, out = add_norm_written(res1, mlp_out, w.norm, eps)
+        if isinstance(mlp_out, Unadded):
+            res2, out = input_norm(res1, mlp_out, w.norm, eps, False)
         else:
             res2 = res1 + mlp_out
             out = rmsnorm_written(res2, w.norm, eps)

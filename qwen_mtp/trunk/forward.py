@@ -12,11 +12,11 @@ from kernels_pallas.per_shard import active_mesh
 from qwen_mtp.trunk.attention import attention_layer
 from qwen_mtp.trunk.config import ModelConfig
 from qwen_mtp.trunk.gdn import gdn_layer
-from qwen_mtp.trunk.mlp import feed_forward, gate_up
-from qwen_mtp.trunk.ops import (add_norm_written, contract, embed_rows, logits, pads_one_row, product_parts,
-                               rmsnorm_1pw, rmsnorm_written)
+from qwen_mtp.trunk.mlp import Unadded, feed_forward
+from qwen_mtp.trunk.ops import (add_norm_written, contract, embed_rows, logits, pads_one_row, rmsnorm_1pw,
+                               rmsnorm_written)
 from qwen_mtp.trunk.quant import QuantArray
-from qwen_mtp.trunk.weights import AttnWeights, MLPWeights, MoEWeights, Weights
+from qwen_mtp.trunk.weights import AttnWeights, MoEWeights, Weights
 
 
 def post_norm(mlp_w):
@@ -49,9 +49,11 @@ def router_pads(x, mlp_w) -> bool:
 
 # A layer's residual add after its mixer and the norm before a quantized MLP as one kernel at decode and verify
 # rows (ops.add_norm_written, kernels_pallas/add_rmsnorm.py; under a mesh at one row), the mixer handing its
-# out-projection's K partials; so too the add after a dense quantized MLP and the next layer's input norm (or the
-# final norm), the MLP handing its down-projection's partials (forward's `pending`). False: the adds and the
-# norms apart, as before (tests/gpu_compile_kernels.py's control); HAND_ON = False: the MLP's add apart only.
+# out-projection's K partials; so too the add after an MLP block and the next layer's input norm (or the final
+# norm), the block handing its output on unadded (mlp.Unadded, forward's `pending`: a dense MLP's quantized
+# down-projection's K partials, a MoE block's rows at one row, kernels_pallas/moe_add_rmsnorm.py). False: the
+# adds and the norms apart, as before (tests/gpu_compile_kernels.py's control); HAND_ON = False: the MLP
+# block's add apart only.
 ADD_NORM = True
 HAND_ON = True
 
@@ -63,23 +65,24 @@ def add_norm_rows(x) -> bool:
 
 
 def hands_on(x, mlp_w) -> bool:
-    """Whether a layer hands its MLP's output on as the down-projection's partials (HAND_ON): a dense MLP with a
-    quantized down-projection (the decode kernel's partials, quant.linear_parts) at add_norm_rows."""
-    return HAND_ON and isinstance(mlp_w, MLPWeights) and isinstance(mlp_w.down, QuantArray) and add_norm_rows(x)
-
-
-def mlp_parts(h, mlp_w):
-    """A dense MLP's output as its down-projection's K partials [S, rows, H] (ops.product_parts), for hands_on."""
-    return product_parts(gate_up(h, mlp_w.gate, mlp_w.up), mlp_w.down)
+    """Whether a layer hands its MLP block's output on unadded (HAND_ON, mlp.Unadded) at x's rows: a dense MLP
+    with a quantized down-projection (the decode kernel's K partials, quant.linear_parts) at add_norm_rows; a MoE
+    block at one row (its pairs' and shared expert's rows, combined in the norm's kernel: XLA's combine and
+    residual add were a kernel, the norm another; over a verify's rows XLA joins the three itself)."""
+    if not (HAND_ON and add_norm_rows(x)):
+        return False
+    if isinstance(mlp_w, MoEWeights):
+        return math.prod(x.shape[:-1]) == 1
+    return isinstance(mlp_w.down, QuantArray)
 
 
 def input_norm(x, pending, w, eps, pad_row: bool):
-    """A layer's input norm (or the final norm) of x, the previous layer's MLP output added first where it was
-    handed on (pending: its down-projection's partials [S, rows, H], else None): (x, the normed rows[, two])."""
+    """A layer's input norm (or the final norm) of x, the previous layer's MLP block's output added first where
+    it was handed on (pending: mlp.Unadded, else None): (x, the normed rows[, two])."""
     if pending is None:
         y = rmsnorm_written(x, w, eps, pad_row=pad_row)
         return (x, *y) if pad_row else (x, y)
-    return add_norm_written(x, pending, w, eps, pad_row=pad_row)
+    return add_norm_written(x, pending.parts, w, eps, pad_row=pad_row, moe=pending.moe)
 
 
 def decoder_layer(x, lw, cfg: ModelConfig, kind: str, layer_state, pos, n_valid, gdn_mode: str, pending=None,
@@ -110,9 +113,10 @@ def decoder_layer(x, lw, cfg: ModelConfig, kind: str, layer_state, pos, n_valid,
                 h, two = rmsnorm_written(x, lw.post_norm, cfg.rms_norm_eps, pad_row=True)
             else:
                 h = norm(x, lw.post_norm, cfg.rms_norm_eps)
-        if hand_on and hands_on(x, lw.mlp):
-            return x, mlp_parts(h, lw.mlp), layer_state
-        x = x + feed_forward(h, lw.mlp, cfg, two)
+        out = feed_forward(h, lw.mlp, cfg, two, hand_on=hand_on and hands_on(x, lw.mlp))
+        if isinstance(out, Unadded):
+            return x, out, layer_state
+        x = x + out
     return x, None, layer_state
 
 

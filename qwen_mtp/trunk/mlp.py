@@ -17,17 +17,21 @@ lax.top_k elsewhere, bit for bit the same); the renormalisation of the k weights
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from kernels_pallas import dispatch
 from kernels_pallas import moe_expert_mlp as expert_mlp
 from kernels_pallas import per_shard as spmd
+from kernels_pallas.moe_add_rmsnorm import moe_combine, router_weights
 from kernels_pallas.moe_router import router_topk as topk_kernel
+from kernels_pallas.split_k import as_parts
 from qwen_mtp.trunk.config import ModelConfig
-from qwen_mtp.trunk.ops import linear, linear_of_two, pads_one_row, two_rows
+from qwen_mtp.trunk.ops import linear, linear_of_two, linear_wide, pads_one_row, product_parts, two_rows
 from qwen_mtp.trunk.quant import gate_up as quant_gate_up
-from qwen_mtp.trunk.quant import grouped_dot, routed_mlp, swiglu_layout
+from qwen_mtp.trunk.quant import QuantArray, grouped_dot, routed_mlp, swiglu_layout
 from qwen_mtp.trunk.weights import MLPWeights, MoEWeights
 
 
@@ -38,8 +42,22 @@ def gate_up(x, gate, up):
     return jax.nn.silu(linear(x, gate)) * linear(x, up) if h is None else h
 
 
-def mlp(x, w: MLPWeights):
-    return linear(gate_up(x, w.gate, w.up), w.down)
+class Unadded(NamedTuple):
+    """An MLP block's output handed on unadded (feed_forward's hand_on) for the next norm's kernel to add
+    (forward.input_norm, ops.add_norm_written): a dense MLP's down-projection K partials [S, rows, H] (parts), or
+    a MoE block's pairs' and shared expert's rows as down's K partials [S, R k + R, H] (parts) with moe = (the
+    router's top-k probabilities [R, k] f32, the shared gate as (its logit [R, 1] from ops.linear_wide, the
+    block's input rows as the experts read them [>= R, H], its weight [H, 1]), norm_topk_prob):
+    kernels_pallas/moe_add_rmsnorm.py's inputs."""
+    parts: jax.Array
+    moe: tuple | None = None
+
+
+def mlp(x, w: MLPWeights, hand_on: bool = False):
+    """down(silu(gate x) * up x); hand_on: as Unadded(down's K partials) where down is quantized
+    (ops.product_parts)."""
+    h = gate_up(x, w.gate, w.up)
+    return Unadded(product_parts(h, w.down)) if hand_on and isinstance(w.down, QuantArray) else linear(h, w.down)
 
 
 def router_topk(probs, k: int):
@@ -53,31 +71,35 @@ def reads_routed_only(n_tokens: int, cfg: ModelConfig) -> bool:
     return n_tokens * cfg.top_k <= cfg.num_experts
 
 
-def moe(x, w: MoEWeights, cfg: ModelConfig, two=None):
+def moe(x, w: MoEWeights, cfg: ModelConfig, two=None, hand_on: bool = False):
     """x [..., H]. Few tokens: each (token, expert) pair reads its expert's weights only (quant.routed_mlp);
     many: tokens sorted by expert through grouped matmuls (quant.grouped_dot). Module doc. two: one token's row
     and a zero row [2, ..., H] as the post norm's kernel wrote them (forward.decoder_layer), read by the router's
-    product (ops.linear_of_two) and the routed experts where they would read ops.two_rows of the row."""
+    product (ops.linear_of_two) and the routed experts where they would read ops.two_rows of the row. hand_on:
+    where the routed and shared experts come from one launch, the block's output as Unadded (its rows, the
+    router's weights and the shared gate), combined by the next norm's kernel."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     two = None if two is None else two.reshape(2, shape[-1])
     n, k, E = x2.shape[0], cfg.top_k, cfg.num_experts
     logits = linear(x2, w.router) if two is None else linear_of_two(x2, two, w.router)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top_p, top_e = router_topk(probs, k)
-    if cfg.norm_topk_prob:
-        top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-    top_p = top_p.astype(x.dtype)
-    shared_gate = jax.nn.sigmoid(linear(x2, w.shared_gate))
+    top_v, top_e = router_topk(probs, k)
+    top_p = router_weights(top_v, cfg.norm_topk_prob, x.dtype)
+    gate_logit = linear_wide(x2, w.shared_gate)  # (f32: the hand-on's kernel rounds it, as linear does here)
+    shared_gate = jax.nn.sigmoid(gate_logit.astype(x2.dtype))
     if reads_routed_only(n, cfg):
         rows = two if two is not None else two_rows(x2) if n == 1 and pads_one_row(w.router) else x2
         pair_e = top_e.reshape(-1)
-        both = _routed_and_shared(rows, x2, w, pair_e, k)
+        hand_on = hand_on and not isinstance(w.shared_gate, QuantArray)  # (the kernel reads its plain weight)
+        both = _routed_and_shared(rows, x2, w, pair_e, k, unsummed=hand_on)
+        if both is not None and hand_on:
+            return Unadded(both, (top_v, (gate_logit, rows, w.shared_gate), cfg.norm_topk_prob))
         if both is not None:  # the shared expert's rows after the pairs'
             y, own = both[:n * k], both[n * k:]
         else:
             y, own = routed_mlp(rows, w.gate, w.up, w.down, pair_e, rows_per_x=k), mlp(x2, w.shared)
-        return (_weighted_sum(y, top_p, x2.dtype) + own * shared_gate).reshape(shape)
+        return moe_combine(y, own, top_p, shared_gate, x2.dtype).reshape(shape)
 
     shared = mlp(x2, w.shared) * shared_gate
     flat_e = top_e.reshape(-1)
@@ -93,22 +115,15 @@ def moe(x, w: MoEWeights, cfg: ModelConfig, two=None):
     return (routed + shared).reshape(shape)
 
 
-def _weighted_sum(y, top_p, dtype):
-    """The pairs' outputs y [n * k, H] (pair p = t * k + j: token t with its j-th expert) weighted by the router
-    and summed over each token's k pairs in float32 -> [n, H] in dtype."""
-    n, k = top_p.shape
-    y = (y * top_p.reshape(-1, 1)).astype(jnp.float32)
-    return y.reshape(n, k, -1).sum(axis=1).astype(dtype)
-
-
-def _routed_and_shared(rows, x2, w: MoEWeights, pair_e, k: int):
+def _routed_and_shared(rows, x2, w: MoEWeights, pair_e, k: int, unsummed: bool = False):
     """The routed pairs' SwiGLU [n * k, H], then the shared expert's of each token [n, H], as one array from the
     same two launches on cuda (kernels_pallas/moe_expert_mlp.py, the shared expert one more pair a token: 35B-A3B
     int4, three kernels a MoE layer fewer, bf16 two); the two as before elsewhere, and on cpu. None where the
     kernels cannot take both (a mesh, a layout or size the shared expert does not share with the experts, shapes
     they do not take): the caller runs them apart. rows: the tokens' rows as the routed experts read them (k
     pairs a row; on cuda one token's row and the zero row the post norm wrote, `two`), not copied to the pairs;
-    x2: the tokens [n, H]."""
+    x2: the tokens [n, H]. unsummed: the array as down's K parts [S, n k + n, H] (float32 where S > 1), unsummed, for
+    the next norm's kernel (Unadded; elsewhere the array in part 0 and zeros in the others)."""
     routed = swiglu_layout(w.gate, w.up, w.down)
     own = swiglu_layout(w.shared.gate, w.shared.up, w.shared.down)
     if routed is None or own is None or routed[0] != own[0] or routed[2:] != own[2:]:
@@ -123,14 +138,19 @@ def _routed_and_shared(rows, x2, w: MoEWeights, pair_e, k: int):
 
     def kernel(rows, x2, w, pair_e):
         routed, own = swiglu_layout(w.gate, w.up, w.down), swiglu_layout(w.shared.gate, w.shared.up, w.shared.down)
-        return expert_mlp.moe_expert_mlp_pallas(rows, *routed[1], pair_e, **kw, shared=own[1])
+        return expert_mlp.moe_expert_mlp_pallas(rows, *routed[1], pair_e, **kw, shared=own[1], unsummed=unsummed)
 
     def reference(rows, x2, w, pair_e):  # the two as they run apart
-        return jnp.concatenate([routed_mlp(rows, w.gate, w.up, w.down, pair_e, rows_per_x=k), mlp(x2, w.shared)])
+        both = jnp.concatenate([routed_mlp(rows, w.gate, w.up, w.down, pair_e, rows_per_x=k), mlp(x2, w.shared)])
+        if not unsummed:
+            return both
+        S = jax.eval_shape(kernel, rows, x2, w, pair_e).shape[0]  # (S = 1: the array itself, in its dtype)
+        return both[None] if S == 1 else as_parts(both, S)
 
     return dispatch.run("routed and shared experts", kernel, reference, None, "auto", rows, x2, w, pair_e)
 
 
-def feed_forward(x, w, cfg: ModelConfig, two=None):
-    """The layer's MLP or MoE block; two: see moe (a MoE block's only)."""
-    return moe(x, w, cfg, two) if isinstance(w, MoEWeights) else mlp(x, w)
+def feed_forward(x, w, cfg: ModelConfig, two=None, hand_on: bool = False):
+    """The layer's MLP or MoE block; two: see moe (a MoE block's only); hand_on: its output as Unadded where it
+    can be (mlp, moe), else the output."""
+    return moe(x, w, cfg, two, hand_on) if isinstance(w, MoEWeights) else mlp(x, w, hand_on)

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from kernels_pallas.masked_attention import precision_for  # the one precision rule
 from kernels_pallas.per_shard import active_mesh, batch_axis
 from kernels_pallas.add_rmsnorm import add_rmsnorm_rows
+from kernels_pallas.moe_add_rmsnorm import moe_add_rmsnorm_rows
 from kernels_pallas.rmsnorm import rmsnorm_reference, rmsnorm_rows
 from qwen_mtp.trunk.quant import QuantArray
 from qwen_mtp.trunk.quant import linear as quant_linear
@@ -54,6 +55,15 @@ def linear(x, w):
     if math.prod(x.shape[:-1]) == 1 and pads_one_row(w):
         return jax.lax.platform_dependent(x, w, cuda=_as_two_rows, default=_product)
     return _product(x, w)
+
+
+def linear_wide(x, w):
+    """linear's product before its rounding to x's dtype where it has one (a plain weight through the single
+    einsum: float32), else linear's: for a consumer that rounds it itself (mlp.moe's shared gate, read by
+    kernels_pallas/moe_add_rmsnorm.py); .astype(x.dtype) of it is linear's value."""
+    if isinstance(w, QuantArray) or (math.prod(x.shape[:-1]) == 1 and pads_one_row(w)):
+        return linear(x, w)
+    return contract("...i,io->...o", x, w.astype(x.dtype))
 
 
 def pads_one_row(w) -> bool:
@@ -182,12 +192,19 @@ def product_parts(x, w):
     return linear(x, w).reshape(1, -1, w.shape[-1]) if parts is None else parts
 
 
-def add_norm_written(x, parts, w, eps, *, pad_row: bool = False):
+def add_norm_written(x, parts, w, eps, *, pad_row: bool = False, moe=None):
     """(x + the product, rmsnorm_1pw of it) for x [..., H] and the product as product_parts' [S, rows, H]: the
     residual add and the norm after it as one kernel on cuda (kernels_pallas/add_rmsnorm.py), where XLA ran the
     add (the partials' sum in it) and the norm as a kernel each; pad_row (one row): (x_new, y, y2) as
-    rmsnorm_written's. Elsewhere x + the product, then the norm: the same numbers as before."""
+    rmsnorm_written's. Elsewhere x + the product, then the norm: the same numbers as before. moe = (top_v, gate,
+    norm_topk): parts are a MoE block's pairs' and shared expert's rows, combined first (mlp.Unadded,
+    kernels_pallas/moe_add_rmsnorm.py)."""
     shape = x.shape
-    out = add_rmsnorm_rows(x.reshape(-1, shape[-1]), parts, w, eps=eps, pad_row=pad_row)
+    x2 = x.reshape(-1, shape[-1])
+    if moe is None:
+        out = add_rmsnorm_rows(x2, parts, w, eps=eps, pad_row=pad_row)
+    else:
+        top_v, gate, norm_topk = moe
+        out = moe_add_rmsnorm_rows(x2, parts, top_v, gate, w, eps=eps, norm_topk=norm_topk, pad_row=pad_row)
     x_new, y = out[0].reshape(shape), out[1].reshape(shape)
     return (x_new, y, out[2].reshape(shape[0] + 1, *shape[1:])) if pad_row else (x_new, y)
