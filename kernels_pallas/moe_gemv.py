@@ -58,14 +58,7 @@ from jax.experimental.pallas import triton as plt
 from kernels_pallas import dispatch
 from kernels_pallas import quant_gemv_grouped as grouped
 from kernels_pallas.masked_attention import precision_for
-from kernels_pallas.quant_layout import (
-    STORAGE,
-    cdiv,
-    check,
-    dequantize,
-    padded_k,
-    values,
-)
+from kernels_pallas.quant_layout import STORAGE, cdiv, check, dequantize, padded_k, values
 from kernels_pallas.split_k import sum_parts
 
 KINDS = ("plain", "int8", "int4", "fp8")
@@ -347,8 +340,7 @@ def moe_gemv_pallas(x, w, scale, ids, *, kind: str, k: int, block, block_n: int 
 
 def launch(kernel, p: Plan, P, N, dt, args, name, interpret, *, tiles=1, out_shape=None, unsummed=False):
     """routed_kernel over the grid (P, tiles x p.col_tiles, p.splits), every operand whole; the output [P, N] in
-    dt, its K parts summed (out_shape given: that array as the kernel writes it, unsummed; unsummed: the parts
-    [S, P, N], float32 where S > 1, for a consumer kernel that sums them as it loads them)."""
+    dt, its K parts summed (out_shape given: that array as the kernel writes it; unsummed: the parts [S, P, N])."""
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j, s: (0,) * len(a.shape))  # each program slices in place
     summed = out_shape is None
     if summed:

@@ -219,7 +219,7 @@ def loops(target):
     mlp.router_topk = router
     mlp.routed_mlp = lambda x, g, u, d, ids, *, rows_per_x=1, **kw: routed_mlp(
         x[jax.numpy.arange(ids.shape[0]) // rows_per_x] if rows_per_x > 1 else x, g, u, d, ids, **kw)
-    mlp._routed_and_shared = lambda *a: None  # (the routed experts' own launches: the shared expert apart)
+    mlp._routed_and_shared = lambda *a, **kw: None  # (the routed experts' own launches: the shared expert apart)
     jax.clear_caches()
     one("35B-A3B plain, gate / up on copies of the row", "Qwen3.5-35B-A3B", k=0)
     mlp.routed_mlp = routed_mlp

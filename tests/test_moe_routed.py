@@ -126,7 +126,7 @@ def test_shared_expert_as_one_more_pair(fmt, monkeypatch, report):  # test_kerne
     x = jnp.asarray(np.random.default_rng(4).standard_normal((3, H)), jnp.float32)
     want = jax.jit(lambda x, w: mlp.moe(x, w, CFG))(x, w)  # lowered for cpu: the reference, the pieces apart
     with monkeypatch.context() as m:  # ... bit for bit the block as it ran before the fold
-        m.setattr(mlp, "_routed_and_shared", lambda *a: None)
+        m.setattr(mlp, "_routed_and_shared", lambda *a, **kw: None)
         np.testing.assert_array_equal(np.asarray(jax.jit(lambda x, w: mlp.moe(x, w, CFG))(x, w)), np.asarray(want))
     real = mlp.expert_mlp.moe_expert_mlp_pallas
     calls = []
