@@ -11,9 +11,9 @@ The head shares embed_tokens and lm_head with the trunk and has its own one-laye
 (token t+1, trunk hidden t) and sits at RoPE position t+1, in cache slot t. Its norms follow the trunk's rule
 (forward.py): at one row the layer's input norm and the final norm are one kernel on cuda (ops.rmsnorm_written),
 the post-attention norm too before quantized products (forward.post_norm), and there the residual adds with the
-norms after them are one kernel each (ops.add_norm_written: the attention's and a dense MLP's out-projections
-hand their K partials); the pre-fc norms stay XLA's (a kernel of their own cost a draft step two more,
-deviceless H200 compile).
+norms after them are one kernel each (ops.add_norm_written: the attention's out-projection hands its K partials,
+the MLP block its output unadded, forward.hands_on); the pre-fc norms stay XLA's (a kernel of their own cost a
+draft step two more, deviceless H200 compile).
 """
 
 from __future__ import annotations
