@@ -58,17 +58,23 @@ def check_inputs(x, parts, w, pad_row: bool = False) -> None:
                          f"{list(x.shape)}")
 
 
-def unsupported_reason(x, parts, w):
-    """None if the kernel takes these arrays, else why not (the caller falls back to the reference)."""
-    for name, a in (("rows", x), ("product", parts), ("weight", w)):
+def rows_reason(named, x, rows: str = "decode and verify rows"):
+    """None if the named arrays ((name, array), ...) are of the kernels' dtypes and x [R, H] rows one program a
+    row holds, R of them at most MAX_ROWS; else why not (this kernel's and moe_add_rmsnorm.py's)."""
+    for name, a in named:
         if jnp.dtype(a.dtype) not in {jnp.dtype(d) for d in DTYPES}:
             return f"{name} of dtype {jnp.dtype(a.dtype)}: the kernel takes float32 / bfloat16 / float16"
     R, H = x.shape
     if not 1 <= H <= MAX_HIDDEN:
         return f"rows of {H}: one program's row holds 1 .. {MAX_HIDDEN}"
     if not 1 <= R <= MAX_ROWS:
-        return f"{R} rows: the kernel takes 1 .. {MAX_ROWS} (decode and verify rows)"
+        return f"{R} rows: the kernel takes 1 .. {MAX_ROWS} ({rows})"
     return None
+
+
+def unsupported_reason(x, parts, w):
+    """None if the kernel takes these arrays, else why not (the caller falls back to the reference)."""
+    return rows_reason((("rows", x), ("product", parts), ("weight", w)), x)
 
 
 def _kernel(x_ref, p_ref, w_ref, xo_ref, *y_refs, S, H, HP, eps, rows):

@@ -44,8 +44,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels_pallas import dispatch
-from kernels_pallas.add_rmsnorm import MAX_ROWS
-from kernels_pallas.rmsnorm import DTYPES, MAX_HIDDEN, NUM_WARPS, norm_and_store, rmsnorm_reference
+from kernels_pallas.add_rmsnorm import rows_reason
+from kernels_pallas.rmsnorm import NUM_WARPS, norm_and_store, rmsnorm_reference
 from kernels_pallas.split_k import product_of
 
 
@@ -98,20 +98,15 @@ def check_inputs(x, parts, top_v, gate, w, pad_row: bool = False) -> None:
 def unsupported_reason(x, parts, top_v, gate, w):
     """None if the kernel takes these arrays, else why not (the caller falls back to the reference)."""
     logit, h, wg = gate
-    for name, a in (("rows", x), ("weight", w), ("gate's input rows", h), ("gate's weight", wg)):
-        if jnp.dtype(a.dtype) not in {jnp.dtype(d) for d in DTYPES}:
-            return f"{name} of dtype {jnp.dtype(a.dtype)}: the kernel takes float32 / bfloat16 / float16"
-    if jnp.dtype(parts.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(x.dtype)):
-        return f"parts of dtype {jnp.dtype(parts.dtype)}: the kernel takes float32 partials or rows in x's dtype"
-    if jnp.dtype(top_v.dtype) != jnp.float32 or jnp.dtype(logit.dtype) not in (jnp.float32, jnp.dtype(x.dtype)):
-        return (f"probabilities of dtype {jnp.dtype(top_v.dtype)} and a logit of {jnp.dtype(logit.dtype)}: the "
-                f"kernel takes float32, and float32 or x's dtype (mlp.moe's)")
-    R, H = x.shape
-    if not 1 <= H <= MAX_HIDDEN:
-        return f"rows of {H}: one program's row holds 1 .. {MAX_HIDDEN}"
-    if not 1 <= R <= MAX_ROWS:
-        return f"{R} rows: the kernel takes 1 .. {MAX_ROWS} (decode rows)"
-    return None
+    reason = rows_reason((("rows", x), ("weight", w), ("gate's input rows", h), ("gate's weight", wg)), x,
+                         "decode rows")
+    if reason is None and jnp.dtype(parts.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(x.dtype)):
+        reason = f"parts of dtype {jnp.dtype(parts.dtype)}: the kernel takes float32 partials or rows in x's dtype"
+    if reason is None and (jnp.dtype(top_v.dtype) != jnp.float32 or
+                           jnp.dtype(logit.dtype) not in (jnp.float32, jnp.dtype(x.dtype))):
+        reason = (f"probabilities of dtype {jnp.dtype(top_v.dtype)} and a logit of {jnp.dtype(logit.dtype)}: the "
+                  f"kernel takes float32, and float32 or x's dtype (mlp.moe's)")
+    return reason
 
 
 def _kernel(x_ref, parts_ref, v_ref, h_ref, wg_ref, w_ref, xo_ref, *y_refs, S, k, H, HP, eps, rows, norm_topk):
