@@ -25,9 +25,9 @@ from qwen_mtp.errors import MissingMTPHeadError
 from qwen_mtp.head.ring import init_ring, ring_attention_layer
 from qwen_mtp.trunk.attention import attention_layer
 from qwen_mtp.trunk.config import ModelConfig
-from qwen_mtp.trunk.mlp import Unadded, feed_forward
-from qwen_mtp.trunk.forward import add_norm_rows, hands_on, input_norm, post_norm
-from qwen_mtp.trunk.ops import add_norm_written, embed_rows, linear, rmsnorm_1pw, rmsnorm_written
+from qwen_mtp.trunk.mlp import feed_forward
+from qwen_mtp.trunk.forward import add_norm_rows, added, hands_on, input_norm, post_mixer, post_norm
+from qwen_mtp.trunk.ops import embed_rows, linear, rmsnorm_1pw, rmsnorm_written
 from qwen_mtp.trunk.state import KVCache
 from qwen_mtp.trunk.weights import Weights
 
@@ -79,19 +79,12 @@ def mtp_forward(weights: Weights, cfg: ModelConfig, tokens, hidden, cache: KVCac
         else:
             attn, cache = ring_attention_layer(ah, w.layer.mixer, cfg, cache, slot, window, sinks, ROPE_OFFSET,
                                                out_parts=fused)
-    with jax.named_scope("mtp_mlp"):
-        if fused:
-            res1, mh = add_norm_written(x, attn, w.layer.post_norm, eps)
-        else:
-            res1 = x + attn
-            mh = post_norm(w.layer.mlp)(res1, w.layer.post_norm, eps)
+    with jax.named_scope("mtp_mlp"):  # (the head's MoE router reads the row as it is: no two rows)
+        res1, mh, _ = post_mixer(x, attn, w.layer.mlp, w.layer.post_norm, eps, fused, pad=False)
         mlp_out = feed_forward(mh, w.layer.mlp, cfg, hand_on=not trace and hands_on(res1, w.layer.mlp))
     with jax.named_scope("mtp_norm"):
-        if isinstance(mlp_out, Unadded):
-            res2, out = input_norm(res1, mlp_out, w.norm, eps, False)
-        else:
-            res2 = res1 + mlp_out
-            out = rmsnorm_written(res2, w.norm, eps)
+        res2, pending = added(res1, mlp_out)
+        res2, out = input_norm(res2, pending, w.norm, eps, False)
     stages = None
     if trace:
         stages = dict(e=e, h=h, fc_in=fc_in, fc=x, ah=ah, attn=attn, res1=res1, mh=mh, mlp=mlp_out, res2=res2,

@@ -85,6 +85,26 @@ def input_norm(x, pending, w, eps, pad_row: bool):
     return add_norm_written(x, pending.parts, w, eps, pad_row=pad_row, moe=pending.moe)
 
 
+def post_mixer(x, h, mlp_w, w, eps, fused: bool, pad: bool):
+    """The residual add after a layer's mixer and the norm before its MLP block: (x + h, the normed rows, the
+    row's two rows or None). fused: h is the mixer's out-projection K partials, the add and the norm one kernel
+    (ops.add_norm_written); pad (one row, a norm its kernel writes): the row's two rows too, for the router's
+    product (router_pads)."""
+    if fused:
+        x, y, *rest = add_norm_written(x, h, w, eps, pad_row=pad)
+        return x, y, rest[0] if rest else None
+    x = x + h
+    if pad:
+        return x, *rmsnorm_written(x, w, eps, pad_row=True)
+    return x, post_norm(mlp_w)(x, w, eps), None
+
+
+def added(x, out):
+    """(x + an MLP block's output, None), or (x, the output) where it was handed on unadded (mlp.Unadded) for the
+    next norm's kernel (input_norm)."""
+    return (x, out) if isinstance(out, Unadded) else (x + out, None)
+
+
 def decoder_layer(x, lw, cfg: ModelConfig, kind: str, layer_state, pos, n_valid, gdn_mode: str, pending=None,
                   hand_on: bool = False):
     """One trunk layer: (x, pending, layer_state). pending: the previous layer's MLP output not yet added to x
@@ -103,21 +123,10 @@ def decoder_layer(x, lw, cfg: ModelConfig, kind: str, layer_state, pos, n_valid,
             h, layer_state = gdn_layer(h, lw.mixer, cfg, layer_state, n_valid, mode=gdn_mode, two=two,
                                        out_parts=fused)
     with jax.named_scope("mlp"):
-        two = None
-        if fused:  # the residual add and the post norm in one kernel, from the mixer's out-projection's partials
-            x, h, *rest = add_norm_written(x, h, lw.post_norm, cfg.rms_norm_eps, pad_row=router_pads(x, lw.mlp))
-            two = rest[0] if rest else None
-        else:
-            x = x + h
-            if norm is rmsnorm_written and router_pads(x, lw.mlp):  # the row's two rows for the router's product
-                h, two = rmsnorm_written(x, lw.post_norm, cfg.rms_norm_eps, pad_row=True)
-            else:
-                h = norm(x, lw.post_norm, cfg.rms_norm_eps)
-        out = feed_forward(h, lw.mlp, cfg, two, hand_on=hand_on and hands_on(x, lw.mlp))
-        if isinstance(out, Unadded):
-            return x, out, layer_state
-        x = x + out
-    return x, None, layer_state
+        pad = norm is rmsnorm_written and router_pads(x, lw.mlp)
+        x, h, two = post_mixer(x, h, lw.mlp, lw.post_norm, cfg.rms_norm_eps, fused, pad)
+        x, pending = added(x, feed_forward(h, lw.mlp, cfg, two, hand_on=hand_on and hands_on(x, lw.mlp)))
+    return x, pending, layer_state
 
 
 def forward(weights: Weights, cfg: ModelConfig, tokens, state: tuple, pos, n_valid, *, gdn_mode: str = "chunk"):
